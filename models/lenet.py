@@ -1,0 +1,20 @@
+"""LeNet as in TensorFlow's classic "Deep MNIST" tutorial: conv 32@5x5, pool, conv 64@5x5, pool,
+dense 1024, dense num_classes (logits)."""
+
+from __future__ import annotations
+
+import keras
+
+
+def build(num_classes: int = 10, input_name: str = "image", dropout: float = 0.0) -> keras.Model:
+    inputs = keras.Input(shape=(28, 28, 1), name=input_name)
+    x = keras.layers.Conv2D(32, 5, padding="same", activation="relu")(inputs)
+    x = keras.layers.MaxPooling2D(2)(x)
+    x = keras.layers.Conv2D(64, 5, padding="same", activation="relu")(x)
+    x = keras.layers.MaxPooling2D(2)(x)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(1024, activation="relu")(x)
+    if dropout:
+        x = keras.layers.Dropout(dropout)(x)
+    outputs = keras.layers.Dense(num_classes, name="logits")(x)
+    return keras.Model(inputs, outputs, name="lenet")

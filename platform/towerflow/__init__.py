@@ -1,0 +1,28 @@
+"""towerflow: parameter-server TensorFlow training on Ray.
+
+Public API: ``train`` runs a job spec end to end; ``load_spec`` reads and validates one.
+"""
+
+import os
+
+from towerflow.errors import TowerflowError
+
+# Every towerflow process (driver, shards, workers, Ray Data tasks) imports this before TensorFlow.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+__version__ = "0.1.0"
+
+__all__ = ["TowerflowError", "__version__", "load_spec", "train"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import towerflow` (CLI start-up, `--help`) does not pay for Ray or TensorFlow.
+    if name == "train":
+        from towerflow.launch import train
+
+        return train
+    if name == "load_spec":
+        from towerflow.spec import load_spec
+
+        return load_spec
+    raise AttributeError(name)

@@ -1,0 +1,6 @@
+"""`python -m towerflow ...` is the same command as `towerflow ...` (what `ray job submit` runs)."""
+
+from towerflow.cli.main import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

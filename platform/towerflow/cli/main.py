@@ -1,0 +1,96 @@
+"""`towerflow` command line. Each subcommand parses its arguments and calls the public API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from towerflow.errors import TowerflowError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args)
+    except TowerflowError as exc:
+        print(f"towerflow: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("towerflow: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug, not a user error: keep the traceback, say what to do
+        traceback.print_exc()
+        print(
+            f"towerflow: internal error: {type(exc).__name__}: {exc}\n"
+            "This is a bug in towerflow (or an unexpected environment); please report it with the traceback above.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="towerflow", description="Parameter-server TensorFlow training on Ray.")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    train = sub.add_parser("train", help="run a training job from a YAML spec")
+    train.add_argument("spec", type=Path, help="job spec (YAML), e.g. pipelines/mnist_sync.yaml")
+    train.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set training.max_steps=200 (repeatable)",
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    train.set_defaults(handler=_train)
+
+    data = sub.add_parser("data", help="data sets: generate synthetic ones")
+    data_sub = data.add_subparsers(metavar="ACTION")
+    synth = data_sub.add_parser("synth", help="write a synthetic data set as shards plus a manifest")
+    synth.add_argument("kind", choices=["mnist"], help="which data set")
+    synth.add_argument("--out", type=Path, required=True, help="output folder")
+    synth.add_argument("--shards", type=int, default=8, help="train shards (default 8)")
+    synth.add_argument("--examples", type=int, default=60000, help="train examples (default 60000)")
+    synth.add_argument("--eval-examples", type=int, default=10000, help="eval examples (default 10000)")
+    synth.add_argument("--format", choices=["tfrecord"], default="tfrecord")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.set_defaults(handler=_synth)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from towerflow.cli.progress import ProgressHook
+    from towerflow.launch import train
+    from towerflow.spec import load_spec
+
+    spec = load_spec(args.spec, args.overrides)
+    hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
+    result = train(spec, hooks=hooks)
+    print(f"towerflow: {result.summary_line()}")
+    if result.run_id:
+        from towerflow.tracking import default_tracking_uri
+
+        uri = default_tracking_uri(spec.tracking.tracking_uri)
+        print(f"towerflow: browse it with: mlflow ui --backend-store-uri {uri}  (then open http://127.0.0.1:5000)")
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from towerflow.data.synth import synth_mnist
+
+    if args.shards < 1 or args.examples < 1 or args.eval_examples < 0:
+        raise TowerflowError("--shards and --examples must be at least 1, --eval-examples at least 0")
+    manifest = synth_mnist(
+        args.out, shards=args.shards, examples=args.examples, eval_examples=args.eval_examples, seed=args.seed
+    )
+    splits = ", ".join(f"{name}: {s['examples']} examples in {len(s['files'])} files" for name, s in manifest["splits"].items())
+    print(f"towerflow: wrote {args.kind} to {os.fspath(args.out)} ({splits})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

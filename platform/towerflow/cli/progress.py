@@ -1,0 +1,61 @@
+"""Live progress for `towerflow train`: a rich bar on a terminal, periodic plain lines in job logs."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
+
+
+class ProgressHook(Hook):
+    """Shows global step, loss and examples/sec as the driver hears of steps."""
+
+    def __init__(self, total_steps: int | None, *, console: Console | None = None, log_every_s: float = 10.0):
+        self.console = console or Console(stderr=True)
+        self.total = total_steps
+        self.log_every_s = log_every_s
+        self._progress: Progress | None = None
+        self._task = None
+        self._last_log = 0.0
+
+    def after_create_session(self, session: SessionInfo) -> None:
+        shape = f"{session.num_workers} workers x {session.spec.cluster.towers} towers, {session.num_shards} PS"
+        self.console.print(f"[bold]towerflow[/]: {session.spec.name} ({session.spec.training.mode}, {shape})")
+        if self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("loss {task.fields[loss]}  {task.fields[rate]} ex/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._progress.add_task("train", total=self.total, loss="-", rate="-")
+            self._progress.start()
+
+    def after_run(self, context: RunContext, event: StepEvent) -> None:
+        loss, rate = f"{event.loss:.4f}", f"{event.examples_per_sec:,.0f}"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=event.global_step, loss=loss, rate=rate)
+        elif time.monotonic() - self._last_log >= self.log_every_s:
+            self._last_log = time.monotonic()
+            total = f"/{self.total}" if self.total else ""
+            print(f"step {event.global_step}{total} loss {loss} examples/sec {rate}", file=sys.stderr, flush=True)
+
+    def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,25 @@
+"""User-facing errors: the CLI prints their message as one paragraph and exits non-zero."""
+
+
+class TowerflowError(Exception):
+    """An error the user can fix (bad spec, bad data, too small a cluster); no traceback is shown."""
+
+    exit_code = 2
+
+
+class SpecError(TowerflowError):
+    """The job spec is invalid: the message names the key and the allowed values."""
+
+
+class DataError(TowerflowError):
+    """Input data is missing or malformed: the message names the file (and record where known)."""
+
+
+class ClusterError(TowerflowError):
+    """The Ray cluster cannot run the job as specified (too few CPUs or GPUs, unreachable address)."""
+
+
+class TrainingError(TowerflowError):
+    """Training stopped abnormally (an actor died, a NaN loss, a hook failed)."""
+
+    exit_code = 1

@@ -1,0 +1,83 @@
+"""Connect to the Ray cluster in RAY_ADDRESS, or start an embedded local one sized for the job.
+
+Ray Data's read and parse tasks need CPU slots too: if the actors reserved every CPU, the data
+pipeline could never be scheduled and training would hang. So the job's CPU budget counts the
+actors *and* `cluster.data_cpus`, and an embedded Ray gets logical CPUs to cover it even on a
+2-core machine (actors set their TensorFlow threads from their own share, so this is not
+oversubscription of threads).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from towerflow.errors import ClusterError
+
+
+@dataclass(frozen=True)
+class ResourceBudget:
+    worker_cpus: float
+    ps_cpus: float
+    data_cpus: float
+    gpus: float
+
+    @property
+    def cpus(self) -> float:
+        return self.worker_cpus + self.ps_cpus + self.data_cpus
+
+
+def budget_for(cluster) -> ResourceBudget:
+    """`cluster` is the spec's ClusterSpec."""
+    return ResourceBudget(
+        worker_cpus=cluster.workers * cluster.cpus_per_worker,
+        ps_cpus=cluster.ps * cluster.cpus_per_ps,
+        data_cpus=cluster.data_cpus,
+        gpus=cluster.workers * cluster.gpus_per_worker,
+    )
+
+
+def ensure_ray(budget: ResourceBudget) -> str:
+    """Connect or start Ray; check it can hold the job. Returns 'connected' or 'embedded'."""
+    import ray
+
+    if ray.is_initialized():
+        how = "connected"
+    elif os.environ.get("RAY_ADDRESS"):
+        try:
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        except Exception as exc:  # Ray raises several types here; all mean the same to the user
+            raise ClusterError(
+                f"cannot connect to the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {exc}. "
+                "Check the address and, with token authentication, RAY_AUTH_MODE=token and the token."
+            ) from None
+        how = "connected"
+    else:
+        cpus = max(os.cpu_count() or 1, math.ceil(budget.cpus))
+        ray.init(
+            num_cpus=cpus,
+            include_dashboard=False,
+            log_to_driver=False,  # actor logs stay in /tmp/ray/session_latest/logs; errors still reach us
+            configure_logging=True,
+            logging_level="WARNING",
+        )
+        how = "embedded"
+    check_capacity(budget, ray.cluster_resources())
+    return how
+
+
+def check_capacity(budget: ResourceBudget, resources: dict[str, float]) -> None:
+    have_cpu, have_gpu = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    if have_cpu + 1e-9 < budget.cpus:
+        raise ClusterError(
+            f"the Ray cluster has {have_cpu:g} CPUs but the job needs {budget.cpus:g}: "
+            f"{budget.worker_cpus:g} for workers (cluster.workers x cluster.cpus_per_worker), "
+            f"{budget.ps_cpus:g} for parameter servers (cluster.ps x cluster.cpus_per_ps) and "
+            f"{budget.data_cpus:g} for Ray Data (cluster.data_cpus). Lower those or add nodes."
+        )
+    if have_gpu + 1e-9 < budget.gpus:
+        raise ClusterError(
+            f"the Ray cluster has {have_gpu:g} GPUs but the job asks for {budget.gpus:g} "
+            "(cluster.workers x cluster.gpus_per_worker); set cluster.gpus_per_worker: 0 to train on CPUs."
+        )

@@ -1,0 +1,240 @@
+"""The driver (chief): creates the shards and workers, hears of every step, runs the hooks.
+
+It never relays tensors: workers pull parameters from and push gradients to the shards directly.
+The driver polls the workers' step records, turns them into StepEvents and calls the hooks; a hook
+may stop the job. Whatever happens, every hook's `end` is called and the actors are released.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from towerflow.errors import TowerflowError, TrainingError
+from towerflow.runtime.events import StepAggregator
+from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
+from towerflow.runtime.protocol import make_protocol
+from towerflow.runtime.ps import shard_actor
+from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.runtime.sharding import make_sharding, shard_variables
+from towerflow.runtime.tf_setup import TFProcessConfig
+from towerflow.runtime.worker import WorkerConfig, worker_actor
+
+
+class Driver:
+    def __init__(
+        self,
+        spec: Any,
+        hooks: Sequence[Hook],
+        make_data: Callable[[int], tuple[Sequence[Any], dict[str, float]]],
+        *,
+        worker_overrides: dict[int, dict[str, Any]] | None = None,
+        poll_s: float = 0.2,
+        return_parameters: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.hooks = list(hooks)
+        self.make_data = make_data  # called after hooks begin, so bad data still ends a tracked run
+        self.data_splits: list[Any] = []
+        self.feature_scales: dict[str, float] = {}
+        self.worker_overrides = dict(worker_overrides or {})
+        self.poll_s = poll_s
+        self.return_parameters = return_parameters
+        self.workers: list[Any] = []
+        self.shards: list[Any] = []
+        self.session = SessionInfo(spec=spec, num_workers=spec.cluster.workers, num_shards=spec.cluster.ps)
+        self.context = RunContext(self.session)
+        self.aggregator = StepAggregator(
+            replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1
+        )
+
+    def run(self) -> TrainResult:
+        started = time.time()
+        begun: list[Hook] = []
+        outcome = RunOutcome("FAILED", 0)
+        try:
+            for hook in self.hooks:
+                hook.begin(self.session)
+                begun.append(hook)
+            splits, self.feature_scales = self.make_data(self.spec.cluster.workers)
+            self.data_splits = list(splits)
+            self._create_actors()
+            for hook in self.hooks:
+                hook.after_create_session(self.session)
+            worker_summaries = self._train()
+            result = self._result(worker_summaries, started)
+            outcome = RunOutcome("FINISHED", result.global_step)
+            return result
+        except KeyboardInterrupt as exc:
+            outcome = RunOutcome("KILLED", self._global_step(), exc)
+            raise
+        except BaseException as exc:
+            outcome = RunOutcome("FAILED", self._global_step(), exc)
+            raise _as_user_error(exc) from exc
+        finally:
+            for hook in begun:
+                try:
+                    hook.end(self.session, outcome)
+                except Exception as exc:  # one hook's failure must not hide the run's own outcome
+                    print(f"towerflow: hook {type(hook).__name__}.end failed: {exc}")
+            self._release()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _create_actors(self) -> None:
+        spec, cluster = self.spec, self.spec.cluster
+        worker_cls = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
+        self.workers = [
+            worker_cls.options(name=None).remote(self._worker_config(i)) for i in range(cluster.workers)
+        ]
+        infos, values = ray.get(self.workers[0].describe.remote())
+        assignment = shard_variables(make_sharding(cluster.sharding), infos, cluster.ps)
+        self.session.variables, self.session.shard_assignment = infos, assignment
+        optimizer = spec.training.optimizer.model_dump(mode="json")
+        shard_cls = shard_actor(cluster.cpus_per_ps)
+        self.shards = [
+            shard_cls.remote(
+                shard,
+                [infos[i].name for i in indices],
+                [values[i] for i in indices],
+                optimizer,
+                make_protocol(
+                    spec.training.mode,
+                    replicas_to_aggregate=spec.replicas_to_aggregate,
+                    total_num_replicas=cluster.workers,
+                    max_staleness=spec.training.max_staleness,
+                ),
+                spec.training.max_steps,
+                cluster.cpus_per_ps,
+            )
+            for shard, indices in enumerate(assignment)
+        ]
+        # Wait until every actor has started (TensorFlow imported, model built) before the clock runs.
+        ray.get([s.ping.remote() for s in self.shards] + [w.devices_used.remote() for w in self.workers])
+
+    def _worker_config(self, worker_id: int) -> WorkerConfig:
+        spec = self.spec
+        config = WorkerConfig(
+            worker_id=worker_id,
+            model_ref=spec.model.ref,
+            model_params=dict(spec.model.params),
+            loss=spec.model.loss,
+            from_logits=spec.model.from_logits,
+            metrics=list(spec.model.metrics),
+            label=spec.data.train.label,
+            feature_scales=self.feature_scales,
+            batch_size=spec.data.batch_size,
+            seed=spec.training.seed,
+            tf=TFProcessConfig(
+                cpus=spec.cluster.cpus_per_worker,
+                towers=spec.cluster.towers,
+                gpus=int(spec.cluster.gpus_per_worker),
+                memory_growth=spec.tf_config.memory_growth,
+                memory_limit_mb=spec.tf_config.memory_limit_mb,
+                soft_placement=spec.tf_config.soft_placement,
+                log_device_placement=spec.tf_config.log_device_placement,
+            ),
+            clip_global_norm=spec.training.optimizer.clip_global_norm,
+            drop_remainder=spec.data.drop_remainder,
+            shuffle_buffer=spec.data.shuffle_buffer,
+        )
+        for key, value in self.worker_overrides.get(worker_id, {}).items():
+            setattr(config, key, value)
+        return config
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _train(self) -> list[dict[str, Any]]:
+        self.aggregator.start()
+        runs = {
+            w.run.remote(self.shards, self.session.shard_assignment, split): i
+            for i, (w, split) in enumerate(zip(self.workers, self.data_splits))
+        }
+        summaries: dict[int, dict[str, Any]] = {}
+        pending = list(runs)
+        stopping = False
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            for ref in ready:
+                summaries[runs[ref]] = ray.get(ref)  # raises the worker's error, if any
+            self._report(self._drain())
+            if self.context.stop_requested and not stopping:
+                stopping = True
+                for worker in self.workers:
+                    worker.request_stop.remote()
+                ray.get([s.finish.remote() for s in self.shards])
+        self._report(self.aggregator.flush())
+        return [summaries[i] for i in sorted(summaries)]
+
+    def _drain(self):
+        records = [r for batch in ray.get([w.drain.remote() for w in self.workers]) for r in batch]
+        records.sort(key=lambda r: (r.step, r.finished_at))
+        return self.aggregator.add(records)
+
+    def _report(self, events) -> None:
+        for event in events:
+            for hook in self.hooks:
+                hook.before_run(self.context, event.global_step)
+            for hook in self.hooks:
+                hook.after_run(self.context, event)
+
+    # -- the end ---------------------------------------------------------------------------------
+    def _result(self, worker_summaries: list[dict[str, Any]], started: float) -> TrainResult:
+        shard_stats = ray.get([s.stats.remote() for s in self.shards])
+        parameters = self._fetch_parameters() if self.return_parameters else None
+        agg = self.aggregator
+        last = agg.last_event
+        return TrainResult(
+            run_id=self.session.tags.get("run_id"),
+            status="FINISHED",
+            global_step=shard_stats[0]["version"],
+            final_loss=last.loss if last else None,
+            final_metrics=dict(last.metrics) if last else {},
+            examples_seen=agg.examples_seen,
+            examples_per_sec=agg.steady_examples_per_sec(),
+            wall_s=time.time() - started,
+            dropped_stale=sum(s["stale"] for s in shard_stats) // max(1, len(shard_stats)),
+            rejected=agg.rejected_total,
+            staleness=staleness_summary(agg.staleness),
+            workers=worker_summaries,
+            shards=shard_stats,
+            parameters=parameters,
+        )
+
+    def _fetch_parameters(self) -> list[np.ndarray]:
+        replies = ray.get([s.pull.remote(0) for s in self.shards])
+        by_shard = ray.get([r.params for r in replies])
+        ordered: dict[int, np.ndarray] = {}
+        for indices, values in zip(self.session.shard_assignment, by_shard):
+            for index, value in zip(indices, values):
+                ordered[index] = np.array(value)
+        return [ordered[i] for i in sorted(ordered)]
+
+    def _global_step(self) -> int:
+        last = self.aggregator.last_event
+        return last.global_step if last else 0
+
+    def _release(self) -> None:
+        for actor in self.workers + self.shards:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        self.workers, self.shards = [], []
+
+
+def _as_user_error(exc: BaseException) -> BaseException:
+    """Find a TowerflowError inside Ray's wrappers (worker -> data task); else say which actor failed."""
+    seen = exc
+    for _ in range(8):
+        if isinstance(seen, TowerflowError):
+            return seen
+        cause = getattr(seen, "cause", None) or seen.__cause__
+        if cause is None:
+            break
+        seen = cause
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return TrainingError(f"a training actor died: {exc}")
+    return exc

@@ -1,0 +1,109 @@
+"""Turn the workers' per-gradient records into one StepEvent per global step, in step order."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from towerflow.runtime.hooks import StepEvent
+from towerflow.runtime.worker import StepRecord
+
+PHASES = ("data", "pull", "compute", "push", "apply")
+
+
+class StepAggregator:
+    """Groups applied gradients by the step they went into; counts dropped ones.
+
+    A step is reported once every gradient it needs has been heard of, or once a later step has
+    been (records from different workers arrive in different drains).
+    """
+
+    def __init__(self, replicas_per_step: int, window_s: float = 5.0) -> None:
+        self.replicas_per_step = replicas_per_step
+        self._pending: dict[int, list[StepRecord]] = collections.defaultdict(list)
+        self._dropped = 0
+        self._last_emitted = 0
+        self._start = time.time()
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+        self._window_s = window_s
+        self.examples_seen = 0
+        self.first_step_at: float | None = None  # wall time the first update was heard of
+        self.examples_after_first = 0
+        self.dropped_total = 0
+        self.rejected_total = 0
+        self.staleness: list[int] = []
+        self.last_event: StepEvent | None = None
+
+    def start(self) -> None:
+        self._start = time.time()
+
+    def add(self, records: list[StepRecord]) -> list[StepEvent]:
+        for record in records:
+            if record.step > 0:
+                self._pending[record.step].append(record)
+            elif record.verdict == "stale":
+                self._dropped += 1
+                self.dropped_total += 1
+            elif record.verdict in ("rejected", "partial"):
+                self.rejected_total += 1
+        return self._emit(final=False)
+
+    def flush(self) -> list[StepEvent]:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> list[StepEvent]:
+        events = []
+        newest = max(self._pending, default=0)
+        for step in sorted(self._pending):
+            records = self._pending[step]
+            if not final and step == newest and len(records) < self.replicas_per_step:
+                break
+            del self._pending[step]
+            if step <= self._last_emitted:
+                continue  # a late gradient of a step already reported
+            events.append(self._event(step, records))
+            self._last_emitted = step
+        return events
+
+    def _event(self, step: int, records: list[StepRecord]) -> StepEvent:
+        n = len(records)
+        examples = sum(r.examples for r in records)
+        self.examples_seen += examples
+        now = max(r.finished_at for r in records)
+        if self.first_step_at is None:
+            self.first_step_at = now
+        else:
+            self.examples_after_first += examples
+        self._window.append((now, examples))
+        while len(self._window) > 2 and now - self._window[0][0] > self._window_s:
+            self._window.popleft()
+        span = self._window[-1][0] - self._window[0][0]
+        in_window = sum(e for _, e in list(self._window)[1:])
+        rate = in_window / span if span > 0 else 0.0
+        metric_names = {k for r in records for k in r.metrics}
+        staleness = [r.staleness for r in records]
+        self.staleness.extend(staleness)
+        dropped, self._dropped = self._dropped, 0
+        event = StepEvent(
+            global_step=step,
+            loss=sum(r.loss for r in records) / n,
+            metrics={k: sum(r.metrics.get(k, 0.0) for r in records) / n for k in sorted(metric_names)},
+            examples=examples,
+            examples_seen=self.examples_seen,
+            elapsed_s=now - self._start,
+            examples_per_sec=rate,
+            time_split={p: sum(r.time_split.get(p, 0.0) for r in records) / n for p in PHASES},
+            workers=sorted(r.worker for r in records),
+            dropped_stale=dropped,
+            staleness=staleness,
+        )
+        self.last_event = event
+        return event
+
+    def steady_examples_per_sec(self) -> float:
+        """Throughput from the first update to the last: start-up (imports, data warm-up) excluded."""
+        last = self.last_event
+        if last is None or self.first_step_at is None:
+            return 0.0
+        span = last.elapsed_s - (self.first_step_at - self._start)
+        return self.examples_after_first / span if span > 0 else 0.0

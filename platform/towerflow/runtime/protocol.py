@@ -1,0 +1,110 @@
+"""Update protocols: the one place that decides sync or async.
+
+A parameter-server shard hands every pushed gradient to its protocol and does what it answers:
+nothing yet (held for aggregation), apply this gradient now, or drop it. Workers ask the same
+object which version they must wait for before their next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+Verdict = Literal["held", "apply", "stale", "rejected"]
+
+
+@dataclass
+class Decision:
+    verdict: Verdict
+    gradients: list[np.ndarray] | None = None  # what to apply when verdict == "apply"
+    staleness: int = 0
+
+
+@dataclass
+class SyncProtocol:
+    """SyncReplicasOptimizer semantics.
+
+    A shard applies one update when it holds `replicas_to_aggregate` gradients computed against its
+    current version; gradients computed against an older version are dropped. With more workers than
+    that (backup workers) the slowest gradients of each step are the ones dropped.
+    """
+
+    replicas_to_aggregate: int
+    total_num_replicas: int
+    mode: str = "sync"
+    _sum: list[np.ndarray] | None = field(default=None, repr=False)
+    _count: int = 0
+    _contributors: set[int] = field(default_factory=set)
+    _retired: set[int] = field(default_factory=set)
+
+    @property
+    def required(self) -> int:
+        active = self.total_num_replicas - len(self._retired)
+        return max(1, min(self.replicas_to_aggregate, active))
+
+    def on_push(self, gradients: list[np.ndarray], version_read: int, version: int, worker: int) -> Decision:
+        if version_read < version:
+            return Decision("stale", staleness=version - version_read)
+        if worker in self._contributors:
+            # A worker contributes once per step; a second push for the same version is a protocol bug.
+            return Decision("rejected")
+        if self._sum is None:
+            self._sum = [np.array(g, dtype=g.dtype, copy=True) for g in gradients]  # object-store views are read-only
+        else:
+            for total, g in zip(self._sum, gradients, strict=True):
+                total += g
+        self._count += 1
+        self._contributors.add(worker)
+        return self._maybe_complete()
+
+    def on_retire(self, worker: int) -> Decision:
+        """A worker has left (its data ran out, or it died): aggregate over those still running."""
+        self._retired.add(worker)
+        return self._maybe_complete()
+
+    def _maybe_complete(self) -> Decision:
+        if self._count == 0 or self._count < self.required:
+            return Decision("held")
+        mean = [total / self._count for total in self._sum]
+        self._sum, self._count = None, 0
+        self._contributors.clear()
+        return Decision("apply", gradients=mean)
+
+    def next_version_to_read(self, version_read: int) -> int:
+        # Wait for the update this gradient went into: a worker never computes twice on one version.
+        return version_read + 1
+
+
+@dataclass
+class AsyncProtocol:
+    """Downpour: every push is applied at once; with `max_staleness`, older gradients are rejected."""
+
+    max_staleness: int | None = None
+    mode: str = "async"
+
+    def on_push(self, gradients: list[np.ndarray], version_read: int, version: int, worker: int) -> Decision:
+        staleness = version - version_read
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            return Decision("stale", staleness=staleness)
+        return Decision("apply", gradients=list(gradients), staleness=staleness)
+
+    def on_retire(self, worker: int) -> Decision:
+        return Decision("held")
+
+    def next_version_to_read(self, version_read: int) -> int:
+        return 0  # whatever is newest; never wait for other workers
+
+
+UpdateProtocol = SyncProtocol | AsyncProtocol
+
+
+def make_protocol(
+    mode: str, *, replicas_to_aggregate: int, total_num_replicas: int, max_staleness: int | None
+) -> UpdateProtocol:
+    if mode == "sync":
+        return SyncProtocol(replicas_to_aggregate, total_num_replicas)
+    if mode == "async":
+        return AsyncProtocol(max_staleness)
+    raise ValueError(f"unknown training mode {mode!r}; choose sync or async")

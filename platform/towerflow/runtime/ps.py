@@ -1,0 +1,179 @@
+"""Parameter-server shard: a Ray actor that owns some variables, their optimizer slots and a version.
+
+Workers talk to shards directly. A shard publishes each version of its variables once into Ray's
+object store; every worker that pulls that version shares the one copy. Pushed gradients go to the
+update protocol (sync or async), which says whether to hold, apply or drop them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from towerflow.runtime.protocol import UpdateProtocol
+from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
+
+
+@dataclass
+class ParamsReply:
+    version: int
+    params: Any  # ray.ObjectRef of list[np.ndarray], one shared copy per version
+    done: bool
+
+
+@dataclass
+class PushReply:
+    verdict: str  # applied | stale | rejected | done
+    step: int  # the global step this gradient went into; -1 when it was not applied
+    staleness: int
+    apply_s: float  # time of the apply this gradient went into
+    next: ParamsReply  # the parameters to compute the next step with
+
+
+class ParameterShard:
+    """One shard. Run as an async Ray actor so that sync pushes can wait for their step cheaply."""
+
+    def __init__(
+        self,
+        shard_id: int,
+        names: list[str],
+        initial_values: list[np.ndarray],
+        optimizer: dict[str, Any],
+        protocol: UpdateProtocol,
+        max_steps: int | None,
+        cpus: float = 0.5,
+    ) -> None:
+        configure_tensorflow(TFProcessConfig(cpus=cpus))
+        import tensorflow as tf
+
+        from towerflow.runtime.optimizers import build_optimizer
+
+        self.shard_id = shard_id
+        self._names = names
+        self._variables = [
+            tf.Variable(np.asarray(v), name=f"shard{shard_id}_{i}") for i, v in enumerate(initial_values)
+        ]
+        self._optimizer = build_optimizer(optimizer)
+        self._optimizer.build(self._variables)
+        self._apply_fn = _compiled_apply(tf, self._optimizer, self._variables)
+        self._tf = tf
+        self._protocol = protocol
+        self._max_steps = max_steps
+        self._version = 0
+        self._done = False
+        self._changed: asyncio.Condition | None = None
+        self._counts = {"applied": 0, "stale": 0, "rejected": 0, "after_done": 0}
+        self._apply_total_s = 0.0
+        self._last_apply_s = 0.0
+        self._params_ref = None
+        self._publish()
+
+    # -- the protocol's verbs ------------------------------------------------------------------
+    async def pull(self, min_version: int = 0) -> ParamsReply:
+        await self._wait_for(lambda: self._version >= min_version or self._done)
+        return self._params_reply()
+
+    async def push(self, gradients: list[np.ndarray], version_read: int, worker: int) -> PushReply:
+        if self._done:
+            self._counts["after_done"] += 1
+            return PushReply("done", -1, 0, 0.0, self._params_reply())
+        decision = self._protocol.on_push(gradients, version_read, self._version, worker)
+        verdict, step = decision.verdict, -1
+        if decision.verdict == "apply":
+            step = self._apply(decision.gradients)
+            verdict = "applied"
+        elif decision.verdict == "held":
+            await self._wait_for(lambda: self._version > version_read or self._done)
+            step, verdict = (version_read + 1, "applied") if self._version > version_read else (-1, "done")
+        else:
+            self._counts[decision.verdict] += 1
+        next_version = self._protocol.next_version_to_read(version_read)
+        await self._wait_for(lambda: self._version >= next_version or self._done)
+        return PushReply(verdict, step, decision.staleness, self._last_apply_s, self._params_reply())
+
+    async def retire(self, worker: int) -> None:
+        """A worker stopped pushing; sync aggregation goes on with the others."""
+        decision = self._protocol.on_retire(worker)
+        if decision.verdict == "apply":
+            self._apply(decision.gradients)
+
+    async def finish(self) -> int:
+        """Stop accepting gradients and release every waiting worker."""
+        self._done = True
+        await self._notify()
+        return self._version
+
+    # -- inspection ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        var_bytes = sum(v.numpy().nbytes for v in self._variables)
+        slot_bytes = sum(
+            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self._optimizer.variables if len(v.shape) > 0
+        )
+        return {
+            "shard": self.shard_id,
+            "version": self._version,
+            **self._counts,
+            "apply_s_total": self._apply_total_s,
+            "variable_bytes": int(var_bytes),
+            "slot_bytes": int(slot_bytes),
+            "variables": list(self._names),
+        }
+
+    def ping(self) -> int:
+        return self._version
+
+    # -- internals -------------------------------------------------------------------------------
+    def _apply(self, gradients: list[np.ndarray]) -> int:
+        start = time.perf_counter()
+        self._apply_fn([self._tf.convert_to_tensor(g) for g in gradients])
+        self._version += 1
+        self._counts["applied"] += 1
+        if self._max_steps is not None and self._version >= self._max_steps:
+            self._done = True
+        self._publish()
+        self._last_apply_s = time.perf_counter() - start
+        self._apply_total_s += self._last_apply_s
+        asyncio.get_running_loop().create_task(self._notify())
+        return self._version
+
+    def _publish(self) -> None:
+        # One object per version; the previous one lives on only while some worker still reads it.
+        self._params_ref = ray.put([v.numpy() for v in self._variables])
+
+    def _params_reply(self) -> ParamsReply:
+        return ParamsReply(self._version, self._params_ref, self._done)
+
+    async def _wait_for(self, predicate) -> None:
+        if predicate():
+            return
+        changed = self._condition()
+        async with changed:
+            await changed.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        changed = self._condition()
+        async with changed:
+            changed.notify_all()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+
+def _compiled_apply(tf, optimizer, variables):
+    # A closure, not a method: Ray adds a tracing argument to actor methods that tf.function rejects.
+    def apply(gradients):
+        optimizer.apply_gradients(zip(gradients, variables, strict=True))
+
+    return tf.function(apply, reduce_retracing=True)
+
+
+def shard_actor(cpus: float):
+    """The Ray actor class for a shard with this CPU reservation."""
+    return ray.remote(num_cpus=cpus, max_restarts=0, max_concurrency=1000)(ParameterShard)

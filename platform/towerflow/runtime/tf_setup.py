@@ -1,0 +1,55 @@
+"""TensorFlow process configuration for an actor: threads from its CPU share, devices for towers.
+
+All of it must run before TensorFlow creates its context (the first op), so actors call
+`configure_tensorflow` first thing in their constructor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TFProcessConfig:
+    cpus: float = 1.0
+    towers: int = 1
+    gpus: int = 0
+    memory_growth: bool = True
+    memory_limit_mb: int | None = None
+    soft_placement: bool = True
+    log_device_placement: bool = False
+
+
+def configure_tensorflow(config: TFProcessConfig) -> list[str]:
+    """Set threads and devices; return the device names, one per tower."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    threads = max(1, math.floor(config.cpus))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
+    tf.config.set_soft_device_placement(config.soft_placement)
+    tf.debugging.set_log_device_placement(config.log_device_placement)
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if config.gpus and gpus:
+        for gpu in gpus:
+            if config.memory_limit_mb:
+                tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=config.memory_limit_mb)]
+                )
+            elif config.memory_growth:
+                tf.config.experimental.set_memory_growth(gpu, True)
+        return [f"/GPU:{i}" for i in range(len(gpus))][: max(config.towers, len(gpus))]
+    if config.gpus and not gpus:
+        raise RuntimeError(
+            f"this worker was given {config.gpus} GPU(s) by Ray but TensorFlow sees none "
+            "(is the CUDA build of TensorFlow installed on the node?)"
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if config.towers > 1:
+        # Split the CPU into logical devices so the tower path runs (and is tested) without GPUs.
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * config.towers)
+    return [f"/CPU:{i}" for i in range(config.towers)]

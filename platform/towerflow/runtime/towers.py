@@ -1,0 +1,100 @@
+"""Towers: one copy of the forward/backward pass per local device, gradients averaged per worker.
+
+The worker's batch is split into one slice per tower; each tower computes the gradient of its own
+slice's mean loss, and the worker averages them weighted by slice size, which equals the gradient
+of the whole batch's mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def split_sizes(batch: int, towers: int) -> list[int]:
+    """As even as possible: 10 over 3 towers is [4, 3, 3]. A tower may get 0 only if batch < towers."""
+    base, extra = divmod(batch, towers)
+    return [base + (1 if i < extra else 0) for i in range(towers)]
+
+
+class TowerStep:
+    """Computes (loss, metrics, averaged gradients) for one worker batch across its towers."""
+
+    def __init__(
+        self,
+        model: Any,
+        loss_fn: Callable,
+        devices: list[str],
+        *,
+        metrics: list[str] = (),
+        clip_global_norm: float | None = None,
+        from_logits: bool = False,
+    ) -> None:
+        import tensorflow as tf
+
+        self._tf = tf
+        self.model = model
+        self.devices = list(devices)
+        self._loss_fn = loss_fn
+        self._metrics = list(metrics)
+        self._clip = clip_global_norm
+        self._from_logits = from_logits
+        self._step = tf.function(self._graph, reduce_retracing=True)
+
+    def __call__(self, inputs: Any, labels: Any) -> tuple[Any, dict[str, Any], list[Any]]:
+        return self._step(inputs, labels)
+
+    def _graph(self, inputs, labels):
+        tf = self._tf
+        batch = int(labels.shape[0])
+        sizes = [s for s in split_sizes(batch, len(self.devices)) if s > 0]
+        input_slices = _split_inputs(tf, inputs, sizes)
+        label_slices = tf.split(labels, sizes)
+        weights = [s / batch for s in sizes]
+        variables = self.model.trainable_variables
+        total_loss, total_grads, total_metrics = 0.0, None, {}
+        for tower, (device, weight) in enumerate(zip(self.devices, weights)):
+            x = {k: parts[tower] for k, parts in input_slices.items()} if isinstance(inputs, dict) else input_slices[tower]
+            y = label_slices[tower]
+            with tf.device(device), tf.GradientTape() as tape:
+                outputs = self.model(x, training=True)
+                loss = self._loss_fn(y, outputs)
+                if self.model.losses:
+                    loss = loss + tf.add_n(self.model.losses)  # regularizers, as model.fit would add
+            grads = tape.gradient(loss, variables)
+            grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+            total_loss += weight * loss
+            total_grads = (
+                [weight * g for g in grads]
+                if total_grads is None
+                else [acc + weight * g for acc, g in zip(total_grads, grads)]
+            )
+            for name, value in self._batch_metrics(y, outputs).items():
+                total_metrics[name] = total_metrics.get(name, 0.0) + weight * value
+        if self._clip is not None:
+            total_grads, _ = tf.clip_by_global_norm(total_grads, self._clip)
+        return total_loss, total_metrics, total_grads
+
+    def _batch_metrics(self, labels, outputs) -> dict[str, Any]:
+        tf = self._tf
+        found = {}
+        for name in self._metrics:
+            if name == "accuracy":
+                if outputs.shape[-1] == 1:  # binary: logits or probabilities in one column
+                    threshold = 0.0 if self._from_logits else 0.5
+                    predicted = tf.cast(tf.squeeze(outputs, -1) > threshold, labels.dtype)
+                else:
+                    predicted = tf.argmax(outputs, axis=-1, output_type=labels.dtype)
+                    if labels.shape.rank == outputs.shape.rank:  # one-hot labels
+                        labels = tf.argmax(labels, axis=-1, output_type=predicted.dtype)
+                found[name] = tf.reduce_mean(tf.cast(tf.equal(predicted, tf.reshape(labels, tf.shape(predicted))), tf.float32))
+            elif name in ("mse", "mae"):
+                diff = tf.cast(outputs, tf.float32) - tf.cast(tf.reshape(labels, tf.shape(outputs)), tf.float32)
+                found[name] = tf.reduce_mean(tf.square(diff) if name == "mse" else tf.abs(diff))
+        return found
+
+
+def _split_inputs(tf: Any, inputs: Any, sizes: list[int]) -> Any:
+    if isinstance(inputs, dict):
+        return {name: tf.split(value, sizes) for name, value in inputs.items()}
+    return tf.split(inputs, sizes)

@@ -1,0 +1,207 @@
+"""The typed job spec: one YAML file, validated into these models.
+
+Every model forbids unknown keys, so a typo fails with the key's dotted path instead of being ignored.
+Defaults follow TensorFlow's where TensorFlow had one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "rmsprop"]
+
+# Which optional optimizer fields mean something for which optimizer; anything else is a user mistake.
+_OPTIMIZER_FIELDS: dict[str, set[str]] = {
+    "sgd": set(),
+    "momentum": {"momentum", "nesterov"},
+    "adam": {"beta_1", "beta_2", "epsilon"},
+    "adagrad": {"initial_accumulator_value", "epsilon"},
+    "rmsprop": {"rho", "momentum", "epsilon", "centered"},
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FeatureSpec(_Strict):
+    """One feature of a record: its stored type and shape, and how raw bytes decode."""
+
+    dtype: Literal["int64", "float32", "bytes"]
+    shape: list[int] = Field(default_factory=list)
+    default: Any = None
+    decode: Literal["uint8", "float32"] | None = None
+    decoded_shape: list[int] | None = None
+    scale: float | None = None
+
+    @model_validator(mode="after")
+    def _decode_needs_bytes(self) -> FeatureSpec:
+        if self.decode is not None and self.dtype != "bytes":
+            raise ValueError(f"decode: {self.decode} applies to dtype bytes only, not {self.dtype}")
+        return self
+
+
+class SourceSpec(_Strict):
+    """Where one split's shards live and what their records hold."""
+
+    paths: str | list[str]
+    format: Literal["tfrecord"] = "tfrecord"  # csv arrives with the data-pipeline work
+    label: str = "label"
+    features: dict[str, FeatureSpec] | None = None
+
+    @property
+    def path_list(self) -> list[str]:
+        return [self.paths] if isinstance(self.paths, str) else list(self.paths)
+
+
+class DataSpec(_Strict):
+    train: SourceSpec
+    eval: SourceSpec | None = None
+    batch_size: int = Field(128, gt=0, description="Examples per worker per step, split across its towers.")
+    epochs: int | None = Field(1, gt=0, description="null: repeat until training.max_steps.")
+    shuffle_files: bool = True
+    shuffle_buffer: int = Field(0, ge=0, description="Per-worker local shuffle buffer, in examples; 0 = off.")
+    drop_remainder: bool = Field(True, description="Drop a worker's last partial batch of the run.")
+    seed: int = 0
+
+
+class ModelSpec(_Strict):
+    ref: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module.path:function")
+    params: dict[str, Any] = Field(default_factory=dict)
+    loss: Literal[
+        "sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy", "mse", "mae"
+    ] = "sparse_categorical_crossentropy"
+    from_logits: bool = False
+    metrics: list[Literal["accuracy", "mse", "mae"]] = Field(default_factory=list)
+
+
+class ClusterSpec(_Strict):
+    workers: int = Field(1, ge=1)
+    ps: int = Field(1, ge=1)
+    gpus_per_worker: float = Field(0, ge=0)
+    towers: int = Field(1, ge=1, description="Towers per worker; with GPUs, one per GPU.")
+    cpus_per_worker: float = Field(1.0, gt=0)
+    cpus_per_ps: float = Field(0.5, gt=0)
+    data_cpus: float = Field(1.0, gt=0, description="Logical CPUs kept free for Ray Data's read tasks.")
+    sharding: Literal["round_robin", "greedy_bytes"] = "greedy_bytes"
+
+    @model_validator(mode="after")
+    def _towers_match_gpus(self) -> ClusterSpec:
+        gpus = self.gpus_per_worker
+        if gpus >= 1 and self.towers not in (1, int(gpus)):
+            raise ValueError(f"towers: {self.towers} must be 1 or equal gpus_per_worker ({int(gpus)}) on GPU workers")
+        if gpus > 1 and gpus != int(gpus):
+            raise ValueError(f"gpus_per_worker: {gpus} must be a whole number when above 1")
+        return self
+
+
+class LearningRateSchedule(_Strict):
+    schedule: Literal["constant", "exponential_decay"]
+    initial_learning_rate: float = Field(gt=0)
+    decay_steps: int | None = Field(None, gt=0)
+    decay_rate: float | None = Field(None, gt=0)
+    staircase: bool = False
+
+    @model_validator(mode="after")
+    def _decay_needs_rate(self) -> LearningRateSchedule:
+        if self.schedule == "exponential_decay" and (self.decay_steps is None or self.decay_rate is None):
+            raise ValueError("exponential_decay needs decay_steps and decay_rate")
+        return self
+
+
+class OptimizerSpec(_Strict):
+    name: OptimizerName = "sgd"
+    learning_rate: float | LearningRateSchedule = 0.01
+    clip_global_norm: float | None = Field(None, gt=0, description="Clip each replica's whole gradient.")
+    momentum: float | None = Field(None, ge=0)
+    nesterov: bool | None = None
+    beta_1: float | None = Field(None, gt=0, lt=1)
+    beta_2: float | None = Field(None, gt=0, lt=1)
+    epsilon: float | None = Field(None, gt=0)
+    rho: float | None = Field(None, gt=0, lt=1)
+    centered: bool | None = None
+    initial_accumulator_value: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _fields_fit_optimizer(self) -> OptimizerSpec:
+        allowed = _OPTIMIZER_FIELDS[self.name]
+        for field in set().union(*_OPTIMIZER_FIELDS.values()) - allowed:
+            if getattr(self, field) is not None:
+                options = ", ".join(sorted(allowed)) or "none"
+                raise ValueError(f"{field} does not apply to {self.name} (its options: {options})")
+        if self.name == "momentum" and self.momentum is None:
+            self.momentum = 0.9
+        return self
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The optimizer-specific settings that were given (Keras defaults fill the rest)."""
+        return {k: getattr(self, k) for k in sorted(_OPTIMIZER_FIELDS[self.name]) if getattr(self, k) is not None}
+
+
+class TrainingSpec(_Strict):
+    mode: Literal["sync", "async"] = "sync"
+    max_steps: int | None = Field(None, gt=0, description="Global steps (applied updates).")
+    replicas_to_aggregate: int | None = Field(None, ge=1)
+    total_num_replicas: int | None = Field(None, ge=1)
+    max_staleness: int | None = Field(None, ge=0)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    seed: int = 0
+
+
+class TrackingSpec(_Strict):
+    experiment: str | None = None
+    tracking_uri: str | None = None
+    run_name: str | None = None
+
+
+class ExportSpec(_Strict):
+    saved_model: bool = False
+    register_as: str | None = None
+    alias: str = "champion"
+
+
+class TFConfigSpec(_Strict):
+    memory_growth: bool = True
+    memory_limit_mb: int | None = Field(None, gt=0)
+    soft_placement: bool = True
+    log_device_placement: bool = False
+
+
+class JobSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*$")
+    model: ModelSpec
+    data: DataSpec
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    tf_config: TFConfigSpec = Field(default_factory=TFConfigSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        t, workers = self.training, self.cluster.workers
+        if t.max_steps is None and self.data.epochs is None:
+            raise ValueError("training.max_steps and data.epochs are both null: the job would never end")
+        if t.total_num_replicas is not None and t.total_num_replicas != workers:
+            raise ValueError(
+                f"training.total_num_replicas: {t.total_num_replicas} must equal cluster.workers ({workers})"
+            )
+        if t.mode == "sync":
+            if t.replicas_to_aggregate is not None and t.replicas_to_aggregate > workers:
+                raise ValueError(
+                    f"training.replicas_to_aggregate: {t.replicas_to_aggregate} exceeds cluster.workers "
+                    f"({workers}); sync training would wait forever"
+                )
+            if t.max_staleness is not None:
+                raise ValueError("training.max_staleness applies to mode: async only (sync drops every stale gradient)")
+        return self
+
+    @property
+    def replicas_to_aggregate(self) -> int:
+        return self.training.replicas_to_aggregate or self.cluster.workers
+
+    @property
+    def experiment(self) -> str:
+        return self.tracking.experiment or self.name

@@ -1,0 +1,125 @@
+"""MLflowTracker: one MLflow run per job; the flattened spec as params, step metrics as metrics.
+
+All logging happens here, in the driver: SQLite-backed stores do not like many writers, so the
+workers' figures reach MLflow only through the step events. Metrics are buffered and written
+with `log_batch` every few seconds (and at the end), so tracking stays off the hot path.
+"""
+
+from __future__ import annotations
+
+import platform as std_platform
+import time
+from typing import Any
+
+from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
+from towerflow.spec import flatten_spec
+from towerflow.tracking.store import default_tracking_uri
+
+
+class MLflowTracker(Hook):
+    def __init__(self, spec: Any, *, tracking_uri: str | None = None, flush_every_s: float = 2.0) -> None:
+        self.spec = spec
+        self.tracking_uri = default_tracking_uri(tracking_uri or spec.tracking.tracking_uri)
+        self.flush_every_s = flush_every_s
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self._client = None
+        self._buffer: list[Any] = []
+        self._last_flush = 0.0
+
+    def begin(self, session: SessionInfo) -> None:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        spec = self.spec
+        experiment = self._client.get_experiment_by_name(spec.experiment)
+        self.experiment_id = (
+            experiment.experiment_id if experiment else self._client.create_experiment(spec.experiment)
+        )
+        tags = {
+            "mode": spec.training.mode,
+            "towerflow.job": spec.name,
+            "mlflow.runName": spec.tracking.run_name or f"{spec.name}-{spec.training.mode}",
+            **_versions(),
+        }
+        run = self._client.create_run(self.experiment_id, tags=tags)
+        self.run_id = run.info.run_id
+        session.tags["run_id"] = self.run_id
+        session.tags["experiment_id"] = self.experiment_id
+        session.tags["tracking_uri"] = self.tracking_uri
+        params = flatten_spec(spec)
+        params["cluster.ps_shards"] = str(session.num_shards)
+        self._log_batch(params=[mlflow.entities.Param(k, v[:6000]) for k, v in sorted(params.items())])
+
+    def after_create_session(self, session: SessionInfo) -> None:
+        from mlflow.entities import Param
+
+        sizes = [sum(session.variables[i].nbytes for i in shard) for shard in session.shard_assignment]
+        self._log_batch(
+            params=[
+                Param("model.trainable_variables", str(len(session.variables))),
+                Param("model.parameters_bytes", str(sum(v.nbytes for v in session.variables))),
+                Param("cluster.shard_bytes", ",".join(str(s) for s in sizes)),
+            ]
+        )
+
+    def after_run(self, context: RunContext, event: StepEvent) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        step = event.global_step
+        values = {
+            "loss": event.loss,
+            "global_step": step,
+            "examples_per_sec": event.examples_per_sec,
+            "examples_seen": event.examples_seen,
+            **{f"train_{k}": v for k, v in event.metrics.items()},
+            **{f"time_{k}_s": v for k, v in event.time_split.items()},
+        }
+        if event.dropped_stale:
+            values["dropped_stale"] = event.dropped_stale
+        if self.spec.training.mode == "async" and event.staleness:
+            values["staleness"] = max(event.staleness)
+        self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        self.flush()
+        if outcome.error is not None:
+            message = str(outcome.error).strip() or type(outcome.error).__name__
+            self._client.set_tag(self.run_id, "towerflow.error", message[:5000])
+        self._client.set_terminated(self.run_id, status=outcome.status)
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if self._buffer:
+            metrics, self._buffer = self._buffer, []
+            for start in range(0, len(metrics), 1000):
+                self._log_batch(metrics=metrics[start : start + 1000])
+
+    def _log_batch(self, metrics=(), params=()) -> None:
+        params = list(params)
+        for start in range(0, max(len(params), 1), 100):  # MLflow takes at most 100 params per batch
+            chunk = params[start : start + 100]
+            self._client.log_batch(self.run_id, metrics=list(metrics) if start == 0 else [], params=chunk)
+
+
+def _versions() -> dict[str, str]:
+    import mlflow
+    import ray
+
+    import towerflow
+
+    tags = {"towerflow.version": towerflow.__version__, "ray.version": ray.__version__,
+            "mlflow.version": mlflow.__version__, "python.version": std_platform.python_version()}
+    try:
+        from importlib.metadata import version
+
+        tags["tensorflow.version"] = version("tensorflow")
+    except Exception:
+        pass
+    return tags

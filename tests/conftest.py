@@ -1,0 +1,61 @@
+"""Shared fixtures: one real Ray instance per test session, tiny real TFRecord data sets.
+
+TensorFlow in this process gets two logical CPU devices before anything else touches it, so the
+tower path can be compared against single-device math in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.chdir(REPO)  # specs name models/ and pipelines/ by import string, as from the repository root
+for entry in (str(REPO), str(REPO / "tests")):
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.threading.set_intra_op_parallelism_threads(2)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session, with logical CPUs for several small jobs' actors."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def blob_data(tmp_path_factory) -> Path:
+    """A tiny TFRecord data set (4 shards, 1,024 examples, 8 features) with a manifest."""
+    from support import blobs, write_tfrecords
+
+    folder = tmp_path_factory.mktemp("blobs")
+    columns = blobs(1024)
+    files = write_tfrecords(folder, "train", columns, shards=4)
+    manifest = {
+        "name": "blobs",
+        "format": "tfrecord",
+        "label": "label",
+        "splits": {"train": {"files": files, "examples": 1024, "per_file": [256] * 4}},
+        "features": {
+            "x": {"dtype": "float32", "shape": [8]},
+            "label": {"dtype": "int64", "shape": []},
+            "example_id": {"dtype": "int64", "shape": []},
+        },
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder

@@ -1,0 +1,65 @@
+import numpy as np
+
+from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol, make_protocol
+
+
+def g(value):
+    return [np.full((2,), value, np.float32)]
+
+
+def test_sync_applies_mean_once_enough_replicas_arrive():
+    p = SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)
+    assert p.on_push(g(1.0), version_read=0, version=0, worker=0).verdict == "held"
+    decision = p.on_push(g(3.0), version_read=0, version=0, worker=1)
+    assert decision.verdict == "apply"
+    np.testing.assert_allclose(decision.gradients[0], [2.0, 2.0])
+
+
+def test_sync_drops_gradients_of_an_older_version():
+    p = SyncProtocol(2, 3)
+    decision = p.on_push(g(1.0), version_read=4, version=5, worker=2)
+    assert decision.verdict == "stale" and decision.staleness == 1
+
+
+def test_sync_does_not_mutate_read_only_inputs():
+    p = SyncProtocol(2, 2)
+    first = np.ones(2, np.float32)
+    first.setflags(write=False)  # arrays from Ray's object store are read-only
+    p.on_push([first], 0, 0, 0)
+    p.on_push(g(1.0), 0, 0, 1)
+    np.testing.assert_array_equal(first, [1.0, 1.0])
+
+
+def test_sync_one_contribution_per_worker_per_step():
+    p = SyncProtocol(2, 2)
+    p.on_push(g(1.0), 0, 0, worker=0)
+    assert p.on_push(g(1.0), 0, 0, worker=0).verdict == "rejected"
+
+
+def test_retired_worker_lets_the_others_complete_a_step():
+    p = SyncProtocol(2, 2)
+    assert p.on_push(g(4.0), 0, 0, worker=0).verdict == "held"
+    decision = p.on_retire(1)
+    assert decision.verdict == "apply"
+    np.testing.assert_allclose(decision.gradients[0], [4.0, 4.0])
+
+
+def test_sync_waits_for_the_next_version():
+    assert SyncProtocol(2, 2).next_version_to_read(7) == 8
+    assert AsyncProtocol().next_version_to_read(7) == 0
+
+
+def test_async_applies_at_once_and_measures_staleness():
+    decision = AsyncProtocol().on_push(g(1.0), version_read=3, version=5, worker=0)
+    assert decision.verdict == "apply" and decision.staleness == 2
+
+
+def test_async_bounded_staleness_rejects_older_gradients():
+    p = AsyncProtocol(max_staleness=1)
+    assert p.on_push(g(1.0), 4, 5, 0).verdict == "apply"
+    assert p.on_push(g(1.0), 3, 5, 0).verdict == "stale"
+
+
+def test_make_protocol():
+    assert isinstance(make_protocol("sync", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=None), SyncProtocol)
+    assert make_protocol("async", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=2).max_staleness == 2

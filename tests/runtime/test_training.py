@@ -1,0 +1,166 @@
+"""Training semantics on a real local Ray with real TensorFlow actors."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+from support import blob_spec, blobs
+
+from models import mlp
+from towerflow.runtime.driver import Driver
+from towerflow.runtime.hooks import Hook
+from towerflow.spec import validate_spec
+
+
+class Recorder(Hook):
+    def __init__(self):
+        self.calls, self.events, self.outcome = [], [], None
+
+    def begin(self, session):
+        self.calls.append("begin")
+
+    def after_create_session(self, session):
+        self.calls.append("after_create_session")
+
+    def after_run(self, context, event):
+        self.events.append(event)
+
+    def end(self, session, outcome):
+        self.calls.append("end")
+        self.outcome = outcome
+
+
+def _rows(columns, indices):
+    return [{k: columns[k][i] for k in ("x", "label")} for i in indices]
+
+
+def _fixed_splits(ray, columns, per_worker):
+    """Each worker gets exactly the rows listed for it, in order (the runtime, not Ray Data, is under test)."""
+
+    def make(num_workers):
+        assert num_workers == len(per_worker)
+        return [ray.data.from_items(_rows(columns, rows)).iterator() for rows in per_worker], {}
+
+    return make
+
+
+def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_data):
+    b, k, lr = 8, 6, 0.2
+    columns = blobs(2 * b * k, seed=5)
+    # Step t: worker 0 sees rows [2tb, 2tb+b), worker 1 rows [2tb+b, 2tb+2b).
+    per_worker = [[i for i in range(2 * b * k) if (i // b) % 2 == w] for w in range(2)]
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": b},
+            cluster={"workers": 2, "ps": 2, "sharding": "round_robin"},
+            training={"mode": "sync", "max_steps": k, "optimizer": {"name": "sgd", "learning_rate": lr}},
+        )
+    )
+    hook = Recorder()
+    result = Driver(spec, [hook], _fixed_splits(ray_cluster, columns, per_worker)).run()
+
+    assert hook.calls == ["begin", "after_create_session", "end"]
+    assert hook.outcome.status == "FINISHED"
+    assert result.global_step == k
+    assert [e.global_step for e in hook.events] == list(range(1, k + 1))
+    assert all(e.workers == [0, 1] for e in hook.events)
+
+    model = mlp.build(**spec.model.params)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for t in range(k):
+        xb = columns["x"][2 * t * b : 2 * (t + 1) * b]
+        yb = columns["label"][2 * t * b : 2 * (t + 1) * b]
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        for var, grad in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
+            var.assign_sub(lr * grad)
+    assert len(result.parameters) == len(model.trainable_variables)
+    for got, want in zip(result.parameters, model.trainable_variables):
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
+
+
+def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_data):
+    """3 workers, 2 to aggregate, worker 2 deliberately slow: steps go at the fast workers' pace."""
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 16, "epochs": 3},
+            cluster={"workers": 3, "ps": 1, "cpus_per_worker": 1},
+            training={"mode": "sync", "max_steps": 20, "replicas_to_aggregate": 2, "total_num_replicas": 3},
+        )
+    )
+    from towerflow.launch import train
+
+    hook = Recorder()
+    result = train(spec, hooks=[hook], track=False, worker_overrides={2: {"step_delay_s": 0.4}})
+    assert result.global_step == 20
+    assert result.dropped_stale >= 1  # the slow worker computed on versions that had moved on
+    assert sum(e.dropped_stale for e in hook.events) <= result.dropped_stale
+    slow_steps = next(w["steps"] for w in result.workers if w["worker"] == 2)
+    assert slow_steps < 10
+    # Nearly every update was made of the two fast workers' gradients.
+    assert sum(2 in e.workers for e in hook.events) <= 2
+    assert all(len(e.workers) == 2 for e in hook.events)
+
+
+def test_async_applies_every_push_and_measures_staleness(ray_cluster, blob_data):
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 16, "epochs": 3},
+            cluster={"workers": 2, "ps": 2},
+            training={"mode": "async", "max_steps": 30},
+        )
+    )
+    from towerflow.launch import train
+
+    hook = Recorder()
+    result = train(spec, hooks=[hook], track=False, worker_overrides={1: {"step_delay_s": 0.15}})
+    assert result.global_step == 30
+    assert [e.global_step for e in hook.events] == list(range(1, 31))
+    assert all(len(e.workers) == 1 for e in hook.events)
+    assert result.staleness["max"] >= 2  # the slow worker's gradients were several versions old
+    assert result.dropped_stale == 0
+
+
+def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 16, "epochs": 3},
+            cluster={"workers": 2, "ps": 1},
+            training={"mode": "async", "max_steps": 30, "max_staleness": 1},
+        )
+    )
+    from towerflow.launch import train
+
+    result = train(spec, track=False, worker_overrides={1: {"step_delay_s": 0.15}})
+    assert result.global_step == 30
+    assert result.staleness["max"] <= 1  # nothing older than the bound was applied
+    assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected
+
+
+def test_towers_inside_workers(ray_cluster, blob_data):
+    spec = validate_spec(
+        blob_spec(blob_data, cluster={"workers": 1, "ps": 1, "towers": 2}, training={"max_steps": 5})
+    )
+    from towerflow.launch import train
+
+    result = train(spec, track=False)
+    assert result.global_step == 5
+    assert np.isfinite(result.final_loss)
+
+
+def test_hooks_can_stop_the_job(ray_cluster, blob_data):
+    class StopAt3(Hook):
+        def after_run(self, context, event):
+            if event.global_step >= 3:
+                context.request_stop("enough")
+
+    spec = validate_spec(blob_spec(blob_data, data={"epochs": 5}, training={"max_steps": 500}))
+    from towerflow.launch import train
+
+    result = train(spec, hooks=[StopAt3()], track=False)
+    assert 3 <= result.global_step < 500
