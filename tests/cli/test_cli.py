@@ -1,0 +1,87 @@
+"""The command line as a user runs it: real subprocesses, exit codes, messages, the MLflow store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+from mlflow.tracking import MlflowClient
+from support import blob_spec
+
+
+def _run(args, *, env=None, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "towerflow", *args], cwd=REPO, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture
+def cluster_env(ray_cluster, tmp_path):
+    """Point the CLI at this session's Ray (token auth on) and a fresh MLflow store."""
+    return {
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": "token",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+
+
+def test_no_command_prints_help():
+    out = _run([])
+    assert out.returncode == 2 and "train" in out.stdout
+
+
+def test_console_script_is_installed():
+    out = subprocess.run(["towerflow", "--help"], capture_output=True, text=True, env={
+        **os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"})
+    assert out.returncode == 0 and "train" in out.stdout
+
+
+def test_missing_spec_is_a_clear_error():
+    out = _run(["train", "does/not/exist.yaml"])
+    assert out.returncode == 2
+    assert "does/not/exist.yaml: no such spec file" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_invalid_spec_names_the_key(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**blob_spec(tmp_path), "trainig": {"mode": "sync"}}))
+    out = _run(["train", str(path), "--set", "training.mode=sometimes"])
+    assert out.returncode == 2
+    assert "trainig: unknown key" in out.stderr and "training.mode" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(blob_spec(tmp_path / "nowhere")))
+    out = _run(["train", str(path), "--no-progress"], env=cluster_env)
+    assert out.returncode == 2, out.stderr
+    assert "nowhere/train-*" in out.stderr and "matches no files" in out.stderr
+    assert "Traceback" not in out.stderr
+    client = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("blobs-test").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert "matches no files" in runs[0].data.tags["towerflow.error"]
+
+
+def test_train_end_to_end(cluster_env, blob_data, tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(blob_spec(blob_data)))
+    out = _run(["train", str(path), "--set", "training.max_steps=6", "--set", "training.mode=async"], env=cluster_env)
+    assert out.returncode == 0, out.stderr
+    summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
+    assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]
+    assert "mlflow ui" in out.stdout
+    run_id = summary[0].split()[2]
+    run = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["training.mode"] == "async" and run.data.params["cluster.workers"] == "2"
+    assert run.data.tags["mode"] == "async"
+    assert {"loss", "global_step", "examples_per_sec"} <= set(run.data.metrics)
+    assert run.data.metrics["global_step"] == 6

@@ -1,0 +1,24 @@
+"""The layout rules that keep the standard library's `platform` module importable."""
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_platform_folder_is_not_a_package():
+    assert not (REPO / "platform" / "__init__.py").exists()
+
+
+def test_stdlib_platform_still_works_from_the_repository_root():
+    code = "import platform, towerflow; print(platform.system()); print(platform.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    system, location = out.stdout.split()
+    assert system
+    assert not location.startswith(str(REPO / "platform"))
+
+
+def test_models_and_pipelines_are_not_installed_packages():
+    code = "import importlib.util as u; print(u.find_spec('models'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"

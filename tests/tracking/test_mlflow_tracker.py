@@ -1,0 +1,49 @@
+"""The MLflow seam: params, step metrics (step = global_step) and run status in a real store."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+from support import blob_spec
+
+from towerflow.errors import DataError
+from towerflow.launch import train
+from towerflow.spec import validate_spec
+from towerflow.tracking import default_tracking_uri
+
+
+def test_default_store_is_in_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert default_tracking_uri(workdir=tmp_path) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert default_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
+    assert default_tracking_uri() == "sqlite:///elsewhere.db"
+
+
+def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = validate_spec(blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "t"}, training={"max_steps": 8}))
+    result = train(spec)
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["training.optimizer.name"] == "sgd"
+    assert run.data.params["model.ref"] == "models.mlp:build"
+    assert run.data.tags["mode"] == "sync" and "ray.version" in run.data.tags
+    history = client.get_metric_history(result.run_id, "loss")
+    assert [m.step for m in history] == list(range(1, 9))
+    steps = client.get_metric_history(result.run_id, "global_step")
+    assert all(m.step == m.value for m in steps)
+    assert "train_accuracy" in run.data.metrics and "time_compute_s" in run.data.metrics
+
+
+def test_failed_run_is_marked_failed(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "bad"})
+    raw["data"]["train"]["label"] = "no_such_label"
+    with pytest.raises(DataError, match="no_such_label"):
+        train(validate_spec(raw))
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("bad").experiment_id])
+    assert run.info.status == "FAILED"
+    assert "no_such_label" in run.data.tags["towerflow.error"]
