@@ -94,7 +94,9 @@ def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_dat
     from towerflow.launch import train
 
     hook = Recorder()
-    result = train(spec, hooks=[hook], track=False, worker_overrides={2: {"step_delay_s": 0.4}})
+    # Fast workers take >= 50 ms a step, so 20 steps outlast several of the slow worker's 400 ms steps.
+    delays = {0: {"step_delay_s": 0.05}, 1: {"step_delay_s": 0.05}, 2: {"step_delay_s": 0.4}}
+    result = train(spec, hooks=[hook], track=False, worker_overrides=delays)
     assert result.global_step == 20
     assert result.dropped_stale >= 1  # the slow worker computed on versions that had moved on
     assert sum(e.dropped_stale for e in hook.events) <= result.dropped_stale
@@ -117,7 +119,8 @@ def test_async_applies_every_push_and_measures_staleness(ray_cluster, blob_data)
     from towerflow.launch import train
 
     hook = Recorder()
-    result = train(spec, hooks=[hook], track=False, worker_overrides={1: {"step_delay_s": 0.15}})
+    delays = {0: {"step_delay_s": 0.03}, 1: {"step_delay_s": 0.15}}  # the run outlasts several slow steps
+    result = train(spec, hooks=[hook], track=False, worker_overrides=delays)
     assert result.global_step == 30
     assert [e.global_step for e in hook.events] == list(range(1, 31))
     assert all(len(e.workers) == 1 for e in hook.events)
@@ -136,7 +139,8 @@ def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
     )
     from towerflow.launch import train
 
-    result = train(spec, track=False, worker_overrides={1: {"step_delay_s": 0.15}})
+    delays = {0: {"step_delay_s": 0.03}, 1: {"step_delay_s": 0.15}}
+    result = train(spec, track=False, worker_overrides=delays)
     assert result.global_step == 30
     assert result.staleness["max"] <= 1  # nothing older than the bound was applied
     assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected

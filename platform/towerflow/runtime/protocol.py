@@ -18,7 +18,10 @@ Verdict = Literal["held", "apply", "stale", "rejected"]
 @dataclass
 class Decision:
     verdict: Verdict
-    gradients: list[np.ndarray] | None = None  # what to apply when verdict == "apply"
+    # When verdict == "apply": one gradient list per replica; the shard applies their mean. They are
+    # the read-only arrays as they came out of the object store: averaging them is the shard's job,
+    # in one compiled TensorFlow op, not a NumPy pass per replica here.
+    replicas: list[list[np.ndarray]] | None = None
     staleness: int = 0
 
 
@@ -34,9 +37,7 @@ class SyncProtocol:
     replicas_to_aggregate: int
     total_num_replicas: int
     mode: str = "sync"
-    _sum: list[np.ndarray] | None = field(default=None, repr=False)
-    _count: int = 0
-    _contributors: set[int] = field(default_factory=set)
+    _held: dict[int, list[np.ndarray]] = field(default_factory=dict, repr=False)  # worker -> gradients
     _retired: set[int] = field(default_factory=set)
 
     @property
@@ -47,16 +48,10 @@ class SyncProtocol:
     def on_push(self, gradients: list[np.ndarray], version_read: int, version: int, worker: int) -> Decision:
         if version_read < version:
             return Decision("stale", staleness=version - version_read)
-        if worker in self._contributors:
+        if worker in self._held:
             # A worker contributes once per step; a second push for the same version is a protocol bug.
             return Decision("rejected")
-        if self._sum is None:
-            self._sum = [np.array(g, dtype=g.dtype, copy=True) for g in gradients]  # object-store views are read-only
-        else:
-            for total, g in zip(self._sum, gradients, strict=True):
-                total += g
-        self._count += 1
-        self._contributors.add(worker)
+        self._held[worker] = gradients
         return self._maybe_complete()
 
     def on_retire(self, worker: int) -> Decision:
@@ -65,12 +60,11 @@ class SyncProtocol:
         return self._maybe_complete()
 
     def _maybe_complete(self) -> Decision:
-        if self._count == 0 or self._count < self.required:
+        if not self._held or len(self._held) < self.required:
             return Decision("held")
-        mean = [total / self._count for total in self._sum]
-        self._sum, self._count = None, 0
-        self._contributors.clear()
-        return Decision("apply", gradients=mean)
+        replicas = [self._held[w] for w in sorted(self._held)]
+        self._held = {}
+        return Decision("apply", replicas=replicas)
 
     def next_version_to_read(self, version_read: int) -> int:
         # Wait for the update this gradient went into: a worker never computes twice on one version.
@@ -88,7 +82,7 @@ class AsyncProtocol:
         staleness = version - version_read
         if self.max_staleness is not None and staleness > self.max_staleness:
             return Decision("stale", staleness=staleness)
-        return Decision("apply", gradients=list(gradients), staleness=staleness)
+        return Decision("apply", replicas=[gradients], staleness=staleness)
 
     def on_retire(self, worker: int) -> Decision:
         return Decision("held")

@@ -85,7 +85,7 @@ class ParameterShard:
         decision = self._protocol.on_push(gradients, version_read, self._version, worker)
         verdict, step = decision.verdict, -1
         if decision.verdict == "apply":
-            step = self._apply(decision.gradients)
+            step = self._apply(decision.replicas)
             verdict = "applied"
         elif decision.verdict == "held":
             await self._wait_for(lambda: self._version > version_read or self._done)
@@ -100,7 +100,7 @@ class ParameterShard:
         """A worker stopped pushing; sync aggregation goes on with the others."""
         decision = self._protocol.on_retire(worker)
         if decision.verdict == "apply":
-            self._apply(decision.gradients)
+            self._apply(decision.replicas)
 
     async def finish(self) -> int:
         """Stop accepting gradients and release every waiting worker."""
@@ -128,9 +128,9 @@ class ParameterShard:
         return self._version
 
     # -- internals -------------------------------------------------------------------------------
-    def _apply(self, gradients: list[np.ndarray]) -> int:
+    def _apply(self, replicas: list[list[np.ndarray]]) -> int:
         start = time.perf_counter()
-        self._apply_fn([self._tf.convert_to_tensor(g) for g in gradients])
+        self._apply_fn([[self._tf.convert_to_tensor(g) for g in grads] for grads in replicas])
         self._version += 1
         self._counts["applied"] += 1
         if self._max_steps is not None and self._version >= self._max_steps:
@@ -168,8 +168,12 @@ class ParameterShard:
 
 def _compiled_apply(tf, optimizer, variables):
     # A closure, not a method: Ray adds a tracing argument to actor methods that tf.function rejects.
-    def apply(gradients):
-        optimizer.apply_gradients(zip(gradients, variables, strict=True))
+    def apply(replicas):
+        if len(replicas) == 1:
+            mean = replicas[0]
+        else:
+            mean = [tf.add_n(list(parts)) / len(replicas) for parts in zip(*replicas, strict=True)]
+        optimizer.apply_gradients(zip(mean, variables, strict=True))
 
     return tf.function(apply, reduce_retracing=True)
 
