@@ -1,6 +1,13 @@
 import pytest
 
-from towerflow.runtime.sharding import GreedyBytes, RoundRobin, VariableInfo, make_sharding, shard_variables
+from towerflow.runtime.sharding import (
+    GreedyBytes,
+    RoundRobin,
+    VariableInfo,
+    cut_variables,
+    make_sharding,
+    shard_variables,
+)
 
 
 def _vars(*sizes):
@@ -45,3 +52,22 @@ def test_more_shards_than_variables_is_a_clear_error():
 def test_unknown_strategy():
     with pytest.raises(ValueError, match="round_robin"):
         make_sharding("random")
+
+
+def test_large_variables_are_cut_into_row_slices_one_per_shard():
+    dense = VariableInfo(0, "dense/kernel", (3136, 1024), "float32", 3136 * 1024 * 4)
+    bias = VariableInfo(1, "dense/bias", (1024,), "float32", 4096)
+    pieces = cut_variables([dense, bias], num_shards=2, min_slice_bytes=262144)
+    assert [(p.variable, p.start, p.stop) for p in pieces] == [(0, 0, 1568), (0, 1568, 3136), (1, 0, 1024)]
+    assert pieces[0].shape == (1568, 1024) and pieces[0].nbytes == dense.nbytes // 2
+    assert pieces[2].covers(bias) and not pieces[0].covers(dense)
+    shards = shard_variables(GreedyBytes(), pieces, 2)
+    assert {0, 1} == {next(i for i, s in enumerate(shards) if p in s) for p in (0, 1)}  # halves on both shards
+
+
+def test_cutting_respects_the_minimum_slice_and_can_be_off():
+    var = VariableInfo(0, "k", (100, 10), "float32", 4000)
+    assert len(cut_variables([var], 4, min_slice_bytes=1500)) == 2  # 4000 // 1500
+    assert len(cut_variables([var], 4, min_slice_bytes=None)) == 1
+    scalar = VariableInfo(1, "s", (), "float32", 4)
+    assert cut_variables([scalar], 4, min_slice_bytes=1)[0].shape == ()

@@ -19,6 +19,7 @@ class Recorder(Hook):
 
     def begin(self, session):
         self.calls.append("begin")
+        self.session = session
 
     def after_create_session(self, session):
         self.calls.append("after_create_session")
@@ -54,12 +55,15 @@ def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_
         blob_spec(
             blob_data,
             data={"batch_size": b},
-            cluster={"workers": 2, "ps": 2, "sharding": "round_robin"},
+            # Cut every kernel into row slices on both shards: slices must reassemble exactly.
+            cluster={"workers": 2, "ps": 2, "sharding": "round_robin", "min_slice_bytes": 64},
             training={"mode": "sync", "max_steps": k, "optimizer": {"name": "sgd", "learning_rate": lr}},
         )
     )
     hook = Recorder()
     result = Driver(spec, [hook], _fixed_splits(ray_cluster, columns, per_worker)).run()
+    sliced = [p for p in hook.session.pieces if not p.covers(hook.session.variables[p.variable])]
+    assert sliced, "the test must exercise sliced variables"
 
     assert hook.calls == ["begin", "after_create_session", "end"]
     assert hook.outcome.status == "FINISHED"

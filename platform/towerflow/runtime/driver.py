@@ -20,7 +20,7 @@ from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.result import TrainResult, staleness_summary
-from towerflow.runtime.sharding import make_sharding, shard_variables
+from towerflow.runtime.sharding import cut_variables, make_sharding, shard_variables
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.worker import WorkerConfig, worker_actor
 
@@ -91,15 +91,16 @@ class Driver:
             worker_cls.options(name=None).remote(self._worker_config(i)) for i in range(cluster.workers)
         ]
         infos, values = ray.get(self.workers[0].describe.remote())
-        assignment = shard_variables(make_sharding(cluster.sharding), infos, cluster.ps)
-        self.session.variables, self.session.shard_assignment = infos, assignment
+        pieces = cut_variables(infos, cluster.ps, cluster.min_slice_bytes)
+        assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
+        self.session.variables, self.session.pieces, self.session.shard_assignment = infos, pieces, assignment
         optimizer = spec.training.optimizer.model_dump(mode="json")
         shard_cls = shard_actor(cluster.cpus_per_ps)
         self.shards = [
             shard_cls.remote(
                 shard,
-                [infos[i].name for i in indices],
-                [values[i] for i in indices],
+                [pieces[i].name for i in indices],
+                [values[pieces[i].variable][pieces[i].start : pieces[i].stop] if pieces[i].shape else values[pieces[i].variable] for i in indices],
                 optimizer,
                 make_protocol(
                     spec.training.mode,
@@ -149,7 +150,7 @@ class Driver:
     def _train(self) -> list[dict[str, Any]]:
         self.aggregator.start()
         runs = {
-            w.run.remote(self.shards, self.session.shard_assignment, split): i
+            w.run.remote(self.shards, self._placement(), split): i
             for i, (w, split) in enumerate(zip(self.workers, self.data_splits))
         }
         summaries: dict[int, dict[str, Any]] = {}
@@ -167,6 +168,14 @@ class Driver:
                 ray.get([s.finish.remote() for s in self.shards])
         self._report(self.aggregator.flush())
         return [summaries[i] for i in sorted(summaries)]
+
+    def _placement(self) -> list[list[tuple[int, int, int, bool]]]:
+        """Per shard, its pieces as (variable, start row, stop row, whole variable?) for the workers."""
+        infos, pieces = self.session.variables, self.session.pieces
+        return [
+            [(pieces[i].variable, pieces[i].start, pieces[i].stop, pieces[i].covers(infos[pieces[i].variable])) for i in shard]
+            for shard in self.session.shard_assignment
+        ]
 
     def _drain(self):
         records = [r for batch in ray.get([w.drain.remote() for w in self.workers]) for r in batch]
@@ -206,11 +215,16 @@ class Driver:
     def _fetch_parameters(self) -> list[np.ndarray]:
         replies = ray.get([s.pull.remote(0) for s in self.shards])
         by_shard = ray.get([r.params for r in replies])
-        ordered: dict[int, np.ndarray] = {}
+        parts: dict[int, list[tuple[int, np.ndarray]]] = {}
         for indices, values in zip(self.session.shard_assignment, by_shard):
             for index, value in zip(indices, values):
-                ordered[index] = np.array(value)
-        return [ordered[i] for i in sorted(ordered)]
+                piece = self.session.pieces[index]
+                parts.setdefault(piece.variable, []).append((piece.start, value))
+        return [
+            np.concatenate([v for _, v in sorted(parts[i], key=lambda p: p[0])]) if len(parts[i]) > 1
+            else np.array(parts[i][0][1])
+            for i in sorted(parts)
+        ]
 
     def _global_step(self) -> int:
         last = self.aggregator.last_event

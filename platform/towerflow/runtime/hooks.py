@@ -18,8 +18,9 @@ class SessionInfo:
     spec: Any  # towerflow.spec.JobSpec; typed loosely so the runtime stays free of spec imports here
     num_workers: int
     num_shards: int
-    variables: list[Any] = field(default_factory=list)  # list[VariableInfo]
-    shard_assignment: list[list[int]] = field(default_factory=list)
+    variables: list[Any] = field(default_factory=list)  # list[VariableInfo], in model order
+    pieces: list[Any] = field(default_factory=list)  # list[Piece]: variables or row slices of them
+    shard_assignment: list[list[int]] = field(default_factory=list)  # piece indices per shard
     tags: dict[str, str] = field(default_factory=dict)  # filled by hooks (e.g. the tracking run id)
 
 

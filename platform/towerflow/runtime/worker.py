@@ -114,10 +114,21 @@ class TowerWorker:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def run(self, shards: list[Any], assignment: list[list[int]], data: Any) -> dict[str, Any]:
-        """Train until the data ends, the shards say the last step is done, or the driver stops us."""
+    def run(self, shards: list[Any], placement: list[list[tuple[int, int, int, bool]]], data: Any) -> dict[str, Any]:
+        """Train until the data ends, the shards say the last step is done, or the driver stops us.
+
+        `placement[s]` lists shard s's pieces as (variable index, start row, stop row, whole?).
+        """
         cfg = self.config
         variables = self.model.trainable_variables
+        # Slices of a cut variable are gathered in a reusable buffer, then assigned in one op
+        # (a sliced assign per piece costs several times more).
+        staging = {
+            index: np.empty(variables[index].shape, dtype=np.dtype(variables[index].dtype))
+            for pieces in placement
+            for index, _, _, whole in pieces
+            if not whole
+        }
         start = time.perf_counter()
         replies = ray.get([shard.pull.remote(0) for shard in shards])
         versions = [r.version for r in replies]
@@ -142,9 +153,14 @@ class TowerWorker:
                     break
                 inputs, labels = self.adapter(batch)
                 t1 = time.perf_counter()
-                for shard_values, indices in zip(ray.get(param_refs), assignment):
-                    for value, index in zip(shard_values, indices):
-                        variables[index].assign(value)
+                for shard_values, pieces in zip(ray.get(param_refs), placement):
+                    for value, (index, start, stop, whole) in zip(shard_values, pieces):
+                        if whole:
+                            variables[index].assign(value)
+                        else:
+                            staging[index][start:stop] = value
+                for index, buffer in staging.items():
+                    variables[index].assign(buffer)
                 t2 = time.perf_counter()
                 loss, metrics, grads = self.towers(inputs, labels)
                 grads = [g.numpy() for g in grads]
@@ -153,8 +169,12 @@ class TowerWorker:
                     time.sleep(cfg.step_delay_s)
                 t3 = time.perf_counter()
                 pushes = [
-                    shard.push.remote([grads[i] for i in indices], version, cfg.worker_id)
-                    for shard, indices, version in zip(shards, assignment, versions)
+                    shard.push.remote(
+                        [grads[i] if whole else grads[i][start:stop] for i, start, stop, whole in pieces],
+                        version,
+                        cfg.worker_id,
+                    )
+                    for shard, pieces, version in zip(shards, placement, versions)
                 ]
                 replies = ray.get(pushes)
                 t4 = time.perf_counter()

@@ -86,6 +86,9 @@ class ClusterSpec(_Strict):
     cpus_per_ps: float = Field(0.5, gt=0)
     data_cpus: float = Field(1.0, gt=0, description="Logical CPUs kept free for Ray Data's read tasks.")
     sharding: Literal["round_robin", "greedy_bytes"] = "greedy_bytes"
+    min_slice_bytes: int | None = Field(
+        262144, ge=1, description="Cut variables into per-shard row slices of at least this size; null: never cut."
+    )
 
     @model_validator(mode="after")
     def _towers_match_gpus(self) -> ClusterSpec:

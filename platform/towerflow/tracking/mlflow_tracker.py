@@ -55,7 +55,7 @@ class MLflowTracker(Hook):
     def after_create_session(self, session: SessionInfo) -> None:
         from mlflow.entities import Param
 
-        sizes = [sum(session.variables[i].nbytes for i in shard) for shard in session.shard_assignment]
+        sizes = [sum(session.pieces[i].nbytes for i in shard) for shard in session.shard_assignment]
         self._log_batch(
             params=[
                 Param("model.trainable_variables", str(len(session.variables))),
