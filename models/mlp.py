@@ -29,7 +29,9 @@ def build(
         )(x)
     outputs = keras.layers.Dense(
         num_classes,
-        kernel_initializer=keras.initializers.GlorotUniform(seed=None if seed is None else seed + len(hidden)),
+        kernel_initializer=keras.initializers.GlorotUniform(
+            seed=None if seed is None else seed + len(hidden)
+        ),
         name="logits",
     )(x)
     return keras.Model(inputs, outputs, name="mlp")

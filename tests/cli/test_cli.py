@@ -15,8 +15,12 @@ from support import blob_spec
 
 def _run(args, *, env=None, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "towerflow", *args], cwd=REPO, env={**os.environ, **(env or {})},
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "towerflow", *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -36,8 +40,12 @@ def test_no_command_prints_help():
 
 
 def test_console_script_is_installed():
-    out = subprocess.run(["towerflow", "--help"], capture_output=True, text=True, env={
-        **os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"})
+    out = subprocess.run(
+        ["towerflow", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"},
+    )
     assert out.returncode == 0 and "train" in out.stdout
 
 
@@ -73,7 +81,9 @@ def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path
 def test_train_end_to_end(cluster_env, blob_data, tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(blob_spec(blob_data)))
-    out = _run(["train", str(path), "--set", "training.max_steps=6", "--set", "training.mode=async"], env=cluster_env)
+    out = _run(
+        ["train", str(path), "--set", "training.max_steps=6", "--set", "training.mode=async"], env=cluster_env
+    )
     assert out.returncode == 0, out.stderr
     summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]

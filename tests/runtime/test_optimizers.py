@@ -37,8 +37,13 @@ def test_plain_sgd_is_exact():
 def test_exponential_decay_with_staircase_follows_applied_updates():
     spec = OptimizerSpec(
         name="sgd",
-        learning_rate={"schedule": "exponential_decay", "initial_learning_rate": 1.0, "decay_steps": 2,
-                       "decay_rate": 0.5, "staircase": True},
+        learning_rate={
+            "schedule": "exponential_decay",
+            "initial_learning_rate": 1.0,
+            "decay_steps": 2,
+            "decay_rate": 0.5,
+            "staircase": True,
+        },
     )
     optimizer = build_optimizer(spec.model_dump(mode="json"))
     var = tf.Variable([0.0])

@@ -63,5 +63,10 @@ def test_async_bounded_staleness_rejects_older_gradients():
 
 
 def test_make_protocol():
-    assert isinstance(make_protocol("sync", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=None), SyncProtocol)
-    assert make_protocol("async", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=2).max_staleness == 2
+    assert isinstance(
+        make_protocol("sync", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=None), SyncProtocol
+    )
+    assert (
+        make_protocol("async", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=2).max_staleness
+        == 2
+    )

@@ -62,7 +62,9 @@ def test_large_variables_are_cut_into_row_slices_one_per_shard():
     assert pieces[0].shape == (1568, 1024) and pieces[0].nbytes == dense.nbytes // 2
     assert pieces[2].covers(bias) and not pieces[0].covers(dense)
     shards = shard_variables(GreedyBytes(), pieces, 2)
-    assert {0, 1} == {next(i for i, s in enumerate(shards) if p in s) for p in (0, 1)}  # halves on both shards
+    assert {0, 1} == {
+        next(i for i, s in enumerate(shards) if p in s) for p in (0, 1)
+    }  # halves on both shards
 
 
 def test_cutting_respects_the_minimum_slice_and_can_be_off():

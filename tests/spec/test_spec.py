@@ -76,7 +76,10 @@ def test_unknown_optimizer_lists_choices():
 def test_learning_rate_schedule():
     raw = _raw()
     raw["training"]["optimizer"]["learning_rate"] = {
-        "schedule": "exponential_decay", "initial_learning_rate": 0.1, "decay_steps": 100, "decay_rate": 0.5,
+        "schedule": "exponential_decay",
+        "initial_learning_rate": 0.1,
+        "decay_steps": 100,
+        "decay_rate": 0.5,
         "staircase": True,
     }
     assert validate_spec(raw).training.optimizer.learning_rate.staircase is True
@@ -121,7 +124,9 @@ def test_towers_must_match_gpus():
 def test_overrides_parse_yaml_values(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(ISSUE_EXAMPLE)
-    spec = load_spec(path, ["training.max_steps=50", "training.mode=async", "cluster.towers=2", "model.params.dropout=0.5"])
+    spec = load_spec(
+        path, ["training.max_steps=50", "training.mode=async", "cluster.towers=2", "model.params.dropout=0.5"]
+    )
     assert spec.training.max_steps == 50 and spec.training.mode == "async"
     assert spec.cluster.towers == 2 and spec.model.params["dropout"] == 0.5
 

@@ -22,7 +22,9 @@ def test_default_store_is_in_the_working_directory(tmp_path, monkeypatch):
 
 def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = validate_spec(blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "t"}, training={"max_steps": 8}))
+    spec = validate_spec(
+        blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "t"}, training={"max_steps": 8})
+    )
     result = train(spec)
     client = MlflowClient(uri)
     run = client.get_run(result.run_id)

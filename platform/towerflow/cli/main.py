@@ -36,13 +36,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="towerflow", description="Parameter-server TensorFlow training on Ray.")
+    parser = argparse.ArgumentParser(
+        prog="towerflow", description="Parameter-server TensorFlow training on Ray."
+    )
     sub = parser.add_subparsers(metavar="COMMAND")
 
     train = sub.add_parser("train", help="run a training job from a YAML spec")
     train.add_argument("spec", type=Path, help="job spec (YAML), e.g. pipelines/mnist_sync.yaml")
     train.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a spec key, e.g. --set training.max_steps=200 (repeatable)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
@@ -75,7 +81,9 @@ def _train(args: argparse.Namespace) -> int:
         from towerflow.tracking import default_tracking_uri
 
         uri = default_tracking_uri(spec.tracking.tracking_uri)
-        print(f"towerflow: browse it with: mlflow ui --backend-store-uri {uri}  (then open http://127.0.0.1:5000)")
+        print(
+            f"towerflow: browse it with: mlflow ui --backend-store-uri {uri}  (then open http://127.0.0.1:5000)"
+        )
     return 0
 
 
@@ -87,7 +95,10 @@ def _synth(args: argparse.Namespace) -> int:
     manifest = synth_mnist(
         args.out, shards=args.shards, examples=args.examples, eval_examples=args.eval_examples, seed=args.seed
     )
-    splits = ", ".join(f"{name}: {s['examples']} examples in {len(s['files'])} files" for name, s in manifest["splits"].items())
+    splits = ", ".join(
+        f"{name}: {s['examples']} examples in {len(s['files'])} files"
+        for name, s in manifest["splits"].items()
+    )
     print(f"towerflow: wrote {args.kind} to {os.fspath(args.out)} ({splits})")
     return 0
 

@@ -30,7 +30,9 @@ class ProgressHook(Hook):
         self._last_log = 0.0
 
     def after_create_session(self, session: SessionInfo) -> None:
-        shape = f"{session.num_workers} workers x {session.spec.cluster.towers} towers, {session.num_shards} PS"
+        shape = (
+            f"{session.num_workers} workers x {session.spec.cluster.towers} towers, {session.num_shards} PS"
+        )
         self.console.print(f"[bold]towerflow[/]: {session.spec.name} ({session.spec.training.mode}, {shape})")
         if self.console.is_terminal:
             self._progress = Progress(
@@ -53,7 +55,11 @@ class ProgressHook(Hook):
         elif time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
             total = f"/{self.total}" if self.total else ""
-            print(f"step {event.global_step}{total} loss {loss} examples/sec {rate}", file=sys.stderr, flush=True)
+            print(
+                f"step {event.global_step}{total} loss {loss} examples/sec {rate}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._progress is not None:

@@ -7,6 +7,7 @@ may stop the job. Whatever happens, every hook's `end` is called and the actors 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,7 +101,12 @@ class Driver:
             shard_cls.remote(
                 shard,
                 [pieces[i].name for i in indices],
-                [values[pieces[i].variable][pieces[i].start : pieces[i].stop] if pieces[i].shape else values[pieces[i].variable] for i in indices],
+                [
+                    values[pieces[i].variable][pieces[i].start : pieces[i].stop]
+                    if pieces[i].shape
+                    else values[pieces[i].variable]
+                    for i in indices
+                ],
                 optimizer,
                 make_protocol(
                     spec.training.mode,
@@ -173,7 +179,15 @@ class Driver:
         """Per shard, its pieces as (variable, start row, stop row, whole variable?) for the workers."""
         infos, pieces = self.session.variables, self.session.pieces
         return [
-            [(pieces[i].variable, pieces[i].start, pieces[i].stop, pieces[i].covers(infos[pieces[i].variable])) for i in shard]
+            [
+                (
+                    pieces[i].variable,
+                    pieces[i].start,
+                    pieces[i].stop,
+                    pieces[i].covers(infos[pieces[i].variable]),
+                )
+                for i in shard
+            ]
             for shard in self.session.shard_assignment
         ]
 
@@ -221,7 +235,8 @@ class Driver:
                 piece = self.session.pieces[index]
                 parts.setdefault(piece.variable, []).append((piece.start, value))
         return [
-            np.concatenate([v for _, v in sorted(parts[i], key=lambda p: p[0])]) if len(parts[i]) > 1
+            np.concatenate([v for _, v in sorted(parts[i], key=lambda p: p[0])])
+            if len(parts[i]) > 1
             else np.array(parts[i][0][1])
             for i in sorted(parts)
         ]
@@ -232,10 +247,8 @@ class Driver:
 
     def _release(self) -> None:
         for actor in self.workers + self.shards:
-            try:
+            with contextlib.suppress(Exception):  # already dead is fine
                 ray.kill(actor)
-            except Exception:
-                pass
         self.workers, self.shards = [], []
 
 

@@ -29,5 +29,9 @@ def build_optimizer(optimizer: dict[str, Any]):
     name = optimizer["name"]
     if name in ("sgd", "momentum"):
         return keras.optimizers.SGD(learning_rate=lr, **options)
-    classes = {"adam": keras.optimizers.Adam, "adagrad": keras.optimizers.Adagrad, "rmsprop": keras.optimizers.RMSprop}
+    classes = {
+        "adam": keras.optimizers.Adam,
+        "adagrad": keras.optimizers.Adagrad,
+        "rmsprop": keras.optimizers.RMSprop,
+    }
     return classes[name](learning_rate=lr, **options)

@@ -112,7 +112,9 @@ class ParameterShard:
     def stats(self) -> dict[str, Any]:
         var_bytes = sum(v.numpy().nbytes for v in self._variables)
         slot_bytes = sum(
-            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self._optimizer.variables if len(v.shape) > 0
+            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+            for v in self._optimizer.variables
+            if len(v.shape) > 0
         )
         return {
             "shard": self.shard_id,

@@ -51,5 +51,7 @@ def configure_tensorflow(config: TFProcessConfig) -> list[str]:
     cpu = tf.config.list_physical_devices("CPU")[0]
     if config.towers > 1:
         # Split the CPU into logical devices so the tower path runs (and is tested) without GPUs.
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * config.towers)
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * config.towers
+        )
     return [f"/CPU:{i}" for i in range(config.towers)]

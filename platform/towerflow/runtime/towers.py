@@ -54,7 +54,11 @@ class TowerStep:
         variables = self.model.trainable_variables
         total_loss, total_grads, total_metrics = 0.0, None, {}
         for tower, (device, weight) in enumerate(zip(self.devices, weights)):
-            x = {k: parts[tower] for k, parts in input_slices.items()} if isinstance(inputs, dict) else input_slices[tower]
+            x = (
+                {k: parts[tower] for k, parts in input_slices.items()}
+                if isinstance(inputs, dict)
+                else input_slices[tower]
+            )
             y = label_slices[tower]
             with tf.device(device), tf.GradientTape() as tape:
                 outputs = self.model(x, training=True)
@@ -62,7 +66,9 @@ class TowerStep:
                 if self.model.losses:
                     loss = loss + tf.add_n(self.model.losses)  # regularizers, as model.fit would add
             grads = tape.gradient(loss, variables)
-            grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+            grads = [
+                tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)
+            ]
             total_loss += weight * loss
             total_grads = (
                 [weight * g for g in grads]
@@ -87,9 +93,13 @@ class TowerStep:
                     predicted = tf.argmax(outputs, axis=-1, output_type=labels.dtype)
                     if labels.shape.rank == outputs.shape.rank:  # one-hot labels
                         labels = tf.argmax(labels, axis=-1, output_type=predicted.dtype)
-                found[name] = tf.reduce_mean(tf.cast(tf.equal(predicted, tf.reshape(labels, tf.shape(predicted))), tf.float32))
+                found[name] = tf.reduce_mean(
+                    tf.cast(tf.equal(predicted, tf.reshape(labels, tf.shape(predicted))), tf.float32)
+                )
             elif name in ("mse", "mae"):
-                diff = tf.cast(outputs, tf.float32) - tf.cast(tf.reshape(labels, tf.shape(outputs)), tf.float32)
+                diff = tf.cast(outputs, tf.float32) - tf.cast(
+                    tf.reshape(labels, tf.shape(outputs)), tf.float32
+                )
                 found[name] = tf.reduce_mean(tf.square(diff) if name == "mse" else tf.abs(diff))
         return found
 

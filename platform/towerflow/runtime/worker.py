@@ -76,9 +76,7 @@ class TowerWorker:
 
         self.config = config
         self.devices = devices
-        loss_fn = keras.losses.get(
-            {"class_name": _LOSS_CLASSES[config.loss], "config": _loss_config(config)}
-        )
+        loss_fn = keras.losses.get({"class_name": _LOSS_CLASSES[config.loss], "config": _loss_config(config)})
         self.towers = TowerStep(
             self.model,
             loss_fn,
@@ -114,7 +112,9 @@ class TowerWorker:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def run(self, shards: list[Any], placement: list[list[tuple[int, int, int, bool]]], data: Any) -> dict[str, Any]:
+    def run(
+        self, shards: list[Any], placement: list[list[tuple[int, int, int, bool]]], data: Any
+    ) -> dict[str, Any]:
         """Train until the data ends, the shards say the last step is done, or the driver stops us.
 
         `placement[s]` lists shard s's pieces as (variable index, start row, stop row, whole?).
@@ -208,7 +208,12 @@ class TowerWorker:
         finally:
             # Let sync aggregation go on without us (also when we failed).
             ray.get([shard.retire.remote(cfg.worker_id) for shard in shards])
-        return {"worker": cfg.worker_id, "steps": steps, "examples": examples, "seconds": time.perf_counter() - start}
+        return {
+            "worker": cfg.worker_id,
+            "steps": steps,
+            "examples": examples,
+            "seconds": time.perf_counter() - start,
+        }
 
 
 _LOSS_CLASSES = {

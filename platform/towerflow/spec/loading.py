@@ -23,7 +23,9 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
-        raise SpecError(f"{path}: a job spec is a YAML mapping (name:, model:, data:, ...), got {type(raw).__name__}")
+        raise SpecError(
+            f"{path}: a job spec is a YAML mapping (name:, model:, data:, ...), got {type(raw).__name__}"
+        )
     for item in overrides:
         apply_override(raw, item)
     return validate_spec(raw, source=str(path))
@@ -64,7 +66,9 @@ def format_validation_error(exc: ValidationError) -> str:
         if err["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and section)"
         given = err.get("input")
-        shown = f" (got {given!r})" if err["type"] not in ("missing", "extra_forbidden") and _short(given) else ""
+        shown = (
+            f" (got {given!r})" if err["type"] not in ("missing", "extra_forbidden") and _short(given) else ""
+        )
         lines.append(f"  - {loc or 'spec'}: {message}{shown}")
     return "\n".join(lines)
 

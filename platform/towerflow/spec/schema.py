@@ -87,14 +87,18 @@ class ClusterSpec(_Strict):
     data_cpus: float = Field(1.0, gt=0, description="Logical CPUs kept free for Ray Data's read tasks.")
     sharding: Literal["round_robin", "greedy_bytes"] = "greedy_bytes"
     min_slice_bytes: int | None = Field(
-        262144, ge=1, description="Cut variables into per-shard row slices of at least this size; null: never cut."
+        262144,
+        ge=1,
+        description="Cut variables into per-shard row slices of at least this size; null: never cut.",
     )
 
     @model_validator(mode="after")
     def _towers_match_gpus(self) -> ClusterSpec:
         gpus = self.gpus_per_worker
         if gpus >= 1 and self.towers not in (1, int(gpus)):
-            raise ValueError(f"towers: {self.towers} must be 1 or equal gpus_per_worker ({int(gpus)}) on GPU workers")
+            raise ValueError(
+                f"towers: {self.towers} must be 1 or equal gpus_per_worker ({int(gpus)}) on GPU workers"
+            )
         if gpus > 1 and gpus != int(gpus):
             raise ValueError(f"gpus_per_worker: {gpus} must be a whole number when above 1")
         return self
@@ -140,7 +144,9 @@ class OptimizerSpec(_Strict):
 
     def hyperparameters(self) -> dict[str, Any]:
         """The optimizer-specific settings that were given (Keras defaults fill the rest)."""
-        return {k: getattr(self, k) for k in sorted(_OPTIMIZER_FIELDS[self.name]) if getattr(self, k) is not None}
+        return {
+            k: getattr(self, k) for k in sorted(_OPTIMIZER_FIELDS[self.name]) if getattr(self, k) is not None
+        }
 
 
 class TrainingSpec(_Strict):
@@ -198,7 +204,9 @@ class JobSpec(_Strict):
                     f"({workers}); sync training would wait forever"
                 )
             if t.max_staleness is not None:
-                raise ValueError("training.max_staleness applies to mode: async only (sync drops every stale gradient)")
+                raise ValueError(
+                    "training.max_staleness applies to mode: async only (sync drops every stale gradient)"
+                )
         return self
 
     @property

@@ -114,8 +114,12 @@ def _versions() -> dict[str, str]:
 
     import towerflow
 
-    tags = {"towerflow.version": towerflow.__version__, "ray.version": ray.__version__,
-            "mlflow.version": mlflow.__version__, "python.version": std_platform.python_version()}
+    tags = {
+        "towerflow.version": towerflow.__version__,
+        "ray.version": ray.__version__,
+        "mlflow.version": mlflow.__version__,
+        "python.version": std_platform.python_version(),
+    }
     try:
         from importlib.metadata import version
 
