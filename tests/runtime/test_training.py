@@ -39,9 +39,15 @@ def _rows(columns, indices):
 def _fixed_splits(ray, columns, per_worker):
     """Each worker gets exactly the rows listed for it, in order (the runtime, not Ray Data, is under test)."""
 
+    def one_split(rows):
+        ds = ray.data.from_items(_rows(columns, rows), override_num_blocks=1)
+        # Ray Data may hand out batches out of order unless asked to keep it.
+        ds.context.execution_options.preserve_order = True
+        return ds.iterator()
+
     def make(num_workers):
         assert num_workers == len(per_worker)
-        return [ray.data.from_items(_rows(columns, rows)).iterator() for rows in per_worker], {}
+        return [one_split(rows) for rows in per_worker], {}
 
     return make
 
