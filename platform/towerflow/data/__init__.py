@@ -1,0 +1,1 @@
+"""Data: Ray Data readers, feature specs, synthetic generators."""
