@@ -88,9 +88,7 @@ class Driver:
     def _create_actors(self) -> None:
         spec, cluster = self.spec, self.spec.cluster
         worker_cls = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
-        self.workers = [
-            worker_cls.options(name=None).remote(self._worker_config(i)) for i in range(cluster.workers)
-        ]
+        self.workers = [worker_cls.remote(self._worker_config(i)) for i in range(cluster.workers)]
         infos, values = ray.get(self.workers[0].describe.remote())
         pieces = cut_variables(infos, cluster.ps, cluster.min_slice_bytes)
         assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
@@ -101,12 +99,7 @@ class Driver:
             shard_cls.remote(
                 shard,
                 [pieces[i].name for i in indices],
-                [
-                    values[pieces[i].variable][pieces[i].start : pieces[i].stop]
-                    if pieces[i].shape
-                    else values[pieces[i].variable]
-                    for i in indices
-                ],
+                [pieces[i].of(values[pieces[i].variable]) for i in indices],
                 optimizer,
                 make_protocol(
                     spec.training.mode,

@@ -38,6 +38,10 @@ class Piece:
     def covers(self, info: VariableInfo) -> bool:
         return self.start == 0 and self.stop == (info.shape[0] if info.shape else 1)
 
+    def of(self, value):
+        """This piece's rows of the whole variable's value (a view, not a copy)."""
+        return value[self.start : self.stop] if self.shape else value
+
 
 def cut_variables(variables: list[VariableInfo], num_shards: int, min_slice_bytes: int | None) -> list[Piece]:
     """Pieces of every variable, in model order; a variable is cut only when it is worth it."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -232,7 +232,3 @@ def _loss_config(config: WorkerConfig) -> dict[str, Any]:
 def worker_actor(cpus: float, gpus: float):
     """The Ray actor class for a worker with this reservation (two threads: run, and drain/stop)."""
     return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_concurrency=3)(TowerWorker)
-
-
-def record_as_dict(record: StepRecord) -> dict[str, Any]:
-    return asdict(record)
