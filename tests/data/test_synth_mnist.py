@@ -6,10 +6,12 @@ import json
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from towerflow.data.synth import synth_mnist
 from towerflow.data.tfrecord import read_tfrecord_file
+from towerflow.errors import TowerflowError
 
 
 def _read(folder, files, features):
@@ -36,7 +38,26 @@ def test_shards_and_manifest(tmp_path):
     assert set(np.unique(data["label"])) == set(range(10))
     ids = np.concatenate([data["example_id"], evals["example_id"]])
     assert len(np.unique(ids)) == 2500 and ids.min() == 0 and ids.max() == 2499
+    assert manifest["splits"]["eval"]["files"] == ["eval-00000-of-00001"]
+    assert set(manifest["features"]) == {"image", "label", "example_id"}
+    assert not {x.tobytes() for x in data["image"]} & {x.tobytes() for x in evals["image"]}
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_rewrite_drops_stale_shards_and_sharding_does_not_change_the_examples(tmp_path):
+    four = synth_mnist(tmp_path, shards=4, examples=103, eval_examples=0, seed=5)
+    assert four["splits"]["train"]["per_file"] == [26, 26, 26, 25]
+    before = _read(tmp_path, four["splits"]["train"]["files"], four["features"])
+    one = synth_mnist(tmp_path, shards=1, examples=103, eval_examples=0, seed=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "train-00000-of-00001"]
+    after = _read(tmp_path, one["splits"]["train"]["files"], one["features"])
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_too_few_examples_for_the_shards_is_a_user_error(tmp_path):
+    with pytest.raises(TowerflowError, match="train"):
+        synth_mnist(tmp_path, shards=8, examples=5, eval_examples=0)
+    assert not (tmp_path / "manifest.json").exists()
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
