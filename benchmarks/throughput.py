@@ -1,0 +1,379 @@
+"""Throughput and memory: Keras `model.fit` against towerflow sync (1 and 2 workers) on LeNet.
+
+Same model (models.lenet, Adam 1e-3, sparse CE from logits), same synthetic MNIST TFRecords, same
+global batch (256). Rounds interleave the three configurations in rotating order; each run times a
+fixed number of steps after a warm-up. Keras runs in a child process (the whole machine to itself);
+towerflow runs through `towerflow.launch.train` on one local Ray. A memory part then samples the
+RSS of every shard and worker process and Ray's object store during a longer 2-worker run.
+
+    python benchmarks/throughput.py            # 3 rounds x 150 steps, 1,000-step memory run
+    python benchmarks/throughput.py --quick    # smoke run
+
+The last line is `sync_vs_keras=<2-worker examples/sec / Keras examples/sec>` (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from towerflow.runtime.hooks import Hook
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "pipelines" / "mnist_sync.yaml"
+GLOBAL_BATCH = 256
+PHASES = ("data", "pull", "compute", "push", "apply")
+MIB = 1 << 20
+RAY_WORKER_NICENESS = 15
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def log(message: str) -> None:
+    print(f"[throughput {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def machine() -> str:
+    import psutil
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    ram = psutil.virtual_memory().total / (1 << 30)
+    return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, Python {platform.python_version()}"
+
+
+def ensure_data(folder: Path) -> None:
+    if (folder / "manifest.json").is_file():
+        return
+    from towerflow.data.synth import synth_mnist
+
+    log(f"generating synthetic MNIST into {folder}")
+    synth_mnist(str(folder), shards=8, examples=60000, eval_examples=10000, seed=0)
+
+
+def cpu_snapshot() -> tuple[float, float]:
+    """(CPU seconds the whole machine has been busy, CPU seconds of this benchmark's process tree).
+
+    The tree counts reaped children (children_user/system), so processes that ended are not lost.
+    """
+    import psutil
+
+    t = psutil.cpu_times()  # guest time is already inside user time
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+    mine = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            mine += sum(proc.cpu_times()[:4])  # user, system, children_user, children_system
+    return busy, mine
+
+
+def foreign_cores(before: tuple[float, float], seconds: float) -> float:
+    """Cores that processes outside this benchmark used since `before`, on average."""
+    after = cpu_snapshot()
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / seconds
+
+
+def wait_for_quiet(limit_s: float, cores: float = 0.2) -> float:
+    """Wait (up to limit_s) until other processes use under `cores` CPUs over 3 s; return their load."""
+    deadline = time.time() + limit_s
+    while True:
+        before = cpu_snapshot()
+        time.sleep(3)
+        load = foreign_cores(before, 3)
+        if load < cores or time.time() > deadline:
+            return load
+        log(f"  other processes use {load:.2f} cores; waiting for a quiet machine")
+
+
+def measured(runner, args: argparse.Namespace) -> dict:
+    """One run, with the CPU other processes used meanwhile (cores, averaged over the run)."""
+    wait_for_quiet(args.quiet_wait)
+    before, started = cpu_snapshot(), time.time()
+    result = runner(args)
+    result["foreign"] = foreign_cores(before, time.time() - started)
+    return result
+
+
+# -- Keras model.fit, in a child process ----------------------------------------------------------
+def keras_child(data: Path, warmup: int, steps: int) -> None:
+    """Runs in the child: tf.data over the same shards, model.fit, one JSON line on stdout."""
+    import keras
+    import tensorflow as tf
+
+    from models.lenet import build
+
+    image = json.loads((data / "manifest.json").read_text())["features"]["image"]
+    features = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
+
+    def parse(serialized):
+        parsed = tf.io.parse_example(serialized, features)
+        pixels = tf.reshape(tf.io.decode_raw(parsed["image"], tf.uint8), [-1, *image["decoded_shape"]])
+        return tf.cast(pixels, tf.float32) * image.get("scale", 1 / 255), parsed["label"]
+
+    files = sorted(str(p) for p in data.glob("train-*"))
+    ds = tf.data.TFRecordDataset(files, buffer_size=1 << 20).batch(GLOBAL_BATCH, drop_remainder=True)
+    ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE).cache().repeat().prefetch(tf.data.AUTOTUNE)
+    keras.utils.set_random_seed(0)
+    model = build(num_classes=10)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    marks: list[float] = []
+    timer = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter()))
+    model.fit(ds, steps_per_epoch=warmup + steps, epochs=1, verbose=0, callbacks=[timer])
+    span = marks[warmup + steps - 1] - marks[warmup - 1]
+    print(json.dumps({"rate": steps * GLOBAL_BATCH / span, "span_s": span, "jit_compile": model.jit_compile}))
+
+
+def run_keras(args: argparse.Namespace) -> dict:
+    command = ["nice", "-n", str(RAY_WORKER_NICENESS), sys.executable, __file__, "--keras-child",
+               "--data", str(args.data), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    # Same niceness as Ray's workers (the raylet starts them at 15), so other jobs slow both alike.
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the Keras child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- towerflow ------------------------------------------------------------------------------------
+class Recorder(Hook):
+    """Keeps (step, elapsed_s, examples_seen, time_split) of every step event."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, float, int, dict[str, float]]] = []
+
+    def after_run(self, context, event) -> None:
+        self.events.append((event.global_step, event.elapsed_s, event.examples_seen, dict(event.time_split)))
+
+
+class MemorySampler(Hook):
+    """Samples shard and worker processes and the object store at the given global steps."""
+
+    def __init__(self, at: list[int]) -> None:
+        self.at, self.samples = at, {}
+
+    def after_run(self, context, event) -> None:
+        for step in self.at:
+            if event.global_step >= step and step not in self.samples:
+                self.samples[step] = sample_memory()
+
+
+def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int):
+    from towerflow.spec import load_spec
+
+    cpus = args.cpus_1worker if workers == 1 else 1
+    overrides = [
+        f"name=bench-sync-{workers}w", f"data.train.paths={args.data}/train-*", "data.eval=null",
+        "data.epochs=null", f"data.batch_size={GLOBAL_BATCH // workers}", f"cluster.workers={workers}",
+        "cluster.ps=2", f"cluster.cpus_per_worker={cpus}", "cluster.cpus_per_ps=0.5", "cluster.data_cpus=1",
+        "training.mode=sync", f"training.max_steps={max_steps}", f"training.replicas_to_aggregate={workers}",
+        f"training.total_num_replicas={workers}", "export.saved_model=false", "export.register_as=null",
+    ]
+    return load_spec(SPEC, overrides)
+
+
+def run_towerflow(args: argparse.Namespace, workers: int) -> dict:
+    from towerflow.launch import train
+
+    recorder = Recorder()
+    end = args.warmup + args.steps
+    train(towerflow_spec(args, workers, end + 2), hooks=[recorder], track=False)
+    window = [e for e in recorder.events if args.warmup <= e[0] <= end]
+    (_, t0, seen0, _), (_, t1, seen1, _) = window[0], window[-1]
+    steady = window[1:]
+    split = {p: statistics.median(e[3][p] for e in steady) for p in PHASES}
+    split["step"] = statistics.median(b[1] - a[1] for a, b in zip(window, window[1:]))
+    return {"rate": (seen1 - seen0) / (t1 - t0), "span_s": t1 - t0, "split": split}
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def actor_pids() -> dict[str, list[int]]:
+    """Live shard and worker PIDs from the GCS actor table (ray.util.state needs the dashboard)."""
+    import ray
+
+    pids: dict[str, list[int]] = {"ParameterShard": [], "TowerWorker": []}
+    for actor in ray._private.state.actors().values():
+        if actor["State"] == "ALIVE" and actor["ActorClassName"] in pids:
+            pids[actor["ActorClassName"]].append(actor["Pid"])
+    return pids
+
+
+def object_store() -> tuple[int, int]:
+    """(bytes used, objects) of the local Ray object store, from the raylet's store stats."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)  # ours, not another job's Ray
+    stats = get_memory_info_reply(state).store_stats
+    return int(stats.object_store_bytes_used), int(stats.num_local_objects)
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """RSS and its parts from /proc, in bytes: anon is private, file is mostly shared libraries, shmem is
+    object-store pages this process has touched (shared with the store)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    kb = {k: int(fields[f].split()[0]) * 1024 for k, f in
+          (("rss", "VmRSS"), ("peak", "VmHWM"), ("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))}
+    return kb
+
+
+def sample_memory() -> dict:
+    pids = actor_pids()
+    return {"ps": {p: process_memory(p) for p in pids["ParameterShard"]},
+            "workers": {p: process_memory(p) for p in pids["TowerWorker"]}, "store": object_store()}
+
+
+def baseline_memory() -> dict[str, int]:
+    """RSS of a Ray actor with a shard's CPU share that imports TensorFlow and makes one variable."""
+    import ray
+
+    @ray.remote(num_cpus=0.5)
+    class Baseline:
+        def rss(self) -> int:
+            from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
+
+            configure_tensorflow(TFProcessConfig(cpus=0.5))
+            import tensorflow as tf
+
+            tf.Variable(tf.zeros([4])).assign_add(tf.ones([4]))
+            return process_memory(os.getpid())
+
+    actor = Baseline.remote()
+    try:
+        return ray.get(actor.rss.remote())
+    finally:
+        ray.kill(actor)
+
+
+def run_memory(args: argparse.Namespace) -> dict:
+    from towerflow.launch import train
+
+    first = min(200, args.memory_steps // 2)
+    sampler = MemorySampler([first, args.memory_steps])
+    base = baseline_memory()
+    result = train(towerflow_spec(args, 2, args.memory_steps + 2), hooks=[sampler], track=False)
+    state = sorted((s["variable_bytes"] + s["slot_bytes"] for s in result.shards), reverse=True)
+    return {"first": first, "last": args.memory_steps, "baseline": base, "state": state, **sampler.samples}
+
+
+# -- report ---------------------------------------------------------------------------------------
+def print_throughput(results: dict[str, list[dict]]) -> dict[str, float]:
+    keras = statistics.median(r["rate"] for r in results["keras"])
+    print(f"\n{'configuration':<30}{'ex/s median':>12}{'min':>9}{'max':>9}{'vs keras':>10}{'others':>8}")
+    medians = {}
+    for name, runs in results.items():
+        rates = [r["rate"] for r in runs]
+        medians[name] = statistics.median(rates)
+        print(f"{LABELS[name]:<30}{medians[name]:>12,.0f}{min(rates):>9,.0f}{max(rates):>9,.0f}"
+              f"{medians[name] / keras:>10.3f}{max(r['foreign'] for r in runs):>8.2f}")
+    print("(others: most CPU cores that processes outside the benchmark used during a run, averaged over it; "
+          f"keras jit_compile={results['keras'][0]['jit_compile']})")
+    print("\nstep time split, ms (medians per run, then median of runs; push includes apply and the sync wait)")
+    print(f"{'configuration':<30}" + "".join(f"{p:>9}" for p in (*PHASES, "step")))
+    print(f"{LABELS['keras']:<30}" + " " * 9 * len(PHASES) + f"{GLOBAL_BATCH / keras * 1000:>9.1f}")
+    for name in ("tf1", "tf2"):
+        row = [statistics.median(r["split"][p] for r in results[name]) * 1000 for p in (*PHASES, "step")]
+        print(f"{LABELS[name]:<30}" + "".join(f"{v:>9.1f}" for v in row))
+    return medians
+
+
+def print_memory(mem: dict, threshold_pct: float) -> str:
+    first, last, base = mem[mem["first"]], mem[mem["last"]], mem["baseline"]
+    print(f"\nmemory: towerflow sync 2 workers, {mem['last']} steps; MiB at steps {mem['first']} and {mem['last']} "
+          "(anon = private pages; shmem = object-store pages the process touched)")
+    print(f"{'process':<9}{'rss@' + str(mem['first']):>10}{'rss@' + str(mem['last']):>10}{'growth%':>9}{'peak':>8}"
+          f"{'anon@' + str(mem['first']):>13}{'anon@' + str(mem['last']):>13}{'growth%':>9}{'shmem':>8}")
+    growth = []
+    for kind in ("ps", "workers"):
+        for n, pid in enumerate(sorted(last[kind], key=lambda pid: -last[kind][pid]["rss"])):
+            a, b = first[kind][pid], last[kind][pid]
+            rss_pct, anon_pct = (100 * (b[k] - a[k]) / a[k] for k in ("rss", "anon"))
+            growth.append(rss_pct)
+            print(f"{kind[:2] + str(n):<9}{a['rss'] / MIB:>10.1f}{b['rss'] / MIB:>10.1f}{rss_pct:>9.1f}"
+                  f"{b['peak'] / MIB:>8.1f}{a['anon'] / MIB:>13.1f}{b['anon'] / MIB:>13.1f}{anon_pct:>9.1f}"
+                  f"{b['shmem'] / MIB:>8.1f}")
+    store = (last["store"][0] - first["store"][0]) / MIB
+    print(f"object store: {first['store'][0] / MIB:.1f} MiB ({first['store'][1]} objects) -> "
+          f"{last['store'][0] / MIB:.1f} MiB ({last['store'][1]} objects)")
+    print(f"bare TensorFlow actor (0.5 CPU, one variable): rss {base['rss'] / MIB:.1f} MiB, "
+          f"anon {base['anon'] / MIB:.1f} MiB")
+    print(f"{'shard':<9}{'state':>10}{'rss-base':>10}{'ratio':>9}{'anon-base':>14}{'ratio':>9}"
+          "   (shards matched to processes by size)")
+    ratios, anon = [], []
+    for n, (state, proc) in enumerate(zip(mem["state"], sorted(last["ps"].values(), key=lambda p: -p["rss"]))):
+        above = {k: proc[k] - base[k] for k in ("rss", "anon")}
+        ratios.append(above["rss"] / state)
+        anon.append(above["anon"] / state)
+        print(f"{'ps' + str(n):<9}{state / MIB:>10.2f}{above['rss'] / MIB:>10.1f}{ratios[-1]:>9.2f}"
+              f"{above['anon'] / MIB:>14.1f}{anon[-1]:>9.2f}")
+    verdict = "within" if max(growth) < threshold_pct else "ABOVE"
+    print(f"largest RSS growth {max(growth):.1f}% ({verdict} the {threshold_pct:g}% noise threshold)")
+    return (f"memory: ps_state_ratio_max={max(ratios):.2f} ps_anon_state_ratio_max={max(anon):.2f} "
+            f"rss_growth_max_pct={max(growth):.1f} object_store_growth_mb={store:.1f}")
+
+
+LABELS = {"keras": "keras model.fit (1 process)", "tf1": "towerflow sync, 1 worker", "tf2": "towerflow sync, 2 workers"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=20, help="steps skipped before timing")
+    parser.add_argument("--memory-steps", type=int, default=1000)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="1 round, 60 steps, 300 memory steps")
+    parser.add_argument("--data", type=Path, default=Path("data/bench-mnist"))
+    parser.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray")
+    parser.add_argument("--cpus-1worker", type=float, default=2, help="cpus_per_worker of the 1-worker run")
+    parser.add_argument("--quiet-wait", type=float, default=300, help="seconds to wait for other jobs to calm")
+    parser.add_argument("--growth-threshold", type=float, default=5.0, help="RSS growth %% counted as noise")
+    parser.add_argument("--keras-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.memory_steps = 1, 60, 300
+    args.data = args.data if args.data.is_absolute() else ROOT / args.data
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.keras_child:
+        return keras_child(args.data, args.warmup, args.steps)
+    os.chdir(ROOT)
+    started = time.time()
+    import ray
+
+    print(f"# towerflow throughput benchmark, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}")
+    ensure_data(args.data)
+    ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    print(f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {args.rounds} round(s) "
+          f"x {args.steps} timed steps after {args.warmup} warm-up; 1-worker cpus_per_worker={args.cpus_1worker:g}")
+    runners = {"keras": run_keras, "tf1": lambda a: run_towerflow(a, 1), "tf2": lambda a: run_towerflow(a, 2)}
+    results: dict[str, list[dict]] = {name: [] for name in runners}
+    for r in range(args.rounds):
+        names = list(runners)[r % 3:] + list(runners)[:r % 3]
+        for name in names:
+            log(f"round {r + 1}/{args.rounds}: {LABELS[name]} ...")
+            results[name].append(measured(runners[name], args))
+            last = results[name][-1]
+            log(f"  {last['rate']:,.0f} ex/s over {last['span_s']:.1f} s; other processes: {last['foreign']:.2f} cores")
+    medians = print_throughput(results)
+    if not args.skip_memory:
+        log(f"memory run: {args.memory_steps} steps, 2 workers ...")
+        print(print_memory(run_memory(args), args.growth_threshold))
+    print(f"\nwall time of the whole benchmark: {time.time() - started:.0f} s")
+    print(f"sync1_vs_keras={medians['tf1'] / medians['keras']:.3f}")
+    print(f"sync_vs_keras={medians['tf2'] / medians['keras']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
