@@ -58,27 +58,29 @@ def ensure_data(folder: Path) -> None:
     synth_mnist(str(folder), shards=8, examples=60000, eval_examples=10000, seed=0)
 
 
-def cpu_snapshot() -> tuple[float, float]:
-    """(CPU seconds the whole machine has been busy, CPU seconds of this benchmark's process tree).
+def cpu_snapshot() -> tuple[float, dict[int, float]]:
+    """(CPU seconds the machine has been busy, CPU seconds of each process of this benchmark's tree).
 
-    The tree counts reaped children (children_user/system), so processes that ended are not lost.
+    A process counts its reaped children, so a finished Keras child is not lost; actors that Ray
+    killed meanwhile are dropped from the comparison rather than counted as foreign.
     """
     import psutil
 
     t = psutil.cpu_times()  # guest time is already inside user time
     busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
-    mine = 0.0
+    mine = {}
     me = psutil.Process()
     for proc in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            mine += sum(proc.cpu_times()[:4])  # user, system, children_user, children_system
+            mine[proc.pid] = sum(proc.cpu_times()[:4])  # user, system, children_user, children_system
     return busy, mine
 
 
-def foreign_cores(before: tuple[float, float], seconds: float) -> float:
+def foreign_cores(before: tuple[float, dict[int, float]], seconds: float) -> float:
     """Cores that processes outside this benchmark used since `before`, on average."""
-    after = cpu_snapshot()
-    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / seconds
+    busy, mine = cpu_snapshot()
+    ours = sum(cpu - before[1].get(pid, 0.0) for pid, cpu in mine.items())
+    return max(0.0, busy - before[0] - ours) / seconds
 
 
 def wait_for_quiet(limit_s: float, cores: float = 0.2) -> float:
