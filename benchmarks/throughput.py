@@ -43,8 +43,14 @@ def log(message: str) -> None:
 def machine() -> str:
     import psutil
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
     ram = psutil.virtual_memory().total / (1 << 30)
     return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, Python {platform.python_version()}"
 
@@ -67,7 +73,9 @@ def cpu_snapshot() -> tuple[float, dict[int, float]]:
     import psutil
 
     t = psutil.cpu_times()  # guest time is already inside user time
-    busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+    busy = (
+        t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+    )
     mine = {}
     me = psutil.Process()
     for proc in [me, *me.children(recursive=True)]:
@@ -125,18 +133,35 @@ def keras_child(data: Path, warmup: int, steps: int) -> None:
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE).cache().repeat().prefetch(tf.data.AUTOTUNE)
     keras.utils.set_random_seed(0)
     model = build(num_classes=10)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     marks: list[float] = []
-    timer = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter()))
+    timer = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter())
+    )
     model.fit(ds, steps_per_epoch=warmup + steps, epochs=1, verbose=0, callbacks=[timer])
     span = marks[warmup + steps - 1] - marks[warmup - 1]
     print(json.dumps({"rate": steps * GLOBAL_BATCH / span, "span_s": span, "jit_compile": model.jit_compile}))
 
 
 def run_keras(args: argparse.Namespace) -> dict:
-    command = ["nice", "-n", str(RAY_WORKER_NICENESS), sys.executable, __file__, "--keras-child",
-               "--data", str(args.data), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    command = [
+        "nice",
+        "-n",
+        str(RAY_WORKER_NICENESS),
+        sys.executable,
+        __file__,
+        "--keras-child",
+        "--data",
+        str(args.data),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+    ]
     # Same niceness as Ray's workers (the raylet starts them at 15), so other jobs slow both alike.
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -172,11 +197,22 @@ def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int):
 
     cpus = args.cpus_1worker if workers == 1 else 1
     overrides = [
-        f"name=bench-sync-{workers}w", f"data.train.paths={args.data}/train-*", "data.eval=null",
-        "data.epochs=null", f"data.batch_size={GLOBAL_BATCH // workers}", f"cluster.workers={workers}",
-        "cluster.ps=2", f"cluster.cpus_per_worker={cpus}", "cluster.cpus_per_ps=0.5", "cluster.data_cpus=1",
-        "training.mode=sync", f"training.max_steps={max_steps}", f"training.replicas_to_aggregate={workers}",
-        f"training.total_num_replicas={workers}", "export.saved_model=false", "export.register_as=null",
+        f"name=bench-sync-{workers}w",
+        f"data.train.paths={args.data}/train-*",
+        "data.eval=null",
+        "data.epochs=null",
+        f"data.batch_size={GLOBAL_BATCH // workers}",
+        f"cluster.workers={workers}",
+        "cluster.ps=2",
+        f"cluster.cpus_per_worker={cpus}",
+        "cluster.cpus_per_ps=0.5",
+        "cluster.data_cpus=1",
+        "training.mode=sync",
+        f"training.max_steps={max_steps}",
+        f"training.replicas_to_aggregate={workers}",
+        f"training.total_num_replicas={workers}",
+        "export.saved_model=false",
+        "export.register_as=null",
     ]
     return load_spec(SPEC, overrides)
 
@@ -220,16 +256,29 @@ def object_store() -> tuple[int, int]:
 def process_memory(pid: int) -> dict[str, int]:
     """RSS and its parts from /proc, in bytes: anon is private, file is mostly shared libraries, shmem is
     object-store pages this process has touched (shared with the store)."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    kb = {k: int(fields[f].split()[0]) * 1024 for k, f in
-          (("rss", "VmRSS"), ("peak", "VmHWM"), ("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))}
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    kb = {
+        k: int(fields[f].split()[0]) * 1024
+        for k, f in (
+            ("rss", "VmRSS"),
+            ("peak", "VmHWM"),
+            ("anon", "RssAnon"),
+            ("file", "RssFile"),
+            ("shmem", "RssShmem"),
+        )
+    }
     return kb
 
 
 def sample_memory() -> dict:
     pids = actor_pids()
-    return {"ps": {p: process_memory(p) for p in pids["ParameterShard"]},
-            "workers": {p: process_memory(p) for p in pids["TowerWorker"]}, "store": object_store()}
+    return {
+        "ps": {p: process_memory(p) for p in pids["ParameterShard"]},
+        "workers": {p: process_memory(p) for p in pids["TowerWorker"]},
+        "store": object_store(),
+    }
 
 
 def baseline_memory() -> dict[str, int]:
@@ -273,11 +322,17 @@ def print_throughput(results: dict[str, list[dict]]) -> dict[str, float]:
     for name, runs in results.items():
         rates = [r["rate"] for r in runs]
         medians[name] = statistics.median(rates)
-        print(f"{LABELS[name]:<30}{medians[name]:>12,.0f}{min(rates):>9,.0f}{max(rates):>9,.0f}"
-              f"{medians[name] / keras:>10.3f}{max(r['foreign'] for r in runs):>8.2f}")
-    print("(others: most CPU cores that processes outside the benchmark used during a run, averaged over it; "
-          f"keras jit_compile={results['keras'][0]['jit_compile']})")
-    print("\nstep time split, ms (medians per run, then median of runs; push includes apply and the sync wait)")
+        print(
+            f"{LABELS[name]:<30}{medians[name]:>12,.0f}{min(rates):>9,.0f}{max(rates):>9,.0f}"
+            f"{medians[name] / keras:>10.3f}{max(r['foreign'] for r in runs):>8.2f}"
+        )
+    print(
+        "(others: most CPU cores that processes outside the benchmark used during a run, averaged over it; "
+        f"keras jit_compile={results['keras'][0]['jit_compile']})"
+    )
+    print(
+        "\nstep time split, ms (medians per run, then median of runs; push includes apply and the sync wait)"
+    )
     print(f"{'configuration':<30}" + "".join(f"{p:>9}" for p in (*PHASES, "step")))
     print(f"{LABELS['keras']:<30}" + " " * 9 * len(PHASES) + f"{GLOBAL_BATCH / keras * 1000:>9.1f}")
     for name in ("tf1", "tf2"):
@@ -288,40 +343,62 @@ def print_throughput(results: dict[str, list[dict]]) -> dict[str, float]:
 
 def print_memory(mem: dict, threshold_pct: float) -> str:
     first, last, base = mem[mem["first"]], mem[mem["last"]], mem["baseline"]
-    print(f"\nmemory: towerflow sync 2 workers, {mem['last']} steps; MiB at steps {mem['first']} and {mem['last']} "
-          "(anon = private pages; shmem = object-store pages the process touched)")
-    print(f"{'process':<9}{'rss@' + str(mem['first']):>10}{'rss@' + str(mem['last']):>10}{'growth%':>9}{'peak':>8}"
-          f"{'anon@' + str(mem['first']):>13}{'anon@' + str(mem['last']):>13}{'growth%':>9}{'shmem':>8}")
+    print(
+        f"\nmemory: towerflow sync 2 workers, {mem['last']} steps; MiB at steps {mem['first']} and {mem['last']} "
+        "(anon = private pages; shmem = object-store pages the process touched)"
+    )
+    print(
+        f"{'process':<9}{'rss@' + str(mem['first']):>10}{'rss@' + str(mem['last']):>10}{'growth%':>9}{'peak':>8}"
+        f"{'anon@' + str(mem['first']):>13}{'anon@' + str(mem['last']):>13}{'growth%':>9}{'shmem':>8}"
+    )
     growth = []
     for kind in ("ps", "workers"):
         for n, pid in enumerate(sorted(last[kind], key=lambda pid: -last[kind][pid]["rss"])):
             a, b = first[kind][pid], last[kind][pid]
             rss_pct, anon_pct = (100 * (b[k] - a[k]) / a[k] for k in ("rss", "anon"))
             growth.append(rss_pct)
-            print(f"{kind[:2] + str(n):<9}{a['rss'] / MIB:>10.1f}{b['rss'] / MIB:>10.1f}{rss_pct:>9.1f}"
-                  f"{b['peak'] / MIB:>8.1f}{a['anon'] / MIB:>13.1f}{b['anon'] / MIB:>13.1f}{anon_pct:>9.1f}"
-                  f"{b['shmem'] / MIB:>8.1f}")
+            print(
+                f"{kind[:2] + str(n):<9}{a['rss'] / MIB:>10.1f}{b['rss'] / MIB:>10.1f}{rss_pct:>9.1f}"
+                f"{b['peak'] / MIB:>8.1f}{a['anon'] / MIB:>13.1f}{b['anon'] / MIB:>13.1f}{anon_pct:>9.1f}"
+                f"{b['shmem'] / MIB:>8.1f}"
+            )
     store = (last["store"][0] - first["store"][0]) / MIB
-    print(f"object store: {first['store'][0] / MIB:.1f} MiB ({first['store'][1]} objects) -> "
-          f"{last['store'][0] / MIB:.1f} MiB ({last['store'][1]} objects)")
-    print(f"bare TensorFlow actor (0.5 CPU, one variable): rss {base['rss'] / MIB:.1f} MiB, "
-          f"anon {base['anon'] / MIB:.1f} MiB")
-    print(f"{'shard':<9}{'state':>10}{'rss-base':>10}{'ratio':>9}{'anon-base':>14}{'ratio':>9}"
-          "   (shards matched to processes by size)")
+    print(
+        f"object store: {first['store'][0] / MIB:.1f} MiB ({first['store'][1]} objects) -> "
+        f"{last['store'][0] / MIB:.1f} MiB ({last['store'][1]} objects)"
+    )
+    print(
+        f"bare TensorFlow actor (0.5 CPU, one variable): rss {base['rss'] / MIB:.1f} MiB, "
+        f"anon {base['anon'] / MIB:.1f} MiB"
+    )
+    print(
+        f"{'shard':<9}{'state':>10}{'rss-base':>10}{'ratio':>9}{'anon-base':>14}{'ratio':>9}"
+        "   (shards matched to processes by size)"
+    )
     ratios, anon = [], []
-    for n, (state, proc) in enumerate(zip(mem["state"], sorted(last["ps"].values(), key=lambda p: -p["rss"]))):
+    for n, (state, proc) in enumerate(
+        zip(mem["state"], sorted(last["ps"].values(), key=lambda p: -p["rss"]))
+    ):
         above = {k: proc[k] - base[k] for k in ("rss", "anon")}
         ratios.append(above["rss"] / state)
         anon.append(above["anon"] / state)
-        print(f"{'ps' + str(n):<9}{state / MIB:>10.2f}{above['rss'] / MIB:>10.1f}{ratios[-1]:>9.2f}"
-              f"{above['anon'] / MIB:>14.1f}{anon[-1]:>9.2f}")
+        print(
+            f"{'ps' + str(n):<9}{state / MIB:>10.2f}{above['rss'] / MIB:>10.1f}{ratios[-1]:>9.2f}"
+            f"{above['anon'] / MIB:>14.1f}{anon[-1]:>9.2f}"
+        )
     verdict = "within" if max(growth) < threshold_pct else "ABOVE"
     print(f"largest RSS growth {max(growth):.1f}% ({verdict} the {threshold_pct:g}% noise threshold)")
-    return (f"memory: ps_state_ratio_max={max(ratios):.2f} ps_anon_state_ratio_max={max(anon):.2f} "
-            f"rss_growth_max_pct={max(growth):.1f} object_store_growth_mb={store:.1f}")
+    return (
+        f"memory: ps_state_ratio_max={max(ratios):.2f} ps_anon_state_ratio_max={max(anon):.2f} "
+        f"rss_growth_max_pct={max(growth):.1f} object_store_growth_mb={store:.1f}"
+    )
 
 
-LABELS = {"keras": "keras model.fit (1 process)", "tf1": "towerflow sync, 1 worker", "tf2": "towerflow sync, 2 workers"}
+LABELS = {
+    "keras": "keras model.fit (1 process)",
+    "tf1": "towerflow sync, 1 worker",
+    "tf2": "towerflow sync, 2 workers",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -335,7 +412,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=Path("data/bench-mnist"))
     parser.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray")
     parser.add_argument("--cpus-1worker", type=float, default=2, help="cpus_per_worker of the 1-worker run")
-    parser.add_argument("--quiet-wait", type=float, default=300, help="seconds to wait for other jobs to calm")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=300, help="seconds to wait for other jobs to calm"
+    )
     parser.add_argument("--growth-threshold", type=float, default=5.0, help="RSS growth %% counted as noise")
     parser.add_argument("--keras-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -357,17 +436,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# towerflow throughput benchmark, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}")
     ensure_data(args.data)
     ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    print(f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {args.rounds} round(s) "
-          f"x {args.steps} timed steps after {args.warmup} warm-up; 1-worker cpus_per_worker={args.cpus_1worker:g}")
+    print(
+        f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {args.rounds} round(s) "
+        f"x {args.steps} timed steps after {args.warmup} warm-up; 1-worker cpus_per_worker={args.cpus_1worker:g}"
+    )
     runners = {"keras": run_keras, "tf1": lambda a: run_towerflow(a, 1), "tf2": lambda a: run_towerflow(a, 2)}
     results: dict[str, list[dict]] = {name: [] for name in runners}
     for r in range(args.rounds):
-        names = list(runners)[r % 3:] + list(runners)[:r % 3]
+        names = list(runners)[r % 3 :] + list(runners)[: r % 3]
         for name in names:
             log(f"round {r + 1}/{args.rounds}: {LABELS[name]} ...")
             results[name].append(measured(runners[name], args))
             last = results[name][-1]
-            log(f"  {last['rate']:,.0f} ex/s over {last['span_s']:.1f} s; other processes: {last['foreign']:.2f} cores")
+            log(
+                f"  {last['rate']:,.0f} ex/s over {last['span_s']:.1f} s; other processes: {last['foreign']:.2f} cores"
+            )
     medians = print_throughput(results)
     if not args.skip_memory:
         log(f"memory run: {args.memory_steps} steps, 2 workers ...")
