@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ GLOBAL_BATCH = 256
 PHASES = ("data", "pull", "compute", "push", "apply")
 MIB = 1 << 20
 RAY_WORKER_NICENESS = 15
+STATUS_FIELDS = {"rss": "VmRSS", "peak": "VmHWM", "anon": "RssAnon", "file": "RssFile", "shmem": "RssShmem"}
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -43,14 +45,8 @@ def log(message: str) -> None:
 def machine() -> str:
     import psutil
 
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
+    found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    cpu = found.group(1) if found else platform.processor() or "unknown CPU"
     ram = psutil.virtual_memory().total / (1 << 30)
     return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, Python {platform.python_version()}"
 
@@ -148,20 +144,8 @@ def keras_child(data: Path, warmup: int, steps: int) -> None:
 
 
 def run_keras(args: argparse.Namespace) -> dict:
-    command = [
-        "nice",
-        "-n",
-        str(RAY_WORKER_NICENESS),
-        sys.executable,
-        __file__,
-        "--keras-child",
-        "--data",
-        str(args.data),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
-    ]
+    command = ["nice", "-n", str(RAY_WORKER_NICENESS), sys.executable, __file__, "--keras-child"]
+    command += ["--data", str(args.data), f"--warmup={args.warmup}", f"--steps={args.steps}"]
     # Same niceness as Ray's workers (the raylet starts them at 15), so other jobs slow both alike.
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -196,25 +180,12 @@ def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int):
     from towerflow.spec import load_spec
 
     cpus = args.cpus_1worker if workers == 1 else 1
-    overrides = [
-        f"name=bench-sync-{workers}w",
-        f"data.train.paths={args.data}/train-*",
-        "data.eval=null",
-        "data.epochs=null",
-        f"data.batch_size={GLOBAL_BATCH // workers}",
-        f"cluster.workers={workers}",
-        "cluster.ps=2",
-        f"cluster.cpus_per_worker={cpus}",
-        "cluster.cpus_per_ps=0.5",
-        "cluster.data_cpus=1",
-        "training.mode=sync",
-        f"training.max_steps={max_steps}",
-        f"training.replicas_to_aggregate={workers}",
-        f"training.total_num_replicas={workers}",
-        "export.saved_model=false",
-        "export.register_as=null",
-    ]
-    return load_spec(SPEC, overrides)
+    overrides = f"""name=bench-sync-{workers}w data.eval=null data.epochs=null
+        data.batch_size={GLOBAL_BATCH // workers} cluster.workers={workers} cluster.ps=2
+        cluster.cpus_per_worker={cpus} cluster.cpus_per_ps=0.5 cluster.data_cpus=1 training.mode=sync
+        training.max_steps={max_steps} training.replicas_to_aggregate={workers}
+        training.total_num_replicas={workers} export.saved_model=false export.register_as=null""".split()
+    return load_spec(SPEC, [f"data.train.paths={args.data}/train-*", *overrides])
 
 
 def run_towerflow(args: argparse.Namespace, workers: int) -> dict:
@@ -259,17 +230,7 @@ def process_memory(pid: int) -> dict[str, int]:
     fields = dict(
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
     )
-    kb = {
-        k: int(fields[f].split()[0]) * 1024
-        for k, f in (
-            ("rss", "VmRSS"),
-            ("peak", "VmHWM"),
-            ("anon", "RssAnon"),
-            ("file", "RssFile"),
-            ("shmem", "RssShmem"),
-        )
-    }
-    return kb
+    return {key: int(fields[name].split()[0]) * 1024 for key, name in STATUS_FIELDS.items()}
 
 
 def sample_memory() -> dict:
