@@ -26,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+from towerflow.runtime.events import PHASES
 from towerflow.runtime.hooks import Hook
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "pipelines" / "mnist_sync.yaml"
 GLOBAL_BATCH = 256
-PHASES = ("data", "pull", "compute", "push", "apply")
 MIB = 1 << 20
 RAY_WORKER_NICENESS = 15
 STATUS_FIELDS = {"rss": "VmRSS", "peak": "VmHWM", "anon": "RssAnon", "file": "RssFile", "shmem": "RssShmem"}

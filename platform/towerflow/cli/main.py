@@ -90,8 +90,6 @@ def _train(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from towerflow.data.synth import synth_mnist
 
-    if args.shards < 1 or args.examples < 1 or args.eval_examples < 0:
-        raise TowerflowError("--shards and --examples must be at least 1, --eval-examples at least 0")
     manifest = synth_mnist(
         args.out, shards=args.shards, examples=args.examples, eval_examples=args.eval_examples, seed=args.seed
     )

@@ -36,7 +36,6 @@ class SyncProtocol:
 
     replicas_to_aggregate: int
     total_num_replicas: int
-    mode: str = "sync"
     _held: dict[int, list[np.ndarray]] = field(default_factory=dict, repr=False)  # worker -> gradients
     _retired: set[int] = field(default_factory=set)
 
@@ -76,7 +75,6 @@ class AsyncProtocol:
     """Downpour: every push is applied at once; with `max_staleness`, older gradients are rejected."""
 
     max_staleness: int | None = None
-    mode: str = "async"
 
     def on_push(self, gradients: list[np.ndarray], version_read: int, version: int, worker: int) -> Decision:
         staleness = version - version_read

@@ -110,12 +110,8 @@ class ParameterShard:
 
     # -- inspection ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        var_bytes = sum(v.numpy().nbytes for v in self._variables)
-        slot_bytes = sum(
-            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-            for v in self._optimizer.variables
-            if len(v.shape) > 0
-        )
+        var_bytes = sum(_nbytes(v) for v in self._variables)
+        slot_bytes = sum(_nbytes(v) for v in self._optimizer.variables if len(v.shape) > 0)
         return {
             "shard": self.shard_id,
             "version": self._version,
@@ -166,6 +162,14 @@ class ParameterShard:
         if self._changed is None:
             self._changed = asyncio.Condition()
         return self._changed
+
+
+def _nbytes(variable) -> int:
+    """Size from shape and dtype: no copy of the value (tf and Keras variables alike)."""
+    return (
+        int(np.prod(variable.shape))
+        * np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype)).itemsize
+    )
 
 
 def _compiled_apply(tf, optimizer, variables):

@@ -42,7 +42,7 @@ def configure_tensorflow(config: TFProcessConfig) -> list[str]:
                 )
             elif config.memory_growth:
                 tf.config.experimental.set_memory_growth(gpu, True)
-        return [f"/GPU:{i}" for i in range(len(gpus))][: max(config.towers, len(gpus))]
+        return [f"/GPU:{i}" for i in range(len(gpus))]  # one tower per GPU Ray gave us
     if config.gpus and not gpus:
         raise RuntimeError(
             f"this worker was given {config.gpus} GPU(s) by Ray but TensorFlow sees none "

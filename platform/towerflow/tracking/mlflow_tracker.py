@@ -102,10 +102,11 @@ class MLflowTracker(Hook):
                 self._log_batch(metrics=metrics[start : start + 1000])
 
     def _log_batch(self, metrics=(), params=()) -> None:
-        params = list(params)
-        for start in range(0, max(len(params), 1), 100):  # MLflow takes at most 100 params per batch
-            chunk = params[start : start + 100]
-            self._client.log_batch(self.run_id, metrics=list(metrics) if start == 0 else [], params=chunk)
+        metrics, params = list(metrics), list(params)
+        if metrics:
+            self._client.log_batch(self.run_id, metrics=metrics)
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self._client.log_batch(self.run_id, params=params[start : start + 100])
 
 
 def _versions() -> dict[str, str]:
