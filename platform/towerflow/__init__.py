@@ -1,6 +1,7 @@
 """towerflow: parameter-server TensorFlow training on Ray.
 
-Public API: ``train`` runs a job spec end to end; ``load_spec`` reads and validates one.
+Public API: ``train`` runs a job spec end to end; ``load_spec`` reads and validates one;
+``Hook`` (with ``SessionInfo``, ``RunContext``, ``StepEvent``, ``RunOutcome``) is the base of user hooks.
 """
 
 import os
@@ -12,7 +13,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.1.0"
 
-__all__ = ["TowerflowError", "__version__", "load_spec", "train"]
+__all__ = [
+    "Hook",
+    "RunContext",
+    "RunOutcome",
+    "SessionInfo",
+    "StepEvent",
+    "TowerflowError",
+    "__version__",
+    "load_spec",
+    "train",
+]
+_HOOK_API = {"Hook", "RunContext", "RunOutcome", "SessionInfo", "StepEvent"}
 
 
 def __getattr__(name: str):
@@ -25,4 +37,8 @@ def __getattr__(name: str):
         from towerflow.spec import load_spec
 
         return load_spec
+    if name in _HOOK_API:
+        from towerflow.runtime import hooks
+
+        return getattr(hooks, name)
     raise AttributeError(name)

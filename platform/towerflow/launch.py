@@ -1,4 +1,7 @@
-"""The composition root: spec + data + runtime + tracking, wired together. The CLI only calls this."""
+"""The composition root: spec + data + runtime + supervision + tracking, wired together.
+
+The CLI only calls this.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from towerflow.runtime.hooks import Hook
+from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.runtime.result import TrainResult
 from towerflow.spec import JobSpec, load_spec
 
@@ -17,30 +20,64 @@ def train(
     overrides: Iterable[str] = (),
     hooks: Sequence[Hook] = (),
     track: bool = True,
+    resume: str | None = None,
     worker_overrides: dict[int, dict[str, Any]] | None = None,
+    output_dir: str | Path | None = None,
 ) -> TrainResult:
     """Run one training job to the end and return its result.
 
     `spec` is a JobSpec or the path of a YAML spec (`overrides` are `a.b=value` strings). Ray is
     reached through RAY_ADDRESS or started locally; MLflow through the spec's tracking_uri,
-    MLFLOW_TRACKING_URI, or a store in the working directory.
+    MLFLOW_TRACKING_URI, or a store in the working directory. `resume` is the MLflow run id of an
+    earlier run of this job: its latest checkpoint is restored (onto however many shards this
+    spec has) and the same run goes on. Without tracking, checkpoints and profiles go under
+    `output_dir` (default `runs/<job name>`), and `resume` is that directory.
     """
+    from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
     from towerflow.data.ingest import build_training_data
     from towerflow.runtime.cluster import budget_for, ensure_ray
     from towerflow.runtime.driver import Driver
+    from towerflow.supervision import build_supervision_hooks
+    from towerflow.supervision.artifacts import LocalArtifactSink, MlflowArtifactSink
 
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, overrides)
-    ensure_ray(budget_for(spec.cluster))
-    all_hooks: list[Hook] = []
+    local_root = Path(output_dir or Path("runs") / spec.name)
+    tracker = None
     if track:
         from towerflow.tracking import MLflowTracker
 
-        all_hooks.append(MLflowTracker(spec))
+        tracker = MLflowTracker(spec, resume_run_id=resume)
+        initial_state = tracker.restore_state() if resume else None
+
+        def checkpoint_store(session: SessionInfo):
+            return MlflowCheckpointStore(tracker.client, tracker.run_id)
+
+        def artifact_sink(session: SessionInfo):
+            return MlflowArtifactSink(tracker.client, tracker.run_id)
+    else:
+        from towerflow.checkpoint.resume import latest_state
+
+        initial_state = (
+            latest_state(LocalCheckpointStore(Path(resume) / "checkpoints"), resume) if resume else None
+        )
+
+        def checkpoint_store(session: SessionInfo):
+            return LocalCheckpointStore(local_root / "checkpoints")
+
+        def artifact_sink(session: SessionInfo):
+            return LocalArtifactSink(local_root)
+
+    ensure_ray(budget_for(spec.cluster))
+    all_hooks: list[Hook] = [tracker] if tracker else []
+    all_hooks += build_supervision_hooks(spec, checkpoint_store=checkpoint_store, artifact_sink=artifact_sink)
     all_hooks.extend(hooks)
 
     def make_data(num_workers: int):
         data = build_training_data(spec, num_workers)
         return data.splits, data.feature_scales
 
-    return Driver(spec, all_hooks, make_data, worker_overrides=worker_overrides).run()
+    driver = Driver(
+        spec, all_hooks, make_data, worker_overrides=worker_overrides, initial_state=initial_state
+    )
+    return driver.run()

@@ -23,7 +23,12 @@ def test_default_store_is_in_the_working_directory(tmp_path, monkeypatch):
 def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec = validate_spec(
-        blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "t"}, training={"max_steps": 8})
+        blob_spec(
+            blob_data,
+            tracking={"tracking_uri": uri, "experiment": "t"},
+            training={"max_steps": 8},
+            supervision={"log_every_steps": 3},
+        )
     )
     result = train(spec)
     client = MlflowClient(uri)
@@ -33,7 +38,8 @@ def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
     assert run.data.params["model.ref"] == "models.mlp:build"
     assert run.data.tags["mode"] == "sync" and "ray.version" in run.data.tags
     history = client.get_metric_history(result.run_id, "loss")
-    assert [m.step for m in history] == list(range(1, 9))
+    assert [m.step for m in history] == [1, 4, 7, 8]  # the first, every 3rd, and the last
+    assert run.info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri())
     steps = client.get_metric_history(result.run_id, "global_step")
     assert all(m.step == m.value for m in steps)
     assert "train_accuracy" in run.data.metrics and "time_compute_s" in run.data.metrics

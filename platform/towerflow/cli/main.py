@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         help="override a spec key, e.g. --set training.max_steps=200 (repeatable)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue this MLflow run from its latest checkpoint (any number of PS shards)",
+    )
     train.set_defaults(handler=_train)
 
     data = sub.add_parser("data", help="data sets: generate synthetic ones")
@@ -75,7 +80,7 @@ def _train(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec, args.overrides)
     hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
-    result = train(spec, hooks=hooks)
+    result = train(spec, hooks=hooks, resume=args.resume)
     print(f"towerflow: {result.summary_line()}")
     if result.run_id:
         from towerflow.tracking import default_tracking_uri

@@ -36,6 +36,7 @@ class Driver:
         worker_overrides: dict[int, dict[str, Any]] | None = None,
         poll_s: float = 0.2,
         return_parameters: bool = True,
+        initial_state: Any = None,
     ) -> None:
         self.spec = spec
         self.hooks = list(hooks)
@@ -47,8 +48,18 @@ class Driver:
         self.return_parameters = return_parameters
         self.workers: list[Any] = []
         self.shards: list[Any] = []
-        self.session = SessionInfo(spec=spec, num_workers=spec.cluster.workers, num_shards=spec.cluster.ps)
+        self.initial_state = initial_state  # a TrainingState to resume from
+        self.session = SessionInfo(
+            spec=spec,
+            num_workers=spec.cluster.workers,
+            num_shards=spec.cluster.ps,
+            start_step=initial_state.global_step if initial_state is not None else 0,
+            runtime=self,
+        )
+        self.session._metric_listeners = self.hooks
         self.context = RunContext(self.session)
+        self._runs: list[Any] = []
+        self._evaluator: Any = None
         self.aggregator = StepAggregator(
             replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1
         )
@@ -68,7 +79,7 @@ class Driver:
                 hook.after_create_session(self.session)
             worker_summaries = self._train()
             result = self._result(worker_summaries, started)
-            outcome = RunOutcome("FINISHED", result.global_step)
+            outcome = RunOutcome("FINISHED", result.global_step, result=result)
             return result
         except KeyboardInterrupt as exc:
             outcome = RunOutcome("KILLED", self._global_step(), exc)
@@ -77,7 +88,7 @@ class Driver:
             outcome = RunOutcome("FAILED", self._global_step(), exc)
             raise _as_user_error(exc) from exc
         finally:
-            for hook in begun:
+            for hook in reversed(begun):
                 try:
                     hook.end(self.session, outcome)
                 except Exception as exc:  # one hook's failure must not hide the run's own outcome
@@ -94,12 +105,21 @@ class Driver:
         assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
         self.session.variables, self.session.pieces, self.session.shard_assignment = infos, pieces, assignment
         optimizer = spec.training.optimizer.model_dump(mode="json")
+        if self.initial_state is not None:
+            from towerflow.checkpoint import split_for_shards
+
+            initial = split_for_shards(self.initial_state, infos, pieces, assignment, optimizer["name"])
+        else:
+            initial = [
+                ([pieces[i].of(values[pieces[i].variable]) for i in indices], None) for indices in assignment
+            ]
+        bounds = [b for b in (spec.training.max_steps, self.session.last_step) if b is not None]
         shard_cls = shard_actor(cluster.cpus_per_ps)
         self.shards = [
             shard_cls.remote(
                 shard,
                 [pieces[i].name for i in indices],
-                [pieces[i].of(values[pieces[i].variable]) for i in indices],
+                shard_values,
                 optimizer,
                 make_protocol(
                     spec.training.mode,
@@ -107,16 +127,28 @@ class Driver:
                     total_num_replicas=cluster.workers,
                     max_staleness=spec.training.max_staleness,
                 ),
-                spec.training.max_steps,
+                min(bounds) if bounds else None,
                 cluster.cpus_per_ps,
+                initial_slots=shard_slots,
+                initial_version=self.session.start_step,
+                apply_threads=self._apply_threads(),
             )
-            for shard, indices in enumerate(assignment)
+            for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
         ]
         # Wait until every actor has started (TensorFlow imported, model built) before the clock runs.
         ray.get([s.ping.remote() for s in self.shards] + [w.devices_used.remote() for w in self.workers])
 
+    def _apply_threads(self) -> int | None:
+        """Sync workers wait while the shards apply: lend the shards their cores meanwhile."""
+        cluster = self.spec.cluster
+        if self.spec.training.mode != "sync":
+            return None
+        return max(1, int(cluster.workers * cluster.cpus_per_worker // cluster.ps))
+
     def _worker_config(self, worker_id: int) -> WorkerConfig:
         spec = self.spec
+        supervision = spec.supervision
+        profile = supervision.profile
         config = WorkerConfig(
             worker_id=worker_id,
             model_ref=spec.model.ref,
@@ -140,6 +172,13 @@ class Driver:
             clip_global_norm=spec.training.optimizer.clip_global_norm,
             drop_remainder=spec.data.drop_remainder,
             shuffle_buffer=spec.data.shuffle_buffer,
+            start_at_step=self.session.start_step + worker_id * supervision.worker_start_delay_steps,
+            nan_guard=supervision.nan_guard != "off",
+            profile_steps=(
+                (profile.start_step, profile.stop_step)
+                if profile is not None and worker_id in profile.workers
+                else None
+            ),
         )
         for key, value in self.worker_overrides.get(worker_id, {}).items():
             setattr(config, key, value)
@@ -154,6 +193,7 @@ class Driver:
         }
         summaries: dict[int, dict[str, Any]] = {}
         pending = list(runs)
+        self._runs = list(runs)
         stopping = False
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
@@ -165,6 +205,7 @@ class Driver:
                 for worker in self.workers:
                     worker.request_stop.remote()
                 ray.get([s.finish.remote() for s in self.shards])
+        ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
         self._report(self.aggregator.flush())
         return [summaries[i] for i in sorted(summaries)]
 
@@ -234,15 +275,76 @@ class Driver:
             for i in sorted(parts)
         ]
 
+    # -- TrainingRuntime: what hooks may ask of the cluster -------------------------------------
+    def capture_state(self):
+        """All shards' state at their next common version: a consistent cut, taken without a pause."""
+        from towerflow.checkpoint import assemble_state
+
+        versions = ray.get([s.ping.remote() for s in self.shards])
+        target = max(versions) + 1
+        refs = [s.snapshot.remote(target) for s in self.shards]
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            if len(ready) == len(refs):
+                break
+            if self._runs and len(ray.wait(self._runs, num_returns=len(self._runs), timeout=0)[0]) == len(
+                self._runs
+            ):
+                # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
+                ray.get([s.finish.remote() for s in self.shards])
+        snapshots = ray.get(refs)
+        return assemble_state(
+            snapshots,
+            self.session.variables,
+            self.session.pieces,
+            self.session.shard_assignment,
+            self.spec.training.optimizer.name,
+            self._data_position(),
+        )
+
+    def parameters(self) -> list[np.ndarray]:
+        return self._fetch_parameters()
+
+    def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
+        chosen = [w for w in workers if w < len(self.workers)]
+        return dict(zip(chosen, ray.get([self.workers[w].profile.remote() for w in chosen])))
+
+    def evaluate(
+        self,
+        files: list[str],
+        features: dict[str, Any],
+        metrics: list[str],
+        batch_size: int,
+        max_batches: int | None,
+    ):
+        """Start an evaluation of the current parameters on an evaluator actor; returns a Future."""
+        if self._evaluator is None:
+            config = self._worker_config(0)
+            config.worker_id, config.start_at_step, config.profile_steps = -1, 0, None
+            config.tf = TFProcessConfig(cpus=1.0)
+            # No CPU reservation: evaluations are short and occasional, and must not wait for a slot.
+            self._evaluator = worker_actor(0, 0).remote(config)
+        ref = self._evaluator.evaluate.remote(
+            self.shards, self._placement(), files, features, metrics, batch_size, max_batches
+        )
+        return ref.future()
+
+    def last_event(self):
+        """The newest step event heard of (None before the first)."""
+        return self.aggregator.last_event
+
+    def _data_position(self) -> dict[str, Any]:
+        return {"examples_seen": self.aggregator.examples_seen}
+
     def _global_step(self) -> int:
         last = self.aggregator.last_event
         return last.global_step if last else 0
 
     def _release(self) -> None:
-        for actor in self.workers + self.shards:
+        for actor in self.workers + self.shards + ([self._evaluator] if self._evaluator else []):
             with contextlib.suppress(Exception):  # already dead is fine
                 ray.kill(actor)
-        self.workers, self.shards = [], []
+        self.workers, self.shards, self._evaluator = [], [], None
 
 
 def _as_user_error(exc: BaseException) -> BaseException:

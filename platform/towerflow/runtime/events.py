@@ -38,15 +38,18 @@ class StepAggregator:
         self._start = time.time()
 
     def add(self, records: list[StepRecord]) -> list[StepEvent]:
+        nonfinite = []
         for record in records:
-            if record.step > 0:
+            if record.verdict == "nonfinite":
+                nonfinite.append(self._nonfinite_event(record))
+            elif record.step > 0:
                 self._pending[record.step].append(record)
             elif record.verdict == "stale":
                 self._dropped += 1
                 self.dropped_total += 1
             elif record.verdict in ("rejected", "partial"):
                 self.rejected_total += 1
-        return self._emit(final=False)
+        return self._emit(final=False) + nonfinite
 
     def flush(self) -> list[StepEvent]:
         return self._emit(final=True)
@@ -99,6 +102,21 @@ class StepAggregator:
         )
         self.last_event = event
         return event
+
+    def _nonfinite_event(self, record: StepRecord) -> StepEvent:
+        """A worker's loss was not finite: nothing was applied, the step it was computing is named."""
+        return StepEvent(
+            global_step=record.version_read + 1,
+            loss=record.loss,
+            metrics={},
+            examples=0,
+            examples_seen=self.examples_seen,
+            elapsed_s=record.finished_at - self._start,
+            examples_per_sec=0.0,
+            time_split={},
+            workers=[record.worker],
+            nonfinite=True,
+        )
 
     def steady_examples_per_sec(self) -> float:
         """Throughput from the first update to the last: start-up (imports, data warm-up) excluded."""

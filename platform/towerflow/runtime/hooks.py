@@ -8,7 +8,7 @@ checkpoints, stop conditions) composes the supervision story.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 
 @dataclass
@@ -22,6 +22,28 @@ class SessionInfo:
     pieces: list[Any] = field(default_factory=list)  # list[Piece]: variables or row slices of them
     shard_assignment: list[list[int]] = field(default_factory=list)  # piece indices per shard
     tags: dict[str, str] = field(default_factory=dict)  # filled by hooks (e.g. the tracking run id)
+    start_step: int = 0  # the restored global step on resume, else 0
+    last_step: int | None = None  # a hook may bound the run (StopAtStep); the shards stop there exactly
+    runtime: Any = None  # TrainingRuntime: what hooks may ask of the running cluster
+    _metric_listeners: list[Any] = field(default_factory=list, repr=False)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Hand metrics that are not step figures (evaluation, counters) to every hook's on_metrics."""
+        for listener in self._metric_listeners:
+            listener.on_metrics(metrics, step)
+
+
+class TrainingRuntime(Protocol):
+    """The cluster as hooks see it (the driver implements it)."""
+
+    def capture_state(self) -> Any:
+        """A consistent TrainingState of all shards at their next common version (or the final one)."""
+
+    def parameters(self) -> list[Any]:
+        """The current whole variables in model order (numpy)."""
+
+    def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
+        """Each chosen worker's profiler trace: {'files': {path: bytes}, 'window': (start, end)}."""
 
 
 @dataclass
@@ -39,6 +61,7 @@ class StepEvent:
     workers: list[int]  # workers whose gradients made up this update
     dropped_stale: int = 0  # gradients dropped since the previous event
     staleness: list[int] = field(default_factory=list)  # of each gradient applied (async)
+    nonfinite: bool = False  # a worker's loss was NaN/inf: it stopped without pushing (nothing applied)
 
 
 @dataclass
@@ -46,6 +69,7 @@ class RunOutcome:
     status: Literal["FINISHED", "FAILED", "KILLED"]
     global_step: int
     error: BaseException | None = None
+    result: Any = None  # the TrainResult when the run finished normally
 
 
 class RunContext:
@@ -77,4 +101,10 @@ class Hook:
         """After an update was applied."""
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
-        """Always called once, also when training failed (outcome.status says how it ended)."""
+        """Always called once, also when training failed (outcome.status says how it ended).
+
+        Hooks end in reverse order of their begin, so the first hook (the tracker) ends last and
+        sees what the others did at the end (final checkpoint, final evaluation)."""
+
+    def on_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Metrics another hook computed (evaluation, ...) at global step `step`."""

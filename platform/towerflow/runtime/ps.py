@@ -27,6 +27,17 @@ class ParamsReply:
 
 
 @dataclass
+class ShardSnapshot:
+    """A shard's whole state at one version: values and optimizer slots of its pieces."""
+
+    shard_id: int
+    version: int
+    names: list[str]
+    values: list[np.ndarray]
+    slots: dict[str, list[np.ndarray]]  # slot name -> one array per piece
+
+
+@dataclass
 class PushReply:
     verdict: str  # applied | stale | rejected | done
     step: int  # the global step this gradient went into; -1 when it was not applied
@@ -47,30 +58,47 @@ class ParameterShard:
         protocol: UpdateProtocol,
         max_steps: int | None,
         cpus: float = 0.5,
+        *,
+        initial_slots: dict[str, list[np.ndarray]] | None = None,
+        initial_version: int = 0,
+        apply_threads: int | None = None,
     ) -> None:
-        configure_tensorflow(TFProcessConfig(cpus=cpus))
+        # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
+        configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0)))
         import tensorflow as tf
 
         from towerflow.runtime.optimizers import build_optimizer
 
         self.shard_id = shard_id
         self._names = names
+        self._tf = tf
+        self._optimizer = build_optimizer(optimizer)
         self._variables = [
             tf.Variable(np.asarray(v), name=f"shard{shard_id}_{i}") for i, v in enumerate(initial_values)
         ]
-        self._optimizer = build_optimizer(optimizer)
-        self._optimizer.build(self._variables)
-        self._apply_fn = _compiled_apply(tf, self._optimizer, self._variables)
-        self._tf = tf
+        self._slots = [
+            {
+                slot: tf.Variable(
+                    np.asarray(initial_slots[slot][i])
+                    if initial_slots
+                    else self._optimizer.slot_initial_value(slot, np.asarray(value))
+                )
+                for slot in self._optimizer.slot_names
+            }
+            for i, value in enumerate(initial_values)
+        ]
+        self._apply_fn = _compiled_apply(tf, self._optimizer, self._variables, self._slots)
         self._protocol = protocol
         self._max_steps = max_steps
-        self._version = 0
-        self._done = False
+        self._version = initial_version
+        self._done = max_steps is not None and initial_version >= max_steps
         self._changed: asyncio.Condition | None = None
         self._counts = {"applied": 0, "stale": 0, "rejected": 0, "after_done": 0}
         self._apply_total_s = 0.0
         self._last_apply_s = 0.0
         self._params_ref = None
+        self._snapshot_at: set[int] = set()
+        self._snapshots: dict[int, ShardSnapshot] = {}
         self._publish()
 
     # -- the protocol's verbs ------------------------------------------------------------------
@@ -108,10 +136,22 @@ class ParameterShard:
         await self._notify()
         return self._version
 
+    async def snapshot(self, version: int) -> ShardSnapshot:
+        """The state at `version`: now if the shard is there, else as soon as an update reaches it.
+
+        Shards reach every version one update at a time, so asking all shards for the same future
+        version gives a consistent cut without pausing training. A shard that ends before it gets
+        there (end of data, stop) answers with its final state; the caller checks the versions.
+        """
+        if self._version < version and not self._done:
+            self._snapshot_at.add(version)
+            await self._wait_for(lambda: version in self._snapshots or self._done)
+        return self._snapshots.pop(version, None) or self._capture()
+
     # -- inspection ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         var_bytes = sum(_nbytes(v) for v in self._variables)
-        slot_bytes = sum(_nbytes(v) for v in self._optimizer.variables if len(v.shape) > 0)
+        slot_bytes = sum(_nbytes(v) for slots in self._slots for v in slots.values())
         return {
             "shard": self.shard_id,
             "version": self._version,
@@ -128,12 +168,20 @@ class ParameterShard:
     # -- internals -------------------------------------------------------------------------------
     def _apply(self, replicas: list[list[np.ndarray]]) -> int:
         start = time.perf_counter()
-        self._apply_fn([[self._tf.convert_to_tensor(g) for g in grads] for grads in replicas])
+        tf = self._tf
+        self._apply_fn(
+            [[tf.convert_to_tensor(g) for g in grads] for grads in replicas],
+            tf.constant(self._optimizer.learning_rate(self._version), tf.float32),
+            tf.constant(self._version + 1, tf.float32),
+        )
         self._version += 1
         self._counts["applied"] += 1
         if self._max_steps is not None and self._version >= self._max_steps:
             self._done = True
         self._publish()
+        if self._version in self._snapshot_at:
+            self._snapshot_at.discard(self._version)
+            self._snapshots[self._version] = self._capture()
         self._last_apply_s = time.perf_counter() - start
         self._apply_total_s += self._last_apply_s
         asyncio.get_running_loop().create_task(self._notify())
@@ -142,6 +190,15 @@ class ParameterShard:
     def _publish(self) -> None:
         # One object per version; the previous one lives on only while some worker still reads it.
         self._params_ref = ray.put([v.numpy() for v in self._variables])
+
+    def _capture(self) -> ShardSnapshot:
+        return ShardSnapshot(
+            self.shard_id,
+            self._version,
+            list(self._names),
+            [v.numpy() for v in self._variables],
+            {slot: [s[slot].numpy() for s in self._slots] for slot in self._optimizer.slot_names},
+        )
 
     def _params_reply(self) -> ParamsReply:
         return ParamsReply(self._version, self._params_ref, self._done)
@@ -172,14 +229,15 @@ def _nbytes(variable) -> int:
     )
 
 
-def _compiled_apply(tf, optimizer, variables):
+def _compiled_apply(tf, optimizer, variables, slots):
     # A closure, not a method: Ray adds a tracing argument to actor methods that tf.function rejects.
-    def apply(replicas):
+    def apply(replicas, lr, step):
         if len(replicas) == 1:
             mean = replicas[0]
         else:
             mean = [tf.add_n(list(parts)) / len(replicas) for parts in zip(*replicas, strict=True)]
-        optimizer.apply_gradients(zip(mean, variables, strict=True))
+        for variable, variable_slots, gradient in zip(variables, slots, mean, strict=True):
+            optimizer.apply(tf, variable, variable_slots, gradient, lr, step)
 
     return tf.function(apply, reduce_retracing=True)
 

@@ -38,7 +38,11 @@ class WorkerConfig:
     clip_global_norm: float | None = None
     drop_remainder: bool = True
     shuffle_buffer: int = 0
+    start_at_step: int = 0  # GlobalStepWaiter: wait for this global step before the first step
+    nan_guard: bool = True  # never push a gradient whose loss is not finite; report it instead
+    profile_steps: tuple[int, int] | None = None  # profile global steps [a, b) with TF's profiler
     step_delay_s: float = 0.0  # artificial slowness, for tests and fault benchmarks only
+    nan_at_step: int | None = None  # make the loss NaN from this global step on, for NaN-guard tests only
 
 
 @dataclass
@@ -85,10 +89,12 @@ class TowerWorker:
             clip_global_norm=config.clip_global_norm,
             from_logits=config.from_logits,
         )
+        self.loss_config = {"class_name": _LOSS_CLASSES[config.loss], "config": _loss_config(config)}
         input_names = [getattr(t, "name", f"input_{i}") for i, t in enumerate(self.model.inputs)]
         self.adapter = BatchAdapter(input_names, config.label, config.feature_scales)
         self._records: collections.deque[StepRecord] = collections.deque()
         self._stop = threading.Event()
+        self._profiler = StepWindowProfiler(config.profile_steps)
 
     # -- called by the driver --------------------------------------------------------------------
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
@@ -112,6 +118,61 @@ class TowerWorker:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def evaluate(
+        self,
+        shards: list[Any],
+        placement: list[list[tuple[int, int, int, bool]]],
+        files: list[str],
+        features: dict[str, dict[str, Any]],
+        metric_names: list[str],
+        batch_size: int,
+        max_batches: int | None = None,
+    ) -> tuple[int, dict[str, float]]:
+        """Evaluate the shards' current parameters on the evaluation files, read in order.
+
+        Run on an evaluator actor of its own (TensorFlow's evaluator task), never on a training
+        worker: it assigns the model's variables. Returns (version evaluated, metrics).
+        """
+        import keras
+
+        from towerflow.data.eval_reader import iter_eval_batches
+        from towerflow.runtime.evaluation import StreamingMetrics
+
+        replies = ray.get([shard.pull.remote(0) for shard in shards])
+        variables = self.model.trainable_variables
+        staging = {}
+        for shard_values, pieces in zip(ray.get([r.params for r in replies]), placement):
+            for value, (index, start, stop, whole) in zip(shard_values, pieces):
+                if whole:
+                    variables[index].assign(value)
+                else:
+                    staging.setdefault(
+                        index, np.empty(variables[index].shape, np.dtype(variables[index].dtype))
+                    )
+                    staging[index][start:stop] = value
+        for index, buffer in staging.items():
+            variables[index].assign(buffer)
+        loss_config = {**self.loss_config, "config": {**self.loss_config["config"], "reduction": None}}
+        loss_fn = keras.losses.get(loss_config)
+        outputs_shape = self.model.outputs[0].shape
+        metrics = StreamingMetrics(
+            metric_names,
+            loss=self.config.loss,
+            from_logits=self.config.from_logits,
+            num_outputs=int(outputs_shape[-1]) if outputs_shape[-1] is not None else 1,
+        )
+        for count, batch in enumerate(iter_eval_batches(files, features, batch_size)):
+            if max_batches is not None and count >= max_batches:
+                break
+            inputs, labels = self.adapter(batch)
+            outputs = np.asarray(self.model(inputs, training=False))
+            metrics.update(labels, outputs, np.asarray(loss_fn(labels, outputs)))
+        return replies[0].version, metrics.result()
+
+    def profile(self) -> dict[str, Any] | None:
+        """The TensorFlow profiler trace of the profiled steps: files (relative path -> bytes) and window."""
+        return self._profiler.collect()
+
     def run(
         self, shards: list[Any], placement: list[list[tuple[int, int, int, bool]]], data: Any
     ) -> dict[str, Any]:
@@ -130,7 +191,7 @@ class TowerWorker:
             if not whole
         }
         start = time.perf_counter()
-        replies = ray.get([shard.pull.remote(0) for shard in shards])
+        replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
         versions = [r.version for r in replies]
         param_refs = [r.params for r in replies]
         done = any(r.done for r in replies)
@@ -147,6 +208,7 @@ class TowerWorker:
         steps = examples = 0
         try:
             while not done and not self._stop.is_set():
+                self._profiler.at_step(versions[0] + 1)
                 t0 = time.perf_counter()
                 batch = next(batches, None)
                 if batch is None:
@@ -165,9 +227,27 @@ class TowerWorker:
                 loss, metrics, grads = self.towers(inputs, labels)
                 grads = [g.numpy() for g in grads]
                 loss = float(loss)
+                if cfg.nan_at_step is not None and versions[0] + 1 >= cfg.nan_at_step:
+                    loss = float("nan")
                 if cfg.step_delay_s:
                     time.sleep(cfg.step_delay_s)
                 t3 = time.perf_counter()
+                if cfg.nan_guard and not np.isfinite(loss):
+                    # Keep the shards clean: report the step and stop this worker without pushing.
+                    self._records.append(
+                        StepRecord(
+                            cfg.worker_id,
+                            -1,
+                            "nonfinite",
+                            versions[0],
+                            loss,
+                            {},
+                            0,
+                            0,
+                            finished_at=time.time(),
+                        )
+                    )
+                    break
                 pushes = [
                     shard.push.remote(
                         [grads[i] if whole else grads[i][start:stop] for i, start, stop, whole in pieces],
@@ -206,6 +286,7 @@ class TowerWorker:
                 param_refs = [r.next.params for r in replies]
                 done = any(r.next.done for r in replies)
         finally:
+            self._profiler.stop()
             # Let sync aggregation go on without us (also when we failed).
             ray.get([shard.retire.remote(cfg.worker_id) for shard in shards])
         return {
@@ -214,6 +295,49 @@ class TowerWorker:
             "examples": examples,
             "seconds": time.perf_counter() - start,
         }
+
+
+class StepWindowProfiler:
+    """TensorFlow's profiler over global steps [a, b) of this worker, written to a scratch directory."""
+
+    def __init__(self, steps: tuple[int, int] | None) -> None:
+        self.steps = steps
+        self.logdir: str | None = None
+        self.window: tuple[float, float] | None = None
+        self._started_at: float | None = None
+
+    def at_step(self, step: int) -> None:
+        if self.steps is None:
+            return
+        first, stop = self.steps
+        if self._started_at is None and self.window is None and first <= step < stop:
+            import tempfile
+
+            import tensorflow as tf
+
+            self.logdir = tempfile.mkdtemp(prefix="towerflow-profile-")
+            tf.profiler.experimental.start(self.logdir)
+            self._started_at = time.time()
+        elif self._started_at is not None and step >= stop:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._started_at is None:
+            return
+        import tensorflow as tf
+
+        tf.profiler.experimental.stop()
+        self.window = (self._started_at, time.time())
+        self._started_at = None
+
+    def collect(self) -> dict[str, Any] | None:
+        if self.logdir is None or self.window is None:
+            return None
+        from pathlib import Path
+
+        root = Path(self.logdir)
+        files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        return {"files": files, "window": self.window}
 
 
 _LOSS_CLASSES = {

@@ -13,29 +13,61 @@ from typing import Any
 
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.spec import flatten_spec
-from towerflow.tracking.store import default_tracking_uri
+from towerflow.tracking.store import artifact_location_for, default_tracking_uri
 
 
 class MLflowTracker(Hook):
-    def __init__(self, spec: Any, *, tracking_uri: str | None = None, flush_every_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        *,
+        tracking_uri: str | None = None,
+        flush_every_s: float = 2.0,
+        resume_run_id: str | None = None,
+    ) -> None:
         self.spec = spec
         self.tracking_uri = default_tracking_uri(tracking_uri or spec.tracking.tracking_uri)
         self.flush_every_s = flush_every_s
+        self.log_every_steps = spec.supervision.log_every_steps
+        self.resume_run_id = resume_run_id
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._client = None
         self._buffer: list[Any] = []
         self._last_flush = 0.0
+        self._last_logged_step = 0
+
+    @property
+    def client(self):
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def restore_state(self):
+        """The latest checkpoint of the run being resumed (a TrainingState)."""
+        from towerflow.checkpoint.resume import latest_state
+        from towerflow.checkpoint.stores import MlflowCheckpointStore
+
+        run = self._resumable_run()
+        return latest_state(MlflowCheckpointStore(self.client, run.info.run_id), f"run {run.info.run_id}")
 
     def begin(self, session: SessionInfo) -> None:
         import mlflow
-        from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        if self.resume_run_id:
+            self._reopen(session)
+            return
         spec = self.spec
+        self._client = self.client
         experiment = self._client.get_experiment_by_name(spec.experiment)
         self.experiment_id = (
-            experiment.experiment_id if experiment else self._client.create_experiment(spec.experiment)
+            experiment.experiment_id
+            if experiment
+            else self._client.create_experiment(
+                spec.experiment, artifact_location=artifact_location_for(self.tracking_uri, spec.experiment)
+            )
         )
         tags = {
             "mode": spec.training.mode,
@@ -52,8 +84,40 @@ class MLflowTracker(Hook):
         params["cluster.ps_shards"] = str(session.num_shards)
         self._log_batch(params=[mlflow.entities.Param(k, v[:6000]) for k, v in sorted(params.items())])
 
+    def _resumable_run(self):
+        from mlflow.exceptions import MlflowException
+
+        from towerflow.errors import SpecError
+
+        try:
+            run = self.client.get_run(self.resume_run_id)
+        except MlflowException:
+            raise SpecError(
+                f"--resume {self.resume_run_id}: no such run in the MLflow store {self.tracking_uri}"
+            ) from None
+        job = run.data.tags.get("towerflow.job")
+        if job != self.spec.name:
+            raise SpecError(
+                f"--resume {self.resume_run_id}: that run is of job {job!r}, not {self.spec.name!r}"
+            )
+        return run
+
+    def _reopen(self, session: SessionInfo) -> None:
+        """Continue the same run: it goes back to RUNNING; params stay as first logged."""
+        run = self._resumable_run()
+        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
+        self.client.update_run(self.run_id, status="RUNNING")
+        self.client.set_tag(self.run_id, "towerflow.resumed_from_step", str(session.start_step))
+        self._last_logged_step = session.start_step
+        session.tags.update(
+            run_id=self.run_id, experiment_id=self.experiment_id, tracking_uri=self.tracking_uri
+        )
+
     def after_create_session(self, session: SessionInfo) -> None:
         from mlflow.entities import Param
+
+        if self.resume_run_id:
+            return
 
         sizes = [sum(session.pieces[i].nbytes for i in shard) for shard in session.shard_assignment]
         self._log_batch(
@@ -67,8 +131,11 @@ class MLflowTracker(Hook):
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
         step = event.global_step
+        if step - self._last_logged_step < self.log_every_steps and step > 1 and not event.nonfinite:
+            return
+        self._last_logged_step = step
+        now = int(time.time() * 1000)
         values = {
             "loss": event.loss,
             "global_step": step,
@@ -85,9 +152,19 @@ class MLflowTracker(Hook):
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
+    def on_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._client is None or self.run_id is None:
             return
+        last = session.runtime.last_event() if session.runtime is not None else None
+        if last is not None and last.global_step > self._last_logged_step:
+            self._last_logged_step = last.global_step - self.log_every_steps  # always log the final step
+            self.after_run(None, last)
         self.flush()
         if outcome.error is not None:
             message = str(outcome.error).strip() or type(outcome.error).__name__

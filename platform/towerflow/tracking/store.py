@@ -18,3 +18,12 @@ def default_tracking_uri(spec_uri: str | None = None, workdir: str | Path | None
         return os.environ["MLFLOW_TRACKING_URI"]
     base = Path(workdir or os.getcwd()).resolve()
     return f"sqlite:///{base / DEFAULT_DB}"
+
+
+def artifact_location_for(tracking_uri: str, experiment: str) -> str | None:
+    """Artifacts of a SQLite store live beside its database (`mlartifacts/<experiment>`), not in
+    whatever directory a run happened to start in; other stores keep their own default."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    database = Path(tracking_uri.removeprefix("sqlite:///"))
+    return (database.parent / "mlartifacts" / experiment).resolve().as_uri()

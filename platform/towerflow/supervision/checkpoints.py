@@ -1,0 +1,79 @@
+"""CheckpointSaver: save the whole training state every N steps or N seconds, and at the end.
+
+TensorFlow's defaults: every 600 s when no interval is given, keep the newest 5, optionally one
+every n hours for good. A state that holds a NaN/inf is never saved, so the newest checkpoint is
+always a good one to resume from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from towerflow.checkpoint.retention import checkpoints_to_delete
+from towerflow.checkpoint.stores import CheckpointStore
+from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
+
+
+class CheckpointSaverHook(Hook):
+    def __init__(
+        self,
+        store: CheckpointStore | Callable[[SessionInfo], CheckpointStore],
+        *,
+        every_steps: int | None = None,
+        every_secs: float | None = None,
+        max_to_keep: int = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        at_end: bool = True,
+    ) -> None:
+        if every_steps is None and every_secs is None:
+            every_secs = 600.0
+        self._store_or_factory = store
+        self.store: CheckpointStore | None = None
+        self.every_steps = every_steps
+        self.every_secs = every_secs
+        self.max_to_keep = max_to_keep
+        self.keep_every_n_hours = keep_checkpoint_every_n_hours
+        self.at_end = at_end
+        self.saved: list[int] = []
+        self.skipped_nonfinite: list[int] = []
+        self._last_step = 0
+        self._last_time = 0.0
+        self._started_at = time.time()
+
+    def begin(self, session: SessionInfo) -> None:
+        factory = self._store_or_factory
+        self.store = factory(session) if callable(factory) else factory
+        self._last_step = session.start_step
+        self._last_time = time.monotonic()
+        self._started_at = time.time()
+
+    def after_run(self, context: RunContext, event: StepEvent) -> None:
+        if event.nonfinite:
+            return
+        due_steps = self.every_steps is not None and event.global_step - self._last_step >= self.every_steps
+        due_time = self.every_secs is not None and time.monotonic() - self._last_time >= self.every_secs
+        if due_steps or due_time:
+            self.save(context.session)
+
+    def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
+        if self.at_end and outcome.status == "FINISHED" and session.runtime is not None:
+            self.save(session)
+
+    def save(self, session: SessionInfo) -> int | None:
+        state = session.runtime.capture_state()
+        self._last_step, self._last_time = state.global_step, time.monotonic()
+        if not state.all_finite():
+            self.skipped_nonfinite.append(state.global_step)
+            print(f"towerflow: not saving step {state.global_step}: the parameters hold NaN/inf")
+            return None
+        if state.global_step in self.saved:
+            return state.global_step
+        self.store.save(state)
+        self.saved.append(state.global_step)
+        for step in checkpoints_to_delete(
+            self.store.list(), self.max_to_keep, self.keep_every_n_hours, started_at=self._started_at
+        ):
+            self.store.delete(step)
+        session.log_metrics({"checkpoint_step": float(state.global_step)}, state.global_step)
+        return state.global_step

@@ -1,0 +1,34 @@
+"""NaN guard: a worker whose loss is NaN/inf stops without pushing; this hook fails or stops the job.
+
+Workers never push a non-finite gradient while the guard is on, so the shards (and so the last
+checkpoint) hold the last good parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from towerflow.errors import TrainingError
+from towerflow.runtime.hooks import Hook, RunContext, StepEvent
+
+
+class NanGuardHook(Hook):
+    def __init__(self, action: Literal["fail", "stop"] = "fail") -> None:
+        self.action = action
+        self.tripped_at: int | None = None
+
+    def after_run(self, context: RunContext, event: StepEvent) -> None:
+        if math.isfinite(event.loss):
+            return
+        self.tripped_at = event.global_step
+        where = f"worker {event.workers[0]}" if event.nonfinite and event.workers else "the step"
+        message = (
+            f"loss is {event.loss} at global step {event.global_step} ({where}); nothing from that step "
+            "was applied and the last good checkpoint is kept. Lower the learning rate, clip gradients "
+            "(training.optimizer.clip_global_norm) or check the input data."
+        )
+        if self.action == "fail":
+            raise TrainingError(message)
+        print(f"towerflow: stopping: {message}")
+        context.request_stop("non-finite loss")

@@ -1,0 +1,152 @@
+"""Checkpoint state and files: whole variables from shard pieces and back, atomic writes, retention."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from towerflow.checkpoint import (
+    TrainingState,
+    assemble_state,
+    read_checkpoint,
+    split_for_shards,
+    write_checkpoint,
+)
+from towerflow.checkpoint.retention import checkpoints_to_delete
+from towerflow.checkpoint.stores import LocalCheckpointStore, latest_step
+from towerflow.runtime.ps import ShardSnapshot
+from towerflow.runtime.sharding import GreedyBytes, VariableInfo, cut_variables, shard_variables
+
+
+def _variables():
+    shapes = {"dense/kernel": (40, 8), "dense/bias": (8,), "out/kernel": (8, 3), "scale": ()}
+    rng = np.random.default_rng(0)
+    infos, values = [], []
+    for i, (name, shape) in enumerate(shapes.items()):
+        value = rng.normal(size=shape).astype(np.float32)
+        infos.append(VariableInfo(i, name, shape, "float32", value.nbytes))
+        values.append(value)
+    return infos, values
+
+
+def _snapshots(infos, values, num_shards, version=7):
+    pieces = cut_variables(infos, num_shards, min_slice_bytes=256)
+    assignment = shard_variables(GreedyBytes(), pieces, num_shards)
+    snapshots = [
+        ShardSnapshot(
+            shard,
+            version,
+            [pieces[i].name for i in indices],
+            [np.array(pieces[i].of(values[pieces[i].variable])) for i in indices],
+            {"m": [np.array(pieces[i].of(values[pieces[i].variable])) * 2 for i in indices]},
+        )
+        for shard, indices in enumerate(assignment)
+    ]
+    return pieces, assignment, snapshots
+
+
+def test_state_round_trips_through_pieces_onto_another_shard_count():
+    infos, values = _variables()
+    pieces, assignment, snapshots = _snapshots(infos, values, num_shards=3)
+    assert any(p.name.endswith("part_1") for p in pieces)  # the big kernel really was cut
+    state = assemble_state(snapshots, infos, pieces, assignment, "adam", {"examples_seen": 64})
+    assert state.global_step == 7 and state.names == [i.name for i in infos]
+    for info, value in zip(infos, values):
+        np.testing.assert_array_equal(state.variables[info.name], value)
+        np.testing.assert_array_equal(state.slots["m"][info.name], value * 2)
+
+    new_pieces = cut_variables(infos, 2, min_slice_bytes=256)
+    new_assignment = shard_variables(GreedyBytes(), new_pieces, 2)
+    per_shard = split_for_shards(state, infos, new_pieces, new_assignment, "adam")
+    for indices, (shard_values, shard_slots) in zip(new_assignment, per_shard):
+        for index, value, slot in zip(indices, shard_values, shard_slots["m"]):
+            expected = new_pieces[index].of(values[new_pieces[index].variable])
+            np.testing.assert_array_equal(value, expected)
+            np.testing.assert_array_equal(slot, expected * 2)
+    # Another optimizer: values restored, slots start fresh.
+    assert all(
+        slots is None for _, slots in split_for_shards(state, infos, new_pieces, new_assignment, "sgd")
+    )
+
+
+def test_shards_at_different_versions_are_not_a_checkpoint():
+    infos, values = _variables()
+    pieces, assignment, snapshots = _snapshots(infos, values, num_shards=2)
+    snapshots[1].version = 8
+    with pytest.raises(ValueError, match="different versions"):
+        assemble_state(snapshots, infos, pieces, assignment, "adam")
+
+
+def test_a_model_that_does_not_fit_the_checkpoint_is_named():
+    infos, values = _variables()
+    pieces, assignment, snapshots = _snapshots(infos, values, num_shards=1)
+    state = assemble_state(snapshots, infos, pieces, assignment, "adam")
+    other = [VariableInfo(0, "dense/kernel", (41, 8), "float32", 41 * 32), *infos[1:]]
+    with pytest.raises(ValueError, match=r"dense/kernel: the checkpoint holds shape \(40, 8\)"):
+        split_for_shards(state, other, cut_variables(other, 1, None), [[0, 1, 2, 3]], "adam")
+
+
+def test_files_round_trip_and_are_tensorflow_checkpoints(tmp_path):
+    import tensorflow as tf
+
+    state = TrainingState(
+        12,
+        "adam",
+        ["a/kernel", "b"],
+        {"a/kernel": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.full((), 3.0, np.float32)},
+        {"m": {"a/kernel": np.ones((2, 3), np.float32), "b": np.zeros((), np.float32)}},
+        {"examples_seen": 384},
+    )
+    directory = write_checkpoint(state, tmp_path)
+    assert directory.name == "ckpt-000000012"
+    back = read_checkpoint(directory)
+    assert (
+        back.global_step == 12 and back.names == state.names and back.data_position == {"examples_seen": 384}
+    )
+    np.testing.assert_array_equal(back.variables["a/kernel"], state.variables["a/kernel"])
+    np.testing.assert_array_equal(back.slots["m"]["a/kernel"], state.slots["m"]["a/kernel"])
+    names = dict(tf.train.list_variables(str(directory / "state")))
+    assert names["variables/a.Skernel/.ATTRIBUTES/VARIABLE_VALUE"] == [2, 3]  # readable by plain TF tools
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_pick(tmp_path):
+    """A real process writing a big checkpoint is killed at random points; the store only ever
+    lists complete checkpoints, and each one it lists reads back."""
+    store = LocalCheckpointStore(tmp_path)
+    store.save(TrainingState(1, "sgd", ["w"], {"w": np.ones(4, np.float32)}, {}))
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from towerflow.checkpoint import TrainingState, write_checkpoint
+        big = np.ones((4096, 4096), np.float32)
+        for step in range(2, 200):
+            write_checkpoint(TrainingState(step, "sgd", ["w"], {{"w": big}}, {{}}), {str(tmp_path)!r})
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for delay in (1.5, 2.5, 3.5):
+        writer = subprocess.Popen([sys.executable, "-c", script], env=env)
+        try:
+            writer.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            writer.send_signal(signal.SIGKILL)
+            writer.wait()
+        steps = [step for step, _ in store.list()]
+        assert latest_step(store) == max(steps)
+        state = store.load(max(steps))
+        assert state.global_step == max(steps) and state.variables["w"].dtype == np.float32
+
+
+def test_retention_keeps_newest_and_one_every_n_hours():
+    hour = 3600.0
+    checkpoints = [(step, step * 0.5 * hour) for step in range(1, 11)]  # one every half hour
+    assert checkpoints_to_delete(checkpoints, 5, None, started_at=0.0) == [1, 2, 3, 4, 5]
+    # Newest 3 stay (8, 9, 10); of the older ones, step 4 (2 h after the start) is kept for good.
+    assert checkpoints_to_delete(checkpoints, 3, 2.0, started_at=0.0) == [1, 2, 3, 5, 6, 7]
+    assert checkpoints_to_delete(checkpoints[:3], 5, None, started_at=0.0) == []
