@@ -132,6 +132,7 @@ class Driver:
                 initial_slots=shard_slots,
                 initial_version=self.session.start_step,
                 apply_threads=self._apply_threads(),
+                snapshot_every=self.session.snapshot_every,
             )
             for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
         ]
@@ -276,12 +277,12 @@ class Driver:
         ]
 
     # -- TrainingRuntime: what hooks may ask of the cluster -------------------------------------
-    def capture_state(self):
-        """All shards' state at their next common version: a consistent cut, taken without a pause."""
+    def capture_state(self, version: int | None = None, data_position: dict[str, Any] | None = None):
+        """All shards' state at one version: a consistent cut, taken without a pause."""
         from towerflow.checkpoint import assemble_state
 
         versions = ray.get([s.ping.remote() for s in self.shards])
-        target = max(versions) + 1
+        target = version if version is not None else max(versions) + 1
         refs = [s.snapshot.remote(target) for s in self.shards]
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
@@ -299,7 +300,7 @@ class Driver:
             self.session.pieces,
             self.session.shard_assignment,
             self.spec.training.optimizer.name,
-            self._data_position(),
+            data_position or self._data_position(),
         )
 
     def parameters(self) -> list[np.ndarray]:

@@ -24,6 +24,7 @@ class SessionInfo:
     tags: dict[str, str] = field(default_factory=dict)  # filled by hooks (e.g. the tracking run id)
     start_step: int = 0  # the restored global step on resume, else 0
     last_step: int | None = None  # a hook may bound the run (StopAtStep); the shards stop there exactly
+    snapshot_every: int | None = None  # shards keep their state every N steps for a checkpoint hook
     runtime: Any = None  # TrainingRuntime: what hooks may ask of the running cluster
     _metric_listeners: list[Any] = field(default_factory=list, repr=False)
 
@@ -36,8 +37,9 @@ class SessionInfo:
 class TrainingRuntime(Protocol):
     """The cluster as hooks see it (the driver implements it)."""
 
-    def capture_state(self) -> Any:
-        """A consistent TrainingState of all shards at their next common version (or the final one)."""
+    def capture_state(self, version: int | None = None, data_position: dict[str, Any] | None = None) -> Any:
+        """A consistent TrainingState of all shards: at `version` when they kept it (a multiple of
+        `snapshot_every`), else at their next common version (or the final one)."""
 
     def parameters(self) -> list[Any]:
         """The current whole variables in model order (numpy)."""

@@ -46,6 +46,9 @@ class PushReply:
     next: ParamsReply  # the parameters to compute the next step with
 
 
+_SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
+
+
 class ParameterShard:
     """One shard. Run as an async Ray actor so that sync pushes can wait for their step cheaply."""
 
@@ -62,6 +65,7 @@ class ParameterShard:
         initial_slots: dict[str, list[np.ndarray]] | None = None,
         initial_version: int = 0,
         apply_threads: int | None = None,
+        snapshot_every: int | None = None,
     ) -> None:
         # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
         configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0)))
@@ -98,6 +102,7 @@ class ParameterShard:
         self._last_apply_s = 0.0
         self._params_ref = None
         self._snapshot_at: set[int] = set()
+        self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
         self._snapshots: dict[int, ShardSnapshot] = {}
         self._publish()
 
@@ -146,7 +151,10 @@ class ParameterShard:
         if self._version < version and not self._done:
             self._snapshot_at.add(version)
             await self._wait_for(lambda: version in self._snapshots or self._done)
-        return self._snapshots.pop(version, None) or self._capture()
+        kept = self._snapshots.pop(version, None)
+        if kept is not None:
+            return kept
+        return self._capture()
 
     # -- inspection ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -179,9 +187,12 @@ class ParameterShard:
         if self._max_steps is not None and self._version >= self._max_steps:
             self._done = True
         self._publish()
-        if self._version in self._snapshot_at:
+        every = self._snapshot_every
+        if self._version in self._snapshot_at or (every and self._version % every == 0):
             self._snapshot_at.discard(self._version)
             self._snapshots[self._version] = self._capture()
+            for old in sorted(self._snapshots)[:-_SNAPSHOTS_KEPT]:  # nobody came for these
+                del self._snapshots[old]
         self._last_apply_s = time.perf_counter() - start
         self._apply_total_s += self._last_apply_s
         asyncio.get_running_loop().create_task(self._notify())

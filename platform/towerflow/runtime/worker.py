@@ -7,6 +7,7 @@ The driver only starts `run` and drains the per-step records; no tensor passes t
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -191,10 +192,6 @@ class TowerWorker:
             if not whole
         }
         start = time.perf_counter()
-        replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
-        versions = [r.version for r in replies]
-        param_refs = [r.params for r in replies]
-        done = any(r.done for r in replies)
         batches = iter(
             data.iter_batches(
                 batch_size=cfg.batch_size,
@@ -205,6 +202,14 @@ class TowerWorker:
                 local_shuffle_seed=cfg.seed + cfg.worker_id if cfg.shuffle_buffer else None,
             )
         )
+        if cfg.start_at_step:
+            # Join the data stream first: Ray Data starts an epoch only once every split has asked
+            # for it, so a worker that waited before asking would hold up the others.
+            batches = itertools.chain([next(batches, None)], batches)
+        replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
+        versions = [r.version for r in replies]
+        param_refs = [r.params for r in replies]
+        done = any(r.done for r in replies)
         steps = examples = 0
         try:
             while not done and not self._stop.is_set():

@@ -47,21 +47,25 @@ class CheckpointSaverHook(Hook):
         self._last_step = session.start_step
         self._last_time = time.monotonic()
         self._started_at = time.time()
+        session.snapshot_every = self.every_steps  # the shards keep exactly those steps for us
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         if event.nonfinite:
             return
-        due_steps = self.every_steps is not None and event.global_step - self._last_step >= self.every_steps
-        due_time = self.every_secs is not None and time.monotonic() - self._last_time >= self.every_secs
-        if due_steps or due_time:
+        every = self.every_steps
+        if every is not None and event.global_step // every > self._last_step // every:
+            step = event.global_step // every * every
+            self.save(context.session, step, {"examples_seen": event.examples_seen, "global_step": step})
+        elif self.every_secs is not None and time.monotonic() - self._last_time >= self.every_secs:
             self.save(context.session)
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self.at_end and outcome.status == "FINISHED" and session.runtime is not None:
             self.save(session)
 
-    def save(self, session: SessionInfo) -> int | None:
-        state = session.runtime.capture_state()
+    def save(self, session: SessionInfo, step: int | None = None, position: dict | None = None) -> int | None:
+        """Save the state at `step` (one the shards kept), or at their next version."""
+        state = session.runtime.capture_state(step, position)
         self._last_step, self._last_time = state.global_step, time.monotonic()
         if not state.all_finite():
             self.skipped_nonfinite.append(state.global_step)

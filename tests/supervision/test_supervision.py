@@ -1,0 +1,180 @@
+"""Supervision end to end on real Ray, TensorFlow and an MLflow store: checkpoints and resume
+(also onto another number of shards), evaluation, profiles, NaN guard, stop, start delay, user hooks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+from sample_hooks import RecordingHook
+from support import blob_spec
+
+from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
+from towerflow.errors import SpecError, TrainingError
+from towerflow.launch import train
+from towerflow.spec import validate_spec
+
+
+def _spec(blob_data, uri: str | None, **sections):
+    raw = blob_spec(
+        blob_data,
+        tracking={"tracking_uri": uri, "experiment": "supervision"} if uri else {},
+        **sections,
+    )
+    raw["data"]["epochs"] = None
+    raw["data"]["eval"] = {"paths": str(blob_data / "train-00000-*")}
+    raw["training"] = {**raw["training"], "optimizer": {"name": "adam", "learning_rate": 0.01}}
+    return validate_spec(raw)
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_cluster, blob_data, tmp_path_factory):
+    """8 steps: checkpoints every 3, evaluation every 4, profile of steps [2, 4) on worker 0, a user hook."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    RecordingHook.instances.clear()
+    spec = _spec(
+        blob_data,
+        uri,
+        training={"max_steps": 8},
+        supervision={
+            "log_every_steps": 1,
+            "checkpoint": {"every_steps": 3},
+            "eval": {"every_steps": 4, "metrics": ["loss", "accuracy", "precision", "recall", "auc"]},
+            "profile": {"start_step": 2, "stop_step": 4, "workers": [0]},
+            "hooks": [{"ref": "sample_hooks:RecordingHook", "params": {"label": "user"}}],
+        },
+    )
+    result = train(spec)
+    return spec, uri, result, RecordingHook.instances[-1]
+
+
+def test_checkpoints_every_n_steps_and_at_the_end(first_run):
+    spec, uri, result, _ = first_run
+    store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
+    assert [step for step, _ in store.list()] == [3, 6, 8]
+    final = store.load(8)
+    assert final.global_step == 8 and final.optimizer == "adam" and set(final.slots) == {"m", "v"}
+    for name, value in zip(final.names, result.parameters):
+        np.testing.assert_array_equal(final.variables[name], value)
+    assert final.data_position["examples_seen"] > 0
+
+
+def test_evaluation_metrics_are_logged_at_the_evaluated_step(first_run):
+    _, uri, result, hook = first_run
+    client = MlflowClient(uri)
+    history = client.get_metric_history(result.run_id, "eval_accuracy")
+    assert history and history[-1].step == 8  # the final evaluation
+    assert all(0.0 <= m.value <= 1.0 for m in history)
+    run = client.get_run(result.run_id)
+    for name in ("eval_loss", "eval_precision", "eval_recall", "eval_auc"):
+        assert name in run.data.metrics
+    assert run.data.metrics["eval_examples"] == 256  # the whole eval file, every time
+    seen = [step for step, metrics in hook.metrics if "eval_loss" in metrics]
+    assert seen == [m.step for m in client.get_metric_history(result.run_id, "eval_loss")]
+
+
+def test_profiles_of_the_window_are_logged(first_run):
+    _, uri, result, _ = first_run
+    client = MlflowClient(uri)
+    files = []
+    pending = ["profiles"]
+    while pending:
+        for entry in client.list_artifacts(result.run_id, pending.pop()):
+            (pending if entry.is_dir else files).append(entry.path)
+    assert "profiles/ray_timeline.json" in files
+    assert any(f.startswith("profiles/worker-0/") and f.endswith(".xplane.pb") for f in files)
+
+
+def test_user_hook_from_import_string_sees_the_lifecycle(first_run):
+    _, _, result, hook = first_run
+    assert hook.label == "user"
+    assert hook.calls == ["begin", "after_create_session", "before_run", "after_run", "end:FINISHED"]
+    assert [e.global_step for e in hook.events] == list(range(1, 9))
+
+
+def test_resume_onto_more_shards_restores_exactly(first_run, blob_data):
+    spec, uri, result, _ = first_run
+    resumed = train(
+        spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"ps": 3})}), resume=result.run_id
+    )
+    assert resumed.run_id == result.run_id and resumed.global_step == 8
+    for before, after in zip(result.parameters, resumed.parameters):
+        np.testing.assert_array_equal(before, after)
+    store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
+    again = store.load(8)  # saved anew by the resumed run, from 3 shards
+    original = first_run[2]
+    for name, value in zip(again.names, original.parameters):
+        np.testing.assert_array_equal(again.variables[name], value)
+
+
+def test_resume_onto_fewer_shards_continues_the_same_run(first_run):
+    spec, uri, result, _ = first_run
+    more = spec.model_copy(
+        update={
+            "cluster": spec.cluster.model_copy(update={"ps": 1}),
+            "training": spec.training.model_copy(update={"max_steps": 11}),
+        }
+    )
+    resumed = train(more, resume=result.run_id)
+    assert resumed.global_step == 11
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["towerflow.resumed_from_step"] == "8"
+    steps = [m.step for m in client.get_metric_history(result.run_id, "loss")]
+    assert steps[:8] == list(range(1, 9)) and steps[-1] == 11 and all(s > 8 for s in steps[8:])
+    assert [s for s, _ in MlflowCheckpointStore(client, result.run_id).list()][-1] == 11
+
+
+def test_resume_of_an_unknown_run_is_a_clear_error(first_run):
+    spec, _, _, _ = first_run
+    with pytest.raises(SpecError, match="no such run"):
+        train(spec, resume="0123456789abcdef0123456789abcdef")
+
+
+def test_nan_guard_fails_the_run_and_keeps_the_last_good_checkpoint(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = _spec(blob_data, uri, training={"max_steps": 30}, supervision={"checkpoint": {"every_steps": 2}})
+    nan_from_step_5 = {w: {"nan_at_step": 5} for w in range(2)}
+    with pytest.raises(TrainingError, match="loss is nan at global step 5"):
+        train(spec, worker_overrides=nan_from_step_5)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("supervision").experiment_id])
+    assert run.info.status == "FAILED" and "loss is nan" in run.data.tags["towerflow.error"]
+    store = MlflowCheckpointStore(client, run.info.run_id)
+    assert [s for s, _ in store.list()] == [2, 4]
+    assert store.load(4).all_finite()
+
+
+def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
+    spec = _spec(blob_data, None, training={"max_steps": 30}, supervision={"nan_guard": "stop"})
+    result = train(
+        spec, track=False, output_dir=tmp_path, worker_overrides={w: {"nan_at_step": 4} for w in range(2)}
+    )
+    assert result.global_step == 3
+    assert all(np.isfinite(p).all() for p in result.parameters)
+    assert [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()] == [3]
+
+
+def test_stop_at_step_stops_exactly(ray_cluster, blob_data, tmp_path):
+    spec = _spec(blob_data, None, training={"max_steps": 100}, supervision={"stop_at_step": {"num_steps": 5}})
+    result = train(spec, track=False, output_dir=tmp_path)
+    assert result.global_step == 5
+
+
+def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_path):
+    RecordingHook.instances.clear()
+    spec = _spec(
+        blob_data,
+        None,
+        training={"mode": "async", "max_steps": 24},
+        supervision={"worker_start_delay_steps": 4, "hooks": ["sample_hooks:RecordingHook"]},
+    )
+    # Worker 0 is slowed so that worker 1, once it may start, gets some steps in.
+    train(spec, track=False, output_dir=tmp_path, worker_overrides={0: {"step_delay_s": 0.05}})
+    events = RecordingHook.instances[-1].events
+    first_by_worker_1 = min(e.global_step for e in events if 1 in e.workers)
+    assert first_by_worker_1 > 4
+    assert all(e.workers == [0] for e in events if e.global_step <= 4)
+    assert not math.isnan(events[-1].loss)
