@@ -76,10 +76,11 @@ class MarkovSource:
         return float(-(p * np.log(p)).sum())
 
     def log_prob(self, current: np.ndarray, following: np.ndarray) -> np.ndarray:
-        """log P(following | current), elementwise over equal-shaped id arrays."""
+        """log P(following | current), flattened; -inf where the source cannot make that step."""
         current, following = np.ravel(current), np.ravel(following)
         probs = (self.successors[current] == following[:, None]) @ self.slot_probs
-        return np.log(probs)
+        with np.errstate(divide="ignore"):
+            return np.log(probs)
 
     def sample(self, chains: int, steps: int, rng: np.random.Generator) -> np.ndarray:
         """(chains, steps) ids: independent chains, each started from the stationary distribution."""
