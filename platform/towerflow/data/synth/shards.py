@@ -80,17 +80,21 @@ class _TFRecordShard:
 
     def write(self, columns: dict[str, np.ndarray]) -> None:
         rows = len(next(iter(columns.values())))
+        # Python lists once per chunk: indexing numpy scalars per record is several times slower.
         flat = {
-            name: col if name in self._bytes else col.reshape(rows, -1).tolist()
+            name: col if name in self._bytes else (col.reshape(rows, -1) if col.ndim > 1 else col).tolist()
             for name, col in columns.items()
         }
         for i in range(rows):
             for name, values in self._lists.items():
                 del values[:]
+                value = flat[name][i]
                 if name in self._bytes:
-                    values.append(flat[name][i].tobytes())
+                    values.append(value.tobytes())
+                elif isinstance(value, list):
+                    values.extend(value)
                 else:
-                    values.extend(flat[name][i])
+                    values.append(value)
             self._writer.write(self._example.SerializeToString())
 
     def close(self) -> None:
