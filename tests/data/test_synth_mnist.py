@@ -98,3 +98,20 @@ def test_a_cnn_learns_it_and_a_linear_model_does_not_as_well(tmp_path):
     linear = fit([keras.layers.Flatten()])
     assert cnn > 0.9, cnn
     assert cnn - linear > 0.05, (cnn, linear)
+
+
+def test_csv_form_has_one_column_per_pixel_and_the_same_digits(tmp_path):
+    from synth_support import read_split
+
+    csv = synth_mnist(tmp_path / "csv", shards=3, examples=300, eval_examples=30, seed=7, fmt="csv")
+    rec = synth_mnist(tmp_path / "rec", shards=2, examples=300, eval_examples=30, seed=7)
+    assert list(csv["features"])[:3] == ["example_id", "label", "px000"]
+    assert list(csv["features"])[-1] == "px783" and len(csv["features"]) == 786
+    assert all(f == {"dtype": "int64", "shape": []} for f in csv["features"].values())
+    assert csv["image_columns"]["shape"] == [28, 28, 1] and csv["csv"]["header"] is True
+    assert csv["splits"]["train"]["files"][0] == "train-00000-of-00003.csv"
+    a, b = read_split(tmp_path / "csv", csv), read_split(tmp_path / "rec", rec)
+    pixels = np.stack([a[f"px{i:03d}"] for i in range(784)], axis=1).reshape(-1, 28, 28, 1)
+    assert np.array_equal(pixels, b["image"]) and np.array_equal(a["label"], b["label"])
+    assert np.array_equal(a["example_id"], np.arange(300))
+    assert csv["class_counts"]["train"] == np.bincount(b["label"], minlength=10).tolist()

@@ -1,27 +1,26 @@
-"""Write the procedural digits as an MNIST-shaped TFRecord data set with a manifest.
+"""The procedural digits as an MNIST-shaped data set (TFRecord or CSV shards with a manifest).
 
 The layout (``train-00000-of-00008`` ... , ``eval-...``, ``manifest.json``) is what the
 readers expect from a real data set, so tests and demos exercise the same ingest path without
-downloading anything. ``example_id`` is unique across both splits so that consumers can check
-exactly-once delivery. ``eval_examples=0`` leaves the eval split out.
+downloading anything. TFRecord: ``image`` holds the 784 raw uint8 bytes. CSV: columns
+``example_id, label, px000..px783`` (row-major 28x28 pixels as integers 0-255).
+``eval_examples=0`` leaves the eval split out.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import os
-import re
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from towerflow.data.synth.build import synthesize
 from towerflow.data.synth.digits import NUM_CLASSES, SIZE, sample_digits
-from towerflow.errors import TowerflowError
+from towerflow.data.synth.shards import Progress
 
-MANIFEST = "manifest.json"
-_SHARD_NAME = re.compile(r"^(train|eval)-\d{5}-of-\d{5}$")
+CHUNK = 4096  # examples drawn per step: fixed, so the shard count never changes the data
+PIXELS = [f"px{i:03d}" for i in range(SIZE * SIZE)]
 
 FEATURES: dict[str, dict[str, Any]] = {
     "image": {
@@ -32,68 +31,41 @@ FEATURES: dict[str, dict[str, Any]] = {
         "scale": 1.0 / 255.0,
     },
     "label": {"dtype": "int64", "shape": []},
-    "example_id": {"dtype": "int64", "shape": []},
 }
 
 
-def shard_sizes(examples: int, shards: int) -> list[int]:
-    """Split examples as evenly as possible: the first ``examples % shards`` shards get one more."""
-    base, extra = divmod(examples, shards)
-    return [base + (1 if i < extra else 0) for i in range(shards)]
+class MnistDefinition:
+    name = "mnist"
+    label = "label"
 
+    def __init__(self, fmt: str):
+        self._fmt = fmt
 
-def shard_names(split: str, shards: int) -> list[str]:
-    return [f"{split}-{i:05d}-of-{shards:05d}" for i in range(shards)]
+    def features(self, fmt: str) -> dict[str, dict[str, Any]]:
+        if fmt == "csv":
+            scalar = {"dtype": "int64", "shape": []}
+            return {"label": dict(scalar), **{name: dict(scalar) for name in PIXELS}}
+        return FEATURES
 
+    def chunks(self, examples: int, rng: np.random.Generator) -> Iterator[dict[str, np.ndarray]]:
+        for start in range(0, examples, CHUNK):
+            images, labels = sample_digits(min(CHUNK, examples - start), rng)
+            yield {"image": images, "label": labels}
 
-def _write_shard(path: Path, images: np.ndarray, labels: np.ndarray, ids: np.ndarray) -> None:
-    import tensorflow as tf  # lazily: importing the package (CLI start-up) must not pay for TensorFlow
+    def to_csv(self, chunk: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        pixels = chunk["image"].reshape(len(chunk["image"]), -1).astype(np.int64)
+        return {"label": chunk["label"], **{name: pixels[:, i] for i, name in enumerate(PIXELS)}}
 
-    # One Example is reused and mutated per record: building a fresh proto tree each time is
-    # the slow part of writing, and the serialised bytes are identical either way.
-    example = tf.train.Example()
-    feature = example.features.feature
-    image = feature["image"].bytes_list.value
-    label = feature["label"].int64_list.value
-    example_id = feature["example_id"].int64_list.value
-    image.append(b"")
-    label.append(0)
-    example_id.append(0)
-    with tf.io.TFRecordWriter(str(path)) as writer:
-        for i in range(len(labels)):
-            image[0] = images[i].tobytes()
-            label[0] = int(labels[i])
-            example_id[0] = int(ids[i])
-            writer.write(example.SerializeToString())
-
-
-def _write_split(
-    out: Path, split: str, n: int, shards: int, first_id: int, rng: np.random.Generator
-) -> dict[str, Any]:
-    images, labels = sample_digits(n, rng)
-    ids = np.arange(first_id, first_id + n, dtype=np.int64)
-    names, sizes = shard_names(split, shards), shard_sizes(n, shards)
-    start = 0
-    for name, size in zip(names, sizes, strict=True):
-        stop = start + size
-        _write_shard(out / name, images[start:stop], labels[start:stop], ids[start:stop])
-        start = stop
-    return {"pattern": f"{split}-*", "files": names, "examples": n, "per_file": sizes}
-
-
-def _remove_stale(out: Path, keep: set[str]) -> None:
-    """Drop the manifest and shards of an earlier run so ``train-*`` globs see only this one."""
-    (out / MANIFEST).unlink(missing_ok=True)
-    for path in out.iterdir():
-        if _SHARD_NAME.match(path.name) and path.name not in keep:
-            path.unlink()
-
-
-def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    """Atomic: a reader sees either no manifest or a complete one, never a half-written data set."""
-    tmp = out / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    def manifest_keys(self) -> dict[str, Any]:
+        keys: dict[str, Any] = {"num_classes": NUM_CLASSES}
+        if self._fmt == "csv":
+            keys["image_columns"] = {
+                "columns": "px000..px783",
+                "shape": [SIZE, SIZE, 1],
+                "scale": 1.0 / 255.0,
+                "note": "row-major 28x28 pixels, uint8 values written as integers; group px* into `image`",
+            }
+        return keys
 
 
 def synth_mnist(
@@ -104,36 +76,18 @@ def synth_mnist(
     eval_examples: int = 10000,
     eval_shards: int | None = None,
     seed: int = 0,
+    fmt: str = "tfrecord",
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Generate train and eval TFRecord shards of 28x28 digits into out_dir; return the manifest."""
-    eval_shards = max(1, shards // 4) if eval_shards is None else eval_shards
-    plan = {"train": (examples, shards, 0), "eval": (eval_examples, eval_shards, examples)}
-    if not eval_examples:
-        del plan["eval"]
-    for name, (count, parts, _) in plan.items():
-        if parts < 1 or count < parts:
-            raise TowerflowError(
-                f"synthetic {name} split: need at least one shard and one example per shard, "
-                f"got {count} examples for {parts} shards"
-            )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out, {f for name, (_, parts, _) in plan.items() for f in shard_names(name, parts)})
-    # Independent child streams: the eval set never shares random draws with train.
-    streams = dict(zip(("train", "eval"), np.random.SeedSequence(seed).spawn(2), strict=True))
-    splits = {
-        name: _write_split(out, name, count, parts, first_id, np.random.default_rng(streams[name]))
-        for name, (count, parts, first_id) in plan.items()
-    }
-    manifest = {
-        "name": "mnist",
-        "format": "tfrecord",
-        "generator": "towerflow data synth mnist",
-        "seed": seed,
-        "label": "label",
-        "num_classes": NUM_CLASSES,
-        "splits": splits,
-        "features": copy.deepcopy(FEATURES),
-    }
-    _write_manifest(out, manifest)
-    return manifest
+    """Generate train and eval shards of 28x28 digits into out_dir; return the manifest."""
+    return synthesize(
+        MnistDefinition(fmt),
+        out_dir,
+        shards=shards,
+        examples=examples,
+        eval_examples=eval_examples,
+        eval_shards=eval_shards,
+        fmt=fmt,
+        seed=seed,
+        progress=progress,
+    )

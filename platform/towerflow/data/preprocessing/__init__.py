@@ -1,0 +1,1 @@
+"""Preprocessing functions that pipelines name in their specs (applied per batch or per tower)."""
