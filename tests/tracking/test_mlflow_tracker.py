@@ -55,3 +55,22 @@ def test_failed_run_is_marked_failed(ray_cluster, blob_data, tmp_path):
     (run,) = client.search_runs([client.get_experiment_by_name("bad").experiment_id])
     assert run.info.status == "FAILED"
     assert "no_such_label" in run.data.tags["towerflow.error"]
+
+
+def test_step_window_figures():
+    from towerflow.runtime.hooks import StepEvent
+    from towerflow.tracking.step_metrics import StepWindow
+
+    def event(step, elapsed, workers, staleness=()):
+        return StepEvent(step, 0.5, {}, 32 * len(workers), 0, elapsed, 0.0, {}, workers, staleness=list(staleness))
+
+    window = StepWindow()
+    window.add(event(1, 1.0, [0, 1]))
+    window.add(event(2, 2.0, [0], [0]))
+    window.add(event(3, 3.0, [1], [3]))
+    figures = window.metrics()
+    assert figures["global_step_per_sec"] == pytest.approx(1.0)
+    assert figures["worker_0_examples_per_sec"] == pytest.approx(16.0)  # step 1 opens the window
+    assert figures["staleness_max"] == 3 and figures["staleness_p50"] == pytest.approx(1.5)
+    window.add(event(5, 5.0, [0, 1], [1, 1]))
+    assert window.metrics()["global_step_per_sec"] == pytest.approx(1.0)  # measured from step 3

@@ -13,6 +13,7 @@ from typing import Any
 
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.spec import flatten_spec
+from towerflow.tracking.step_metrics import StepWindow
 from towerflow.tracking.store import artifact_location_for, default_tracking_uri
 
 
@@ -36,6 +37,7 @@ class MLflowTracker(Hook):
         self._buffer: list[Any] = []
         self._last_flush = 0.0
         self._last_logged_step = 0
+        self._window = StepWindow()
 
     @property
     def client(self):
@@ -129,12 +131,15 @@ class MLflowTracker(Hook):
         )
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
+        step = event.global_step
+        self._window.add(event)
+        if step - self._last_logged_step >= self.log_every_steps or step == 1 or event.nonfinite:
+            self._log_step(event)
+
+    def _log_step(self, event: StepEvent) -> None:
         from mlflow.entities import Metric
 
-        step = event.global_step
-        if step - self._last_logged_step < self.log_every_steps and step > 1 and not event.nonfinite:
-            return
-        self._last_logged_step = step
+        step = self._last_logged_step = event.global_step
         now = int(time.time() * 1000)
         values = {
             "loss": event.loss,
@@ -144,10 +149,10 @@ class MLflowTracker(Hook):
             **{f"train_{k}": v for k, v in event.metrics.items()},
             **{f"time_{k}_s": v for k, v in event.time_split.items()},
         }
-        if event.dropped_stale:
-            values["dropped_stale"] = event.dropped_stale
-        if self.spec.training.mode == "async" and event.staleness:
-            values["staleness"] = max(event.staleness)
+        values.update(self._window.metrics())
+        if self.spec.training.mode != "async":
+            for key in [k for k in values if k.startswith("staleness_")]:
+                del values[key]
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
@@ -163,8 +168,7 @@ class MLflowTracker(Hook):
             return
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:
-            self._last_logged_step = last.global_step - self.log_every_steps  # always log the final step
-            self.after_run(None, last)
+            self._log_step(last)  # the final step is always logged
         self.flush()
         if outcome.error is not None:
             message = str(outcome.error).strip() or type(outcome.error).__name__
