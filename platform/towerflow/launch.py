@@ -18,12 +18,14 @@ def train(
     hooks: Sequence[Hook] = (),
     track: bool = True,
     worker_overrides: dict[int, dict[str, Any]] | None = None,
+    parent_run_id: str | None = None,
 ) -> TrainResult:
     """Run one training job to the end and return its result.
 
     `spec` is a JobSpec or the path of a YAML spec (`overrides` are `a.b=value` strings). Ray is
     reached through RAY_ADDRESS or started locally; MLflow through the spec's tracking_uri,
-    MLFLOW_TRACKING_URI, or a store in the working directory.
+    MLFLOW_TRACKING_URI, or a store in the working directory; `parent_run_id` makes the run a child
+    of that MLflow run. A failed export (`export.saved_model`) is raised after the run is closed.
     """
     from towerflow.data.ingest import build_training_data
     from towerflow.runtime.cluster import budget_for, ensure_ray
@@ -33,14 +35,19 @@ def train(
         spec = load_spec(spec, overrides)
     ensure_ray(budget_for(spec.cluster))
     all_hooks: list[Hook] = []
+    tracker = None
     if track:
         from towerflow.tracking import MLflowTracker
 
-        all_hooks.append(MLflowTracker(spec))
+        tracker = MLflowTracker(spec, parent_run_id=parent_run_id)
+        all_hooks.append(tracker)
     all_hooks.extend(hooks)
 
     def make_data(num_workers: int):
         data = build_training_data(spec, num_workers)
         return data.splits, data.feature_scales
 
-    return Driver(spec, all_hooks, make_data, worker_overrides=worker_overrides).run()
+    result = Driver(spec, all_hooks, make_data, worker_overrides=worker_overrides).run()
+    if tracker is not None and tracker.end_error is not None:
+        raise tracker.end_error
+    return result

@@ -68,7 +68,7 @@ class Driver:
                 hook.after_create_session(self.session)
             worker_summaries = self._train()
             result = self._result(worker_summaries, started)
-            outcome = RunOutcome("FINISHED", result.global_step)
+            outcome = RunOutcome("FINISHED", result.global_step, result=result)
             return result
         except KeyboardInterrupt as exc:
             outcome = RunOutcome("KILLED", self._global_step(), exc)

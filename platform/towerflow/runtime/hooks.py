@@ -46,6 +46,7 @@ class RunOutcome:
     status: Literal["FINISHED", "FAILED", "KILLED"]
     global_step: int
     error: BaseException | None = None
+    result: Any = None  # the TrainResult of a FINISHED run (trained parameters included), else None
 
 
 class RunContext:

@@ -7,22 +7,39 @@ with `log_batch` every few seconds (and at the end), so tracking stays off the h
 
 from __future__ import annotations
 
-import platform as std_platform
 import time
 from typing import Any
 
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.spec import flatten_spec
+from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.store import default_tracking_uri
 
 
 class MLflowTracker(Hook):
-    def __init__(self, spec: Any, *, tracking_uri: str | None = None, flush_every_s: float = 2.0) -> None:
+    """One MLflow run per job. `parent_run_id` makes it a child run (as `towerflow compare` does).
+
+    When the spec asks for it (`export.saved_model`), a FINISHED run also exports the trained model
+    (towerflow.tracking.export) before the run is closed; if that fails, the run ends FAILED and
+    `end_error` holds the error, for the caller to raise.
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        *,
+        tracking_uri: str | None = None,
+        flush_every_s: float = 2.0,
+        parent_run_id: str | None = None,
+    ) -> None:
         self.spec = spec
         self.tracking_uri = default_tracking_uri(tracking_uri or spec.tracking.tracking_uri)
         self.flush_every_s = flush_every_s
+        self.parent_run_id = parent_run_id
         self.run_id: str | None = None
         self.experiment_id: str | None = None
+        self.exported = None  # towerflow.tracking.export.ExportedModel, after a successful export
+        self.end_error: Exception | None = None
         self._client = None
         self._buffer: list[Any] = []
         self._last_flush = 0.0
@@ -38,11 +55,12 @@ class MLflowTracker(Hook):
             experiment.experiment_id if experiment else self._client.create_experiment(spec.experiment)
         )
         tags = {
-            "mode": spec.training.mode,
+            **run_tags(spec.training.mode),
             "towerflow.job": spec.name,
             "mlflow.runName": spec.tracking.run_name or f"{spec.name}-{spec.training.mode}",
-            **_versions(),
         }
+        if self.parent_run_id:
+            tags["mlflow.parentRunId"] = self.parent_run_id
         run = self._client.create_run(self.experiment_id, tags=tags)
         self.run_id = run.info.run_id
         session.tags["run_id"] = self.run_id
@@ -50,6 +68,7 @@ class MLflowTracker(Hook):
         session.tags["tracking_uri"] = self.tracking_uri
         params = flatten_spec(spec)
         params["cluster.ps_shards"] = str(session.num_shards)
+        params.update(run_params())
         self._log_batch(params=[mlflow.entities.Param(k, v[:6000]) for k, v in sorted(params.items())])
 
     def after_create_session(self, session: SessionInfo) -> None:
@@ -89,10 +108,29 @@ class MLflowTracker(Hook):
         if self._client is None or self.run_id is None:
             return
         self.flush()
-        if outcome.error is not None:
-            message = str(outcome.error).strip() or type(outcome.error).__name__
+        status, error = outcome.status, outcome.error
+        if status == "FINISHED" and self.spec.export.saved_model:
+            try:
+                self._export(outcome.result)
+            except Exception as exc:
+                status, error = "FAILED", exc
+                self.end_error = exc
+        if error is not None:
+            message = str(error).strip() or type(error).__name__
             self._client.set_tag(self.run_id, "towerflow.error", message[:5000])
-        self._client.set_terminated(self.run_id, status=outcome.status)
+        self._client.set_terminated(self.run_id, status=status)
+
+    def _export(self, result: Any) -> None:
+        from towerflow.tracking.export import ExportError, export_model
+
+        if result is None or result.parameters is None:
+            raise ExportError("export.saved_model: the run returned no trained parameters to export")
+        self.exported = export_model(
+            self.spec, result.parameters, self.run_id, tracking_uri=self.tracking_uri
+        )
+        self._client.set_tag(self.run_id, "towerflow.model_uri", self.exported.model_uri)
+        if self.exported.registry_uri:
+            self._client.set_tag(self.run_id, "towerflow.registered_model", self.exported.registry_uri)
 
     def flush(self) -> None:
         self._last_flush = time.monotonic()
@@ -107,24 +145,3 @@ class MLflowTracker(Hook):
             self._client.log_batch(self.run_id, metrics=metrics)
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self._client.log_batch(self.run_id, params=params[start : start + 100])
-
-
-def _versions() -> dict[str, str]:
-    import mlflow
-    import ray
-
-    import towerflow
-
-    tags = {
-        "towerflow.version": towerflow.__version__,
-        "ray.version": ray.__version__,
-        "mlflow.version": mlflow.__version__,
-        "python.version": std_platform.python_version(),
-    }
-    try:
-        from importlib.metadata import version
-
-        tags["tensorflow.version"] = version("tensorflow")
-    except Exception:
-        pass
-    return tags
