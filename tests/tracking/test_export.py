@@ -10,25 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from mlflow.tracking import MlflowClient
-from support import blob_spec, blobs
+from support import blobs
 
-from towerflow.launch import train
-from towerflow.spec import validate_spec
 from towerflow.tracking.export import ExportError, build_trained_model, export_model
-
-
-@pytest.fixture(scope="module")
-def exported_run(ray_cluster, blob_data, tmp_path_factory):
-    uri = f"sqlite:///{tmp_path_factory.mktemp('export') / 'mlflow.db'}"
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            tracking={"tracking_uri": uri, "experiment": "export"},
-            training={"max_steps": 6},
-            export={"saved_model": True, "register_as": "blobs-mlp"},
-        )
-    )
-    return spec, uri, train(spec)
 
 
 def test_registered_model_predicts_like_the_trained_weights(exported_run):

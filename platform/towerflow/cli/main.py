@@ -65,6 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--format", choices=["tfrecord"], default="tfrecord")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(handler=_synth)
+
+    ui = sub.add_parser("ui", help="start the MLflow UI over the run store, on 127.0.0.1")
+    ui.add_argument("--port", type=int, default=5000, help="port (default 5000)")
+    ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    ui.add_argument(
+        "--store",
+        default=None,
+        metavar="URI",
+        help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
+    ui.set_defaults(handler=_ui)
     return parser
 
 
@@ -99,6 +110,23 @@ def _synth(args: argparse.Namespace) -> int:
     )
     print(f"towerflow: wrote {args.kind} to {os.fspath(args.out)} ({splits})")
     return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from towerflow.tracking.store import default_tracking_uri
+    from towerflow.tracking.ui import start_ui
+
+    store = default_tracking_uri(args.store)
+    process = start_ui(store, host=args.host, port=args.port)
+    print(
+        f"towerflow: MLflow UI for {store} at http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True
+    )
+    try:
+        return process.wait()
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait()
 
 
 if __name__ == "__main__":

@@ -150,11 +150,23 @@ def export_model(
     model = build_trained_model(spec, weights)
     module, signatures = serving_module(model)
     example = example_input(model) if input_example is None else input_example
+    client = mlflow.MlflowClient(uri)
     with _tracking_uri(uri):
         try:
+            run = client.get_run(run_id)
+            # Created here, in the run's experiment: log_model alone would put it in the active (default)
+            # experiment, where the run page does not list it.
+            logged = client.create_logged_model(
+                run.info.experiment_id,
+                name=MODEL_NAME,
+                source_run_id=run_id,
+                params=dict(run.data.params),
+                tags={"towerflow.job": spec.name},
+            )
             info = mlflow.tensorflow.log_model(
                 module,
                 name=MODEL_NAME,
+                model_id=logged.model_id,
                 run_id=run_id,
                 signature=mlflow_signature(model),
                 input_example=example,
@@ -169,7 +181,6 @@ def export_model(
         exported = ExportedModel(model_uri=f"models:/{info.model_id}", model_id=info.model_id)
         if register_as:
             version = str(info.registered_model_version)
-            client = mlflow.MlflowClient(uri)
             try:
                 client.set_registered_model_alias(register_as, alias, version)
             except Exception as exc:

@@ -6,6 +6,8 @@ missing library, no Ray, or no git repository just leaves its entries out.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import os
 import platform as std_platform
 import subprocess
@@ -69,9 +71,11 @@ def git_state(workdir: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 def run_tags(mode: str, workdir: str | os.PathLike | None = None) -> dict[str, str]:
-    """Tags of a towerflow run: mode, `<library>.version`, and the git state under both MLflow's
+    """Tags of a towerflow run: mode, user, `<library>.version`, and the git state under both MLflow's
     own `mlflow.source.git.*` names (the UI shows them) and `towerflow.git.*`."""
     tags = {"mode": mode}
+    with contextlib.suppress(KeyError, OSError):  # no user name for this uid (some containers)
+        tags["mlflow.user"] = getpass.getuser()
     tags.update({f"{name}.version": v for name, v in library_versions().items()})
     git = git_state(workdir)
     if git:
