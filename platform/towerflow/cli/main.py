@@ -76,6 +76,22 @@ def _parser() -> argparse.ArgumentParser:
         help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
     )
     ui.set_defaults(handler=_ui)
+
+    compare = sub.add_parser(
+        "compare", help="train a spec in several modes as child runs of one MLflow run, with plots"
+    )
+    compare.add_argument("spec", type=Path, help="job spec (YAML)")
+    compare.add_argument("--modes", default="sync,async", help="comma-separated modes (default sync,async)")
+    compare.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key (repeatable)",
+    )
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    compare.set_defaults(handler=_compare)
     return parser
 
 
@@ -109,6 +125,24 @@ def _synth(args: argparse.Namespace) -> int:
         for name, s in manifest["splits"].items()
     )
     print(f"towerflow: wrote {args.kind} to {os.fspath(args.out)} ({splits})")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from towerflow.cli.progress import ProgressHook
+    from towerflow.spec import load_spec
+    from towerflow.tracking.compare import compare_modes, parse_modes
+
+    modes = parse_modes(args.modes)
+    spec = load_spec(args.spec, args.overrides)
+    hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
+    comparison = compare_modes(args.spec, modes, overrides=args.overrides, hooks=hooks)
+    for mode, result in comparison.results.items():
+        print(f"towerflow: {mode}: {result.summary_line()}")
+    print(
+        f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
+        f"browse it with: towerflow ui --store {comparison.tracking_uri}"
+    )
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.spec import flatten_spec
 from towerflow.tracking.run_metadata import run_params, run_tags
-from towerflow.tracking.store import default_tracking_uri
+from towerflow.tracking.store import default_tracking_uri, ensure_experiment
 
 
 class MLflowTracker(Hook):
@@ -50,10 +50,7 @@ class MLflowTracker(Hook):
 
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         spec = self.spec
-        experiment = self._client.get_experiment_by_name(spec.experiment)
-        self.experiment_id = (
-            experiment.experiment_id if experiment else self._client.create_experiment(spec.experiment)
-        )
+        self.experiment_id = ensure_experiment(self._client, spec.experiment, self.tracking_uri)
         tags = {
             **run_tags(spec.training.mode),
             "towerflow.job": spec.name,
@@ -93,6 +90,7 @@ class MLflowTracker(Hook):
             "global_step": step,
             "examples_per_sec": event.examples_per_sec,
             "examples_seen": event.examples_seen,
+            "elapsed_s": event.elapsed_s,
             **{f"train_{k}": v for k, v in event.metrics.items()},
             **{f"time_{k}_s": v for k, v in event.time_split.items()},
         }
