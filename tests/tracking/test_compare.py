@@ -26,7 +26,9 @@ def test_both_modes_become_child_runs_with_plots_in_the_parent(ray_cluster, blob
     client = MlflowClient(uri)
     parent = client.get_run(comparison.parent_run_id)
     # Artifacts live beside the SQLite store, not in the working directory.
-    assert client.get_experiment(parent.info.experiment_id).artifact_location == (tmp_path / "mlruns").as_uri()
+    assert (
+        client.get_experiment(parent.info.experiment_id).artifact_location == (tmp_path / "mlruns").as_uri()
+    )
     assert parent.info.status == "FINISHED" and parent.data.tags["towerflow.compare.modes"] == "sync,async"
     for mode in ("sync", "async"):
         child = client.get_run(comparison.results[mode].run_id)
