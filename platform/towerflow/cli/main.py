@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     compare.set_defaults(handler=_compare)
+
+    gpus = sub.add_parser("gpus", help="list every GPU in the Ray cluster with the processes on it")
+    gpus.set_defaults(handler=_gpus)
     return parser
 
 
@@ -143,6 +146,15 @@ def _compare(args: argparse.Namespace) -> int:
         f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
         f"browse it with: towerflow ui --store {comparison.tracking_uri}"
     )
+    return 0
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    from towerflow.runtime.cluster import ResourceBudget, ensure_ray
+    from towerflow.tracking.cluster_gpus import format_table, probe_cluster
+
+    ensure_ray(ResourceBudget(worker_cpus=0, ps_cpus=0, data_cpus=0, gpus=0))
+    print(format_table(probe_cluster()))
     return 0
 
 

@@ -163,6 +163,10 @@ class TrackingSpec(_Strict):
     experiment: str | None = None
     tracking_uri: str | None = None
     run_name: str | None = None
+    system_metrics: bool = Field(
+        True, description="CPU, memory, disk, network and NVIDIA GPU metrics per Ray node."
+    )
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")
 
 
 class ExportSpec(_Strict):

@@ -43,6 +43,7 @@ class MLflowTracker(Hook):
         self._client = None
         self._buffer: list[Any] = []
         self._last_flush = 0.0
+        self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
 
     def begin(self, session: SessionInfo) -> None:
         import mlflow
@@ -70,6 +71,9 @@ class MLflowTracker(Hook):
 
     def after_create_session(self, session: SessionInfo) -> None:
         from mlflow.entities import Param
+
+        if self.spec.tracking.system_metrics:
+            self._start_system_metrics()
 
         sizes = [sum(session.pieces[i].nbytes for i in shard) for shard in session.shard_assignment]
         self._log_batch(
@@ -99,12 +103,17 @@ class MLflowTracker(Hook):
         if self.spec.training.mode == "async" and event.staleness:
             values["staleness"] = max(event.staleness)
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
+        if self._system is not None:
+            self._buffer.extend(self._system.poll(now))
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._client is None or self.run_id is None:
             return
+        if self._system is not None:
+            self._buffer.extend(self._system.stop(int(time.time() * 1000)))
+            self._system = None
         self.flush()
         status, error = outcome.status, outcome.error
         if status == "FINISHED" and self.spec.export.saved_model:
@@ -129,6 +138,21 @@ class MLflowTracker(Hook):
         self._client.set_tag(self.run_id, "towerflow.model_uri", self.exported.model_uri)
         if self.exported.registry_uri:
             self._client.set_tag(self.run_id, "towerflow.registered_model", self.exported.registry_uri)
+
+    def _start_system_metrics(self) -> None:
+        import ray
+
+        from towerflow.tracking.system_metrics import ClusterSystemMetrics
+
+        if not ray.is_initialized():
+            return
+        system = ClusterSystemMetrics(self.spec.tracking.system_metrics_interval_s)
+        try:
+            system.start()
+        except Exception as exc:  # monitoring must never stop training
+            print(f"towerflow: system metrics are off for this run: {exc}")
+            return
+        self._system = system
 
     def flush(self) -> None:
         self._last_flush = time.monotonic()
