@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from mlflow.tracking import MlflowClient
-from support import blobs
+from support import blob_spec, blobs
 
-from towerflow.tracking.export import ExportError, build_trained_model, export_model
+from towerflow.errors import SpecError
+from towerflow.launch import train
+from towerflow.spec import validate_spec
+from towerflow.tracking.export import ExportError, build_trained_model, export_model, load_run_spec
 
 
 def test_registered_model_predicts_like_the_trained_weights(exported_run):
@@ -70,3 +73,32 @@ class mlflow_uri:
 
     def __exit__(self, *exc) -> None:
         mlflow.set_tracking_uri(None)
+
+
+def test_the_run_keeps_its_spec_for_later_exports(exported_run):
+    spec, uri, result = exported_run
+    assert load_run_spec(result.run_id, uri).model_dump() == spec.model_dump()
+
+
+def test_a_failed_export_fails_the_run(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            tracking={"tracking_uri": uri, "experiment": "bad-export"},
+            training={"max_steps": 2},
+            export={"saved_model": True, "register_as": "blobs-bad", "alias": "latest"},  # reserved by MLflow
+        )
+    )
+    with pytest.raises(ExportError, match="latest"):
+        train(spec)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("bad-export").experiment_id])
+    assert run.info.status == "FAILED" and "reserved" in run.data.tags["towerflow.error"]
+
+
+def test_registered_names_mlflow_refuses_are_spec_errors(blob_data):
+    with pytest.raises(SpecError, match="export.register_as"):
+        validate_spec(blob_spec(blob_data, export={"saved_model": True, "register_as": "team/model"}))
+    with pytest.raises(SpecError, match="export.alias"):
+        validate_spec(blob_spec(blob_data, export={"alias": "best model"}))

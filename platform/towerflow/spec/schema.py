@@ -171,8 +171,12 @@ class TrackingSpec(_Strict):
 
 class ExportSpec(_Strict):
     saved_model: bool = False
-    register_as: str | None = None
-    alias: str = "champion"
+    register_as: str | None = Field(
+        None, pattern=r"^[^/:]+$", description="Registered model name (no / or :)."
+    )
+    alias: str = Field(
+        "champion", pattern=r"^[\w-]+$", description="Alias of the new version ('latest', v<N> are reserved)."
+    )
 
 
 class TFConfigSpec(_Strict):

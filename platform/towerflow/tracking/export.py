@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,26 @@ class ExportedModel:
         if self.registered_name and self.alias:
             return f"models:/{self.registered_name}@{self.alias}"
         return None
+
+
+def load_run_spec(run_id: str, tracking_uri: str | None = None) -> Any:
+    """The job spec a run was started with (its `spec.yaml` artifact), validated again."""
+    import mlflow
+    import yaml
+
+    from towerflow.spec import validate_spec
+    from towerflow.tracking.mlflow_tracker import SPEC_ARTIFACT
+    from towerflow.tracking.store import default_tracking_uri
+
+    uri = default_tracking_uri(tracking_uri)
+    try:
+        local = mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path=SPEC_ARTIFACT, tracking_uri=uri
+        )
+        text = Path(local).read_text()
+    except Exception as exc:
+        raise ExportError(f"run {run_id} in {uri} has no readable {SPEC_ARTIFACT}: {exc}") from exc
+    return validate_spec(yaml.safe_load(text), source=f"run {run_id}: {SPEC_ARTIFACT}")
 
 
 def build_trained_model(spec: Any, weights: Sequence[np.ndarray]) -> Any:

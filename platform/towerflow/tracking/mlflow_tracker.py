@@ -15,6 +15,8 @@ from towerflow.spec import flatten_spec
 from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.store import default_tracking_uri, ensure_experiment
 
+SPEC_ARTIFACT = "spec.yaml"
+
 
 class MLflowTracker(Hook):
     """One MLflow run per job. `parent_run_id` makes it a child run (as `towerflow compare` does).
@@ -67,6 +69,8 @@ class MLflowTracker(Hook):
         params = flatten_spec(spec)
         params["cluster.ps_shards"] = str(session.num_shards)
         params.update(run_params())
+        # The whole spec, loadable again (towerflow.tracking.export.load_run_spec): export and resume need it.
+        self._client.log_dict(self.run_id, spec.model_dump(mode="json"), SPEC_ARTIFACT)
         self._log_batch(params=[mlflow.entities.Param(k, v[:6000]) for k, v in sorted(params.items())])
 
     def after_create_session(self, session: SessionInfo) -> None:
