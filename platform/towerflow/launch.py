@@ -23,6 +23,7 @@ def train(
     resume: str | None = None,
     worker_overrides: dict[int, dict[str, Any]] | None = None,
     output_dir: str | Path | None = None,
+    parent_run_id: str | None = None,
 ) -> TrainResult:
     """Run one training job to the end and return its result.
 
@@ -31,7 +32,9 @@ def train(
     MLFLOW_TRACKING_URI, or a store in the working directory. `resume` is the MLflow run id of an
     earlier run of this job: its latest checkpoint is restored (onto however many shards this
     spec has) and the same run goes on. Without tracking, checkpoints and profiles go under
-    `output_dir` (default `runs/<job name>`), and `resume` is that directory.
+    `output_dir` (default `runs/<job name>`), and `resume` is that directory. `parent_run_id`
+    makes the run a child of that MLflow run. A failed export (`export.saved_model`) is raised
+    after the run is closed.
     """
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
     from towerflow.data.ingest import build_training_data
@@ -47,7 +50,7 @@ def train(
     if track:
         from towerflow.tracking import MLflowTracker
 
-        tracker = MLflowTracker(spec, resume_run_id=resume)
+        tracker = MLflowTracker(spec, resume_run_id=resume, parent_run_id=parent_run_id)
         initial_state = tracker.restore_state() if resume else None
 
         def checkpoint_store(session: SessionInfo):
@@ -80,4 +83,7 @@ def train(
     driver = Driver(
         spec, all_hooks, make_data, worker_overrides=worker_overrides, initial_state=initial_state
     )
-    return driver.run()
+    result = driver.run()
+    if tracker is not None and tracker.end_error is not None:
+        raise tracker.end_error
+    return result

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+
+import keras
 import pytest
+import ray
+import tensorflow as tf
 from mlflow.tracking import MlflowClient
 from support import blob_spec
 
@@ -10,6 +15,7 @@ from towerflow.errors import DataError
 from towerflow.launch import train
 from towerflow.spec import validate_spec
 from towerflow.tracking import default_tracking_uri
+from towerflow.tracking.run_metadata import git_state
 
 
 def test_default_store_is_in_the_working_directory(tmp_path, monkeypatch):
@@ -39,10 +45,43 @@ def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
     assert run.data.tags["mode"] == "sync" and "ray.version" in run.data.tags
     history = client.get_metric_history(result.run_id, "loss")
     assert [m.step for m in history] == [1, 4, 7, 8]  # the first, every 3rd, and the last
-    assert run.info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri())
+    assert run.info.artifact_uri.startswith((tmp_path / "mlruns").as_uri())
     steps = client.get_metric_history(result.run_id, "global_step")
     assert all(m.step == m.value for m in steps)
     assert "train_accuracy" in run.data.metrics and "time_compute_s" in run.data.metrics
+
+
+def test_run_records_versions_cluster_shape_and_git_commit(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = validate_spec(
+        blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "meta"}, training={"max_steps": 2})
+    )
+    run = MlflowClient(uri).get_run(train(spec).run_id)
+    params, tags = run.data.params, run.data.tags
+    assert params["versions.tensorflow"] == tags["tensorflow.version"] == tf.__version__
+    assert params["versions.keras"] == tags["keras.version"] == keras.__version__
+    assert params["versions.ray"] == tags["ray.version"] == ray.__version__
+    for name in ("towerflow", "mlflow", "python"):
+        assert params[f"versions.{name}"] == tags[f"{name}.version"]
+    assert params["cluster.cpus"] == "8" and params["cluster.gpus"] == "0" and params["cluster.nodes"] == "1"
+    assert params["cluster.workers"] == "2" and params["cluster.ps_shards"] == "2"
+    # The tests run from the repository root, a git work tree: the run names its commit.
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert tags["mlflow.source.git.commit"] == tags["towerflow.git.commit"] == head
+    assert tags["towerflow.git.dirty"] in ("true", "false")
+
+
+def test_git_state_outside_a_repository_and_of_a_dirty_one(tmp_path):
+    assert git_state(tmp_path) == {}
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "init", "-q", "-b", "main", str(tmp_path)], check=True)
+    (tmp_path / "a.txt").write_text("one")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "a.txt"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "one"], check=True)
+    clean = git_state(tmp_path)
+    assert len(clean["commit"]) == 40 and clean["dirty"] == "false" and clean["branch"] == "main"
+    (tmp_path / "a.txt").write_text("two")
+    assert git_state(tmp_path) == {**clean, "dirty": "true"}
 
 
 def test_failed_run_is_marked_failed(ray_cluster, blob_data, tmp_path):
@@ -62,7 +101,9 @@ def test_step_window_figures():
     from towerflow.tracking.step_metrics import StepWindow
 
     def event(step, elapsed, workers, staleness=()):
-        return StepEvent(step, 0.5, {}, 32 * len(workers), 0, elapsed, 0.0, {}, workers, staleness=list(staleness))
+        return StepEvent(
+            step, 0.5, {}, 32 * len(workers), 0, elapsed, 0.0, {}, workers, staleness=list(staleness)
+        )
 
     window = StepWindow()
     window.add(event(1, 1.0, [0, 1]))

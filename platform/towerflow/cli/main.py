@@ -92,6 +92,48 @@ def _parser() -> argparse.ArgumentParser:
     )
     synth.add_argument("--no-progress", action="store_true", help="no progress bar")
     synth.set_defaults(handler=_synth)
+
+    ui = sub.add_parser("ui", help="start the MLflow UI over the run store, on 127.0.0.1")
+    ui.add_argument("--port", type=int, default=5000, help="port (default 5000)")
+    ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    ui.add_argument(
+        "--store",
+        default=None,
+        metavar="URI",
+        help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
+    ui.set_defaults(handler=_ui)
+
+    compare = sub.add_parser(
+        "compare", help="train a spec in several modes as child runs of one MLflow run, with plots"
+    )
+    compare.add_argument("spec", type=Path, help="job spec (YAML)")
+    compare.add_argument("--modes", default="sync,async", help="comma-separated modes (default sync,async)")
+    compare.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key (repeatable)",
+    )
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    compare.set_defaults(handler=_compare)
+
+    export = sub.add_parser(
+        "export", help="export a run's latest checkpoint as a SavedModel, log and register it in MLflow"
+    )
+    export.add_argument("run_id", metavar="RUN_ID", help="the MLflow run (its spec.yaml and checkpoints/)")
+    export.add_argument(
+        "--store",
+        default=None,
+        metavar="URI",
+        help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
+    export.set_defaults(handler=_export)
+
+    gpus = sub.add_parser("gpus", help="list every GPU in the Ray cluster with the processes on it")
+    gpus.set_defaults(handler=_gpus)
     return parser
 
 
@@ -168,6 +210,59 @@ def _generation_bar(kind: str, total: int, enabled: bool):
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(kind, total=total)
         yield lambda rows: bar.advance(task, rows)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from towerflow.cli.progress import ProgressHook
+    from towerflow.spec import load_spec
+    from towerflow.tracking.compare import compare_modes, parse_modes
+
+    modes = parse_modes(args.modes)
+    spec = load_spec(args.spec, args.overrides)
+    hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
+    comparison = compare_modes(args.spec, modes, overrides=args.overrides, hooks=hooks)
+    for mode, result in comparison.results.items():
+        print(f"towerflow: {mode}: {result.summary_line()}")
+    print(
+        f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
+        f"browse it with: towerflow ui --store {comparison.tracking_uri}"
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from towerflow.tracking.export import export_run
+
+    exported = export_run(args.run_id, args.store)
+    where = exported.registry_uri or exported.model_uri
+    print(f"towerflow: exported run {args.run_id} as {where}")
+    return 0
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    from towerflow.runtime.cluster import ResourceBudget, ensure_ray
+    from towerflow.tracking.cluster_gpus import format_table, probe_cluster
+
+    ensure_ray(ResourceBudget(worker_cpus=0, ps_cpus=0, data_cpus=0, gpus=0))
+    print(format_table(probe_cluster()))
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from towerflow.tracking.store import default_tracking_uri
+    from towerflow.tracking.ui import start_ui
+
+    store = default_tracking_uri(args.store)
+    process = start_ui(store, host=args.host, port=args.port)
+    print(
+        f"towerflow: MLflow UI for {store} at http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True
+    )
+    try:
+        return process.wait()
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait()
 
 
 if __name__ == "__main__":

@@ -163,12 +163,20 @@ class TrackingSpec(_Strict):
     experiment: str | None = None
     tracking_uri: str | None = None
     run_name: str | None = None
+    system_metrics: bool = Field(
+        True, description="CPU, memory, disk, network and NVIDIA GPU metrics per Ray node."
+    )
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")
 
 
 class ExportSpec(_Strict):
     saved_model: bool = False
-    register_as: str | None = None
-    alias: str = "champion"
+    register_as: str | None = Field(
+        None, pattern=r"^[^/:]+$", description="Registered model name (no / or :)."
+    )
+    alias: str = Field(
+        "champion", pattern=r"^[\w-]+$", description="Alias of the new version ('latest', v<N> are reserved)."
+    )
 
 
 class TFConfigSpec(_Strict):

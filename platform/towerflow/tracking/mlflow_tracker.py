@@ -7,17 +7,26 @@ with `log_batch` every few seconds (and at the end), so tracking stays off the h
 
 from __future__ import annotations
 
-import platform as std_platform
 import time
 from typing import Any
 
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.spec import flatten_spec
+from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.step_metrics import StepWindow
-from towerflow.tracking.store import artifact_location_for, default_tracking_uri
+from towerflow.tracking.store import default_tracking_uri, ensure_experiment
+
+SPEC_ARTIFACT = "spec.yaml"
 
 
 class MLflowTracker(Hook):
+    """One MLflow run per job. `parent_run_id` makes it a child run (as `towerflow compare` does).
+
+    When the spec asks for it (`export.saved_model`), a FINISHED run also exports the trained model
+    (towerflow.tracking.export) before the run is closed; if that fails, the run ends FAILED and
+    `end_error` holds the error, for the caller to raise.
+    """
+
     def __init__(
         self,
         spec: Any,
@@ -25,14 +34,18 @@ class MLflowTracker(Hook):
         tracking_uri: str | None = None,
         flush_every_s: float = 2.0,
         resume_run_id: str | None = None,
+        parent_run_id: str | None = None,
     ) -> None:
         self.spec = spec
         self.tracking_uri = default_tracking_uri(tracking_uri or spec.tracking.tracking_uri)
         self.flush_every_s = flush_every_s
         self.log_every_steps = spec.supervision.log_every_steps
         self.resume_run_id = resume_run_id
+        self.parent_run_id = parent_run_id
         self.run_id: str | None = None
         self.experiment_id: str | None = None
+        self.exported = None  # towerflow.tracking.export.ExportedModel, after a successful export
+        self.end_error: Exception | None = None
         self._client = None
         self._buffer: list[Any] = []
         self._last_flush = 0.0
@@ -54,6 +67,7 @@ class MLflowTracker(Hook):
 
         run = self._resumable_run()
         return latest_state(MlflowCheckpointStore(self.client, run.info.run_id), f"run {run.info.run_id}")
+        self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
 
     def begin(self, session: SessionInfo) -> None:
         import mlflow
@@ -63,20 +77,14 @@ class MLflowTracker(Hook):
             return
         spec = self.spec
         self._client = self.client
-        experiment = self._client.get_experiment_by_name(spec.experiment)
-        self.experiment_id = (
-            experiment.experiment_id
-            if experiment
-            else self._client.create_experiment(
-                spec.experiment, artifact_location=artifact_location_for(self.tracking_uri, spec.experiment)
-            )
-        )
+        self.experiment_id = ensure_experiment(self._client, spec.experiment, self.tracking_uri)
         tags = {
-            "mode": spec.training.mode,
+            **run_tags(spec.training.mode),
             "towerflow.job": spec.name,
             "mlflow.runName": spec.tracking.run_name or f"{spec.name}-{spec.training.mode}",
-            **_versions(),
         }
+        if self.parent_run_id:
+            tags["mlflow.parentRunId"] = self.parent_run_id
         run = self._client.create_run(self.experiment_id, tags=tags)
         self.run_id = run.info.run_id
         session.tags["run_id"] = self.run_id
@@ -84,6 +92,9 @@ class MLflowTracker(Hook):
         session.tags["tracking_uri"] = self.tracking_uri
         params = flatten_spec(spec)
         params["cluster.ps_shards"] = str(session.num_shards)
+        params.update(run_params())
+        # The whole spec, loadable again (towerflow.tracking.export.load_run_spec): export and resume need it.
+        self._client.log_dict(self.run_id, spec.model_dump(mode="json"), SPEC_ARTIFACT)
         self._log_batch(params=[mlflow.entities.Param(k, v[:6000]) for k, v in sorted(params.items())])
 
     def _resumable_run(self):
@@ -118,6 +129,8 @@ class MLflowTracker(Hook):
     def after_create_session(self, session: SessionInfo) -> None:
         from mlflow.entities import Param
 
+        if self.spec.tracking.system_metrics:
+            self._start_system_metrics()
         if self.resume_run_id:
             return
 
@@ -146,6 +159,7 @@ class MLflowTracker(Hook):
             "global_step": step,
             "examples_per_sec": event.examples_per_sec,
             "examples_seen": event.examples_seen,
+            "elapsed_s": event.elapsed_s,
             **{f"train_{k}": v for k, v in event.metrics.items()},
             **{f"time_{k}_s": v for k, v in event.time_split.items()},
         }
@@ -154,6 +168,8 @@ class MLflowTracker(Hook):
             for key in [k for k in values if k.startswith("staleness_")]:
                 del values[key]
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
+        if self._system is not None:
+            self._buffer.extend(self._system.poll(now))
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
@@ -166,14 +182,51 @@ class MLflowTracker(Hook):
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._client is None or self.run_id is None:
             return
+        if self._system is not None:
+            self._buffer.extend(self._system.stop(int(time.time() * 1000)))
+            self._system = None
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:
             self._log_step(last)  # the final step is always logged
         self.flush()
-        if outcome.error is not None:
-            message = str(outcome.error).strip() or type(outcome.error).__name__
+        status, error = outcome.status, outcome.error
+        if status == "FINISHED" and self.spec.export.saved_model:
+            try:
+                self._export(outcome.result)
+            except Exception as exc:
+                status, error = "FAILED", exc
+                self.end_error = exc
+        if error is not None:
+            message = str(error).strip() or type(error).__name__
             self._client.set_tag(self.run_id, "towerflow.error", message[:5000])
-        self._client.set_terminated(self.run_id, status=outcome.status)
+        self._client.set_terminated(self.run_id, status=status)
+
+    def _export(self, result: Any) -> None:
+        from towerflow.tracking.export import ExportError, export_model
+
+        if result is None or result.parameters is None:
+            raise ExportError("export.saved_model: the run returned no trained parameters to export")
+        self.exported = export_model(
+            self.spec, result.parameters, self.run_id, tracking_uri=self.tracking_uri
+        )
+        self._client.set_tag(self.run_id, "towerflow.model_uri", self.exported.model_uri)
+        if self.exported.registry_uri:
+            self._client.set_tag(self.run_id, "towerflow.registered_model", self.exported.registry_uri)
+
+    def _start_system_metrics(self) -> None:
+        import ray
+
+        from towerflow.tracking.system_metrics import ClusterSystemMetrics
+
+        if not ray.is_initialized():
+            return
+        system = ClusterSystemMetrics(self.spec.tracking.system_metrics_interval_s)
+        try:
+            system.start()
+        except Exception as exc:  # monitoring must never stop training
+            print(f"towerflow: system metrics are off for this run: {exc}")
+            return
+        self._system = system
 
     def flush(self) -> None:
         self._last_flush = time.monotonic()
@@ -188,24 +241,3 @@ class MLflowTracker(Hook):
             self._client.log_batch(self.run_id, metrics=metrics)
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self._client.log_batch(self.run_id, params=params[start : start + 100])
-
-
-def _versions() -> dict[str, str]:
-    import mlflow
-    import ray
-
-    import towerflow
-
-    tags = {
-        "towerflow.version": towerflow.__version__,
-        "ray.version": ray.__version__,
-        "mlflow.version": mlflow.__version__,
-        "python.version": std_platform.python_version(),
-    }
-    try:
-        from importlib.metadata import version
-
-        tags["tensorflow.version"] = version("tensorflow")
-    except Exception:
-        pass
-    return tags

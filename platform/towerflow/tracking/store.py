@@ -20,10 +20,18 @@ def default_tracking_uri(spec_uri: str | None = None, workdir: str | Path | None
     return f"sqlite:///{base / DEFAULT_DB}"
 
 
-def artifact_location_for(tracking_uri: str, experiment: str) -> str | None:
-    """Artifacts of a SQLite store live beside its database (`mlartifacts/<experiment>`), not in
-    whatever directory a run happened to start in; other stores keep their own default."""
-    if not tracking_uri.startswith("sqlite:///"):
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a SQLite store (`<its folder>/mlruns`), so a
+    store and its artifacts move together; None (the server's default) for any other store."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
         return None
-    database = Path(tracking_uri.removeprefix("sqlite:///"))
-    return (database.parent / "mlartifacts" / experiment).resolve().as_uri()
+    return (Path(tracking_uri[len(prefix) :]).resolve().parent / "mlruns").as_uri()
+
+
+def ensure_experiment(client, name: str, tracking_uri: str) -> str:
+    """The id of experiment `name`, created (with artifact_location()) when missing."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    return client.create_experiment(name, artifact_location=artifact_location(tracking_uri))

@@ -1,0 +1,156 @@
+"""System metrics of every Ray node, in the job's MLflow run as `system/<node>/<metric>`.
+
+One small actor per alive node (no CPU reserved, pinned with NodeAffinitySchedulingStrategy)
+samples MLflow's own CPU, memory, disk and network monitors, plus every NVIDIA GPU through NVML
+(towerflow.tracking.gpu) where there is one. The driver drains the nodes' aggregated samples and
+logs them itself, so the store has one writer and remote nodes need no access to it. The names
+follow MLflow's system metrics (`system/` prefix, node id after it: what MLFLOW_SYSTEM_METRICS_NODE_ID
+does), so the run page's "System metrics" tab shows them, with step = sample number per node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import ray
+
+PREFIX = "system"
+
+
+class NodeSampler:
+    """Samples this node's monitors every `interval_s` in a thread; `drain` averages what it has."""
+
+    def __init__(self, interval_s: float) -> None:
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+        from towerflow.tracking.gpu import NVMLMonitor, nvml
+
+        self.monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        self.gpus = nvml() is not None
+        if self.gpus:
+            self.monitors.append(NVMLMonitor())
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="towerflow-system-metrics", daemon=True)
+        self._thread.start()
+
+    def has_gpus(self) -> bool:
+        return self.gpus
+
+    def drain(self) -> dict[str, float] | None:
+        """The averages since the previous drain (None before the first sample), then start afresh."""
+        with self._lock:
+            if not self._samples:
+                self._sample()
+            metrics: dict[str, float] = {}
+            for monitor in self.monitors:
+                metrics.update(monitor.aggregate_metrics())
+                monitor.clear_metrics()
+            self._samples = 0
+        return {k: float(v) for k, v in metrics.items()} or None
+
+    def stop(self) -> dict[str, float] | None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5)
+        return self.drain()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self._sample()
+            self._stop.wait(self.interval_s)
+
+    def _sample(self) -> None:
+        for monitor in self.monitors:
+            with contextlib.suppress(Exception):  # a monitor that fails once just misses that sample
+                monitor.collect_metrics()
+        self._samples += 1
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class NodeSamplerActor(NodeSampler):
+    pass
+
+
+def node_labels(nodes: list[dict[str, Any]]) -> dict[str, str]:
+    """Ray node id -> metric label: the node's IP, with the id's start added where IPs repeat."""
+    ips = [n["NodeManagerAddress"] for n in nodes]
+    return {
+        n["NodeID"]: n["NodeManagerAddress"]
+        if ips.count(n["NodeManagerAddress"]) == 1
+        else f"{n['NodeManagerAddress']}-{n['NodeID'][:8]}"
+        for n in nodes
+    }
+
+
+class ClusterSystemMetrics:
+    """Driver side: starts one sampler per alive Ray node, turns their drains into MLflow metrics."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self.samplers: dict[str, Any] = {}  # label -> actor
+        self._steps: dict[str, int] = {}
+        self._pending: dict[Any, str] = {}  # drain ref -> label
+        self._last_poll = 0.0
+
+    def start(self) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        for node_id, label in node_labels(nodes).items():
+            strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            self.samplers[label] = NodeSamplerActor.options(scheduling_strategy=strategy).remote(
+                self.interval_s
+            )
+            self._steps[label] = 0
+        self._last_poll = time.monotonic()
+
+    def poll(self, now_ms: int) -> list[Any]:
+        """MLflow Metric objects of the drains that are back; asks for the next ones every interval."""
+        metrics = self._collect(timeout=0, now_ms=now_ms)
+        if self.samplers and time.monotonic() - self._last_poll >= self.interval_s and not self._pending:
+            self._last_poll = time.monotonic()
+            self._pending = {actor.drain.remote(): label for label, actor in self.samplers.items()}
+        return metrics
+
+    def stop(self, now_ms: int, timeout_s: float = 10.0) -> list[Any]:
+        """The last samples of every node; the samplers are gone afterwards."""
+        metrics = self._collect(timeout=timeout_s, now_ms=now_ms)
+        self._pending = {actor.stop.remote(): label for label, actor in self.samplers.items()}
+        metrics += self._collect(timeout=timeout_s, now_ms=now_ms)
+        for actor in self.samplers.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        self.samplers = {}
+        return metrics
+
+    def _collect(self, timeout: float, now_ms: int) -> list[Any]:
+        from mlflow.entities import Metric
+
+        if not self._pending:
+            return []
+        ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=timeout)
+        metrics = []
+        for ref in ready:
+            label = self._pending.pop(ref)
+            try:
+                values = ray.get(ref)
+            except Exception:  # a node went away: its metrics stop, the run goes on
+                continue
+            if not values:
+                continue
+            step = self._steps[label]
+            self._steps[label] = step + 1
+            metrics.extend(
+                Metric(f"{PREFIX}/{label}/{k}", v, now_ms, step) for k, v in sorted(values.items())
+            )
+        if timeout:  # at stop: a node that did not answer in time is not waited for again
+            self._pending.clear()
+        return metrics

@@ -1,0 +1,85 @@
+"""`towerflow ui`: the MLflow UI (`mlflow server`) over the store the runs were written to.
+
+It binds to 127.0.0.1 unless told otherwise, like every local server of towerflow.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import BinaryIO
+
+from towerflow.errors import TowerflowError
+from towerflow.tracking.store import default_tracking_uri
+
+
+class UIError(TowerflowError):
+    """The MLflow UI did not start (port taken, bad store URI); the message has its last output."""
+
+    exit_code = 1
+
+
+def ui_command(store_uri: str | None = None, *, host: str = "127.0.0.1", port: int = 5000) -> list[str]:
+    """The `mlflow server` command line for `store_uri` (default: default_tracking_uri())."""
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        default_tracking_uri(store_uri),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
+
+
+def start_ui(
+    store_uri: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 5000,
+    timeout_s: float = 120.0,
+    log: BinaryIO | None = None,
+) -> subprocess.Popen:
+    """Start the MLflow UI and return its process once it answers on http://host:port/health.
+
+    Its output goes to `log` (default: a temporary file, shown in the error if it fails to start)."""
+    log = log or tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
+    process = subprocess.Popen(
+        ui_command(store_uri, host=host, port=port), stdout=log, stderr=subprocess.STDOUT
+    )
+    url = f"http://{host}:{port}/health"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            output = log.read().decode(errors="replace")[-3000:]
+            raise UIError(f"the MLflow UI exited with code {process.returncode} on port {port}:\n{output}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return process
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    stop_ui(process)
+    raise UIError(f"the MLflow UI did not answer on {url} within {timeout_s:.0f} s")
+
+
+def stop_ui(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """Stop the server (SIGTERM, then SIGKILL)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,73 @@
+"""`towerflow compare`: sync and async as child runs of one parent run, with PNG plots in the parent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+from support import blob_spec
+
+from towerflow.errors import SpecError
+from towerflow.spec import validate_spec
+from towerflow.tracking.compare import compare_modes, parse_modes, spec_for_mode
+
+
+def test_both_modes_become_child_runs_with_plots_in_the_parent(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = validate_spec(
+        blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "cmp"}, training={"max_steps": 5})
+    )
+    comparison = compare_modes(spec, ["sync", "async"])
+    client = MlflowClient(uri)
+    parent = client.get_run(comparison.parent_run_id)
+    # Artifacts live beside the SQLite store, not in the working directory.
+    assert (
+        client.get_experiment(parent.info.experiment_id).artifact_location == (tmp_path / "mlruns").as_uri()
+    )
+    assert parent.info.status == "FINISHED" and parent.data.tags["towerflow.compare.modes"] == "sync,async"
+    for mode in ("sync", "async"):
+        child = client.get_run(comparison.results[mode].run_id)
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.tags["mode"] == child.data.params["training.mode"] == mode
+        assert child.data.tags["mlflow.runName"] == f"blobs-test-{mode}"
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "elapsed_s")] == [1, 2, 3, 4, 5]
+        assert f"{mode}.final_loss" in parent.data.metrics
+    assert sorted(a.path for a in client.list_artifacts(parent.info.run_id, "plots")) == [
+        "plots/loss_vs_examples_seen.png",
+        "plots/loss_vs_wall_time.png",
+    ]
+    for name in comparison.plots:
+        local = mlflow.artifacts.download_artifacts(
+            run_id=parent.info.run_id, artifact_path=name, tracking_uri=uri
+        )
+        image = matplotlib.image.imread(local)  # a real PNG with drawn content, not an empty canvas
+        assert image.shape[:2] == (450, 700) and image.std() > 0.05
+
+
+def test_modes_are_checked_before_anything_runs(blob_data):
+    assert parse_modes("sync, async") == ["sync", "async"]
+    for bad in ("sync,bogus", "", "sync,sync"):
+        with pytest.raises(SpecError, match="--modes"):
+            parse_modes(bad)
+    spec = validate_spec(blob_spec(blob_data, training={"mode": "async", "max_staleness": 2}))
+    sync = spec_for_mode(spec, "sync")  # the async-only staleness bound is dropped for the sync child
+    assert sync.training.mode == "sync" and sync.training.max_staleness is None
+    assert spec_for_mode(spec, "async").training.max_staleness == 2
+
+
+def test_cli_rejects_unknown_modes_with_one_paragraph(tmp_path):
+    spec = Path(__file__).resolve().parents[2] / "pipelines" / "mnist_sync.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "towerflow", "compare", str(spec), "--modes", "sync,downpour"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--modes 'sync,downpour'" in done.stderr and "Traceback" not in done.stderr

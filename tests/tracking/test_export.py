@@ -1,0 +1,104 @@
+"""Export: a finished run's model as a SavedModel in MLflow, registered under an alias, that predicts
+exactly what the trained weights predict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import tensorflow as tf
+from mlflow.tracking import MlflowClient
+from support import blob_spec, blobs
+
+from towerflow.errors import SpecError
+from towerflow.launch import train
+from towerflow.spec import validate_spec
+from towerflow.tracking.export import ExportError, build_trained_model, export_model, load_run_spec
+
+
+def test_registered_model_predicts_like_the_trained_weights(exported_run):
+    spec, uri, result = exported_run
+    x = blobs(16, seed=3)["x"]
+    expected = build_trained_model(spec, result.parameters)(x, training=False).numpy()
+    untrained = build_trained_model(spec, [np.zeros_like(p) for p in result.parameters])(x).numpy()
+    assert not np.allclose(expected, untrained)  # the comparison below means something
+
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["towerflow.registered_model"] == "models:/blobs-mlp@champion"
+    version = client.get_model_version_by_alias("blobs-mlp", "champion")
+    assert version.run_id == result.run_id
+
+    with mlflow_uri(uri):
+        served = mlflow.pyfunc.load_model("models:/blobs-mlp@champion")
+        np.testing.assert_allclose(served.predict(x), expected, atol=1e-5)
+        assert served.metadata.get_input_schema().inputs[0].shape == (-1, 8)
+        local = Path(mlflow.artifacts.download_artifacts(run.data.tags["towerflow.model_uri"]))
+    assert (local / "input_example.json").exists()
+    saved = tf.saved_model.load(str(local / "tf2model"))
+    outputs = saved.signatures["serving_default"](x=tf.constant(x))
+    np.testing.assert_allclose(outputs["logits"].numpy(), expected, atol=1e-5)
+
+
+def test_export_on_demand_adds_a_version_under_its_own_alias(exported_run):
+    spec, uri, result = exported_run
+    exported = export_model(spec, result.parameters, result.run_id, alias="staging")
+    assert exported.registered_name == "blobs-mlp" and exported.version == "2"
+    assert exported.registry_uri == "models:/blobs-mlp@staging"
+    client = MlflowClient(uri)
+    assert str(client.get_model_version_by_alias("blobs-mlp", "staging").version) == "2"
+    assert str(client.get_model_version_by_alias("blobs-mlp", "champion").version) == "1"
+
+
+def test_weights_of_another_model_are_refused(exported_run):
+    spec, _, result = exported_run
+    with pytest.raises(ExportError, match="trainable variables"):
+        build_trained_model(spec, result.parameters[:-1])
+    wrong = [np.zeros((3, 3), np.float32)] + list(result.parameters[1:])
+    with pytest.raises(ExportError, match="has shape"):
+        build_trained_model(spec, wrong)
+
+
+class mlflow_uri:
+    """Point MLflow's global tracking URI at a test store for a block."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+
+    def __enter__(self) -> None:
+        mlflow.set_tracking_uri(self.uri)
+
+    def __exit__(self, *exc) -> None:
+        mlflow.set_tracking_uri(None)
+
+
+def test_the_run_keeps_its_spec_for_later_exports(exported_run):
+    spec, uri, result = exported_run
+    assert load_run_spec(result.run_id, uri).model_dump() == spec.model_dump()
+
+
+def test_a_failed_export_fails_the_run(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            tracking={"tracking_uri": uri, "experiment": "bad-export"},
+            training={"max_steps": 2},
+            export={"saved_model": True, "register_as": "blobs-bad", "alias": "latest"},  # reserved by MLflow
+        )
+    )
+    with pytest.raises(ExportError, match="latest"):
+        train(spec)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("bad-export").experiment_id])
+    assert run.info.status == "FAILED" and "reserved" in run.data.tags["towerflow.error"]
+
+
+def test_registered_names_mlflow_refuses_are_spec_errors(blob_data):
+    with pytest.raises(SpecError, match="export.register_as"):
+        validate_spec(blob_spec(blob_data, export={"saved_model": True, "register_as": "team/model"}))
+    with pytest.raises(SpecError, match="export.alias"):
+        validate_spec(blob_spec(blob_data, export={"alias": "best model"}))

@@ -1,0 +1,153 @@
+"""`towerflow ui` for real: the MLflow server over the run store, the run page in headless Chromium.
+
+Chromium and its driver come from Debian (`chromium`, `chromium-driver`); the test installs them
+when missing and is skipped only when that is impossible here, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from towerflow.tracking.ui import start_ui, stop_ui
+
+
+def _chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+@pytest.fixture(scope="module")
+def chromium() -> tuple[str, str]:
+    """(browser, driver) paths; installs Debian's chromium + chromium-driver when they are missing."""
+    found = _chromium()
+    if found:
+        return found
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        pytest.skip("no Chromium here and no way to install it (needs apt-get as root)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    why = ""
+    for command in (
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"],
+    ):
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            why = f"{' '.join(command)} timed out"
+            break
+        if done.returncode != 0:
+            why = f"{' '.join(command)} failed: {done.stderr.strip()[-300:]}"
+            break
+    found = _chromium()
+    if not found:
+        pytest.skip(
+            f"no Chromium could be installed ({why or 'chromium/chromedriver not on PATH after install'})"
+        )
+    return found
+
+
+@pytest.fixture
+def browser(chromium):
+    binary, driver_path = chromium
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,2400",
+    ):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)  # no driver download
+    yield driver
+    driver.quit()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _page_text_when(driver, ready, timeout_s: float = 90) -> str:
+    """The page's text once `ready(text)` holds (the UI is a React app that renders after fetching)."""
+    body = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
+    try:
+        WebDriverWait(driver, timeout_s, poll_frequency=0.5).until(lambda d: ready(body(d)))
+    except Exception:
+        pytest.fail(f"the run page never showed what the test waits for; it shows:\n{body(driver)[:5000]}")
+    return body(driver)
+
+
+def _logged_models(text: str) -> int:
+    found = re.search(r"Logged models \((\d+)\)", text)
+    return int(found.group(1)) if found else 0
+
+
+def test_run_page_shows_metrics_and_logged_model(exported_run, browser):
+    spec, uri, result = exported_run
+    port = _free_port()
+    server = start_ui(uri, port=port)
+    try:
+        from mlflow.tracking import MlflowClient
+
+        experiment_id = MlflowClient(uri).get_run(result.run_id).info.experiment_id
+        browser.get(f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs/{result.run_id}")
+        metrics = ["loss", "examples_per_sec", "time_compute_s", "train_accuracy"]
+        # the exported model: the one of the run's end at least (test_export may have added another)
+        text = _page_text_when(
+            browser, lambda t: all(m in t for m in metrics) and "blobs-mlp" in t and _logged_models(t) >= 1
+        )
+        assert result.run_id in text and "Finished" in text
+    finally:
+        stop_ui(server)
+
+
+def _listening(port: int) -> list[str]:
+    return [
+        c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port
+    ]
+
+
+def test_towerflow_ui_command_serves_the_store_on_loopback(exported_run):
+    _, uri, _ = exported_run
+    port = _free_port()
+    command = [sys.executable, "-m", "towerflow", "ui", "--port", str(port), "--store", uri]
+    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = cli.stdout.readline()  # printed once the server answers
+        assert f"at http://127.0.0.1:{port}" in line, line
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=5"
+        ) as r:
+            assert b'"export"' in r.read()
+        assert set(_listening(port)) == {"127.0.0.1"}
+    finally:
+        cli.send_signal(signal.SIGINT)
+        try:
+            cli.wait(30)
+        except subprocess.TimeoutExpired:
+            cli.kill()
+            raise
+    assert cli.returncode == 130
+    deadline = time.monotonic() + 10  # Ctrl-C stops the server too
+    while _listening(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _listening(port) == []
