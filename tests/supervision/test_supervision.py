@@ -178,3 +178,22 @@ def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_pa
     assert first_by_worker_1 > 4
     assert all(e.workers == [0] for e in events if e.global_step <= 4)
     assert not math.isnan(events[-1].loss)
+
+
+def test_export_on_demand_uses_the_latest_checkpoint(first_run, blob_data):
+    import mlflow
+
+    from towerflow.tracking.export import build_trained_model, export_run
+
+    spec, uri, result, _ = first_run
+    exported = export_run(result.run_id, uri)
+    store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
+    latest = store.load(store.list()[-1][0])
+    x = np.random.default_rng(3).normal(size=(5, 8)).astype(np.float32)
+    expected = np.asarray(build_trained_model(spec, [latest.variables[n] for n in latest.names])(x))
+    mlflow.set_tracking_uri(uri)
+    try:
+        served = mlflow.pyfunc.load_model(exported.model_uri)
+        np.testing.assert_allclose(np.asarray(served.predict(x)), expected, atol=1e-5)
+    finally:
+        mlflow.set_tracking_uri(None)

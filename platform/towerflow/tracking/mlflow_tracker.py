@@ -51,6 +51,7 @@ class MLflowTracker(Hook):
         self._last_flush = 0.0
         self._last_logged_step = 0
         self._window = StepWindow()
+        self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
 
     @property
     def client(self):
@@ -67,7 +68,6 @@ class MLflowTracker(Hook):
 
         run = self._resumable_run()
         return latest_state(MlflowCheckpointStore(self.client, run.info.run_id), f"run {run.info.run_id}")
-        self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
 
     def begin(self, session: SessionInfo) -> None:
         import mlflow
