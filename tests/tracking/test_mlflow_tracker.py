@@ -63,7 +63,12 @@ def test_run_records_versions_cluster_shape_and_git_commit(ray_cluster, blob_dat
     assert params["versions.ray"] == tags["ray.version"] == ray.__version__
     for name in ("towerflow", "mlflow", "python"):
         assert params[f"versions.{name}"] == tags[f"{name}.version"]
-    assert params["cluster.cpus"] == "8" and params["cluster.gpus"] == "0" and params["cluster.nodes"] == "1"
+    resources = ray.cluster_resources()
+    assert (
+        params["cluster.cpus"] == f"{resources['CPU']:g}"
+        and params["cluster.gpus"] == f"{resources.get('GPU', 0):g}"
+    )
+    assert params["cluster.nodes"] == str(len([n for n in ray.nodes() if n["Alive"]]))
     assert params["cluster.workers"] == "2" and params["cluster.ps_shards"] == "2"
     # The tests run from the repository root, a git work tree: the run names its commit.
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

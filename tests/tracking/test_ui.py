@@ -18,11 +18,13 @@ import urllib.request
 
 import psutil
 import pytest
+import ray
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from towerflow.tracking.system_metrics import node_labels
 from towerflow.tracking.ui import start_ui, stop_ui
 
 
@@ -116,6 +118,12 @@ def test_run_page_shows_metrics_and_logged_model(exported_run, browser):
             browser, lambda t: all(m in t for m in metrics) and "blobs-mlp" in t and _logged_models(t) >= 1
         )
         assert result.run_id in text and "Finished" in text
+        # each Ray node's host metrics, under MLflow's own System metrics tab
+        browser.find_element(By.XPATH, "//*[normalize-space(text())='System metrics']").click()
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        # the tab's chart legends name run and metric: "blobs-test-sync (system/<node>/<metric>)"
+        legends = [f"(system/{label}/cpu_utilization_percentage)" for label in node_labels(nodes).values()]
+        _page_text_when(browser, lambda t: all(legend in t for legend in legends))
     finally:
         stop_ui(server)
 
