@@ -39,8 +39,17 @@ def train(
         all_hooks.append(MLflowTracker(spec))
     all_hooks.extend(hooks)
 
+    skipped = None
+    if spec.data.on_bad_record == "skip":
+        from towerflow.data.bad_records import SkippedRecordsHook
+
+        skipped = SkippedRecordsHook()
+        all_hooks.append(skipped)
+
     def make_data(num_workers: int):
         data = build_training_data(spec, num_workers)
+        if skipped is not None:
+            skipped.ledger = data.ledger
         return data.splits, data.feature_scales
 
     return Driver(spec, all_hooks, make_data, worker_overrides=worker_overrides).run()

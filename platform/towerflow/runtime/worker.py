@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from towerflow.runtime.batches import BatchAdapter
+from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream
 from towerflow.runtime.sharding import VariableInfo
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
@@ -134,15 +134,15 @@ class TowerWorker:
         versions = [r.version for r in replies]
         param_refs = [r.params for r in replies]
         done = any(r.done for r in replies)
-        batches = iter(
-            data.iter_batches(
-                batch_size=cfg.batch_size,
-                batch_format="numpy",
-                drop_last=cfg.drop_remainder,
-                prefetch_batches=2,
-                local_shuffle_buffer_size=cfg.shuffle_buffer or None,
-                local_shuffle_seed=cfg.seed + cfg.worker_id if cfg.shuffle_buffer else None,
-            )
+        stream = as_stream(data)
+        self.adapter.varlen = stream.options.varlen
+        if stream.options.tower_preprocess:
+            self.towers.model = TowerModel(self.model, stream.options.tower_preprocess)
+        batches = stream.batches(
+            batch_size=cfg.batch_size,
+            drop_last=cfg.drop_remainder,
+            shuffle_buffer=cfg.shuffle_buffer,
+            seed=cfg.seed + cfg.worker_id,
         )
         steps = examples = 0
         try:
