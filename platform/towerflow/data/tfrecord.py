@@ -8,6 +8,7 @@ record (on_bad_record: error) or drop it and go on (skip).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,7 +66,7 @@ def read_tfrecord_file(
             except tf.errors.NotFoundError:
                 raise DataError(f"{path}: file not found (it was there when the job started)") from None
             except tf.errors.OpError as exc:
-                raise DataError(f"{path}: cannot read after record {records} ({_first_line(exc)})") from None
+                raise DataError(f"{path}: cannot read after record {records} ({_parse_reason(exc)})") from None
             columns = _parse(tf, path, serialized, records, parsers, features, bad)
             records += int(serialized.shape[0])
             if columns is not None:
@@ -177,7 +178,7 @@ def _corrupt_tail(tf, path, local, records, parsers, features, bad: BadRecords, 
         columns = _parse(tf, path, tf.constant(good), records, parsers, features, bad)
         if columns is not None:
             yield columns
-    bad.bad(path, f"record {index}", f"corrupt TFRecord, the rest of the file is unreadable ({_first_line(exc)})")
+    bad.bad(path, f"record {index}", f"corrupt TFRecord, the rest of the file is unreadable ({_parse_reason(exc)})")
 
 
 _configured = False
@@ -199,11 +200,10 @@ def _tensorflow():
 
 
 def _parse_reason(exc: Exception) -> str:
-    text = _first_line(exc)
-    # "Key: x.  Data types don't match. ..." / "Feature: x (data type: float) is required but could not be found."
-    for marker in ("Name: <unknown>, ", "Name: , "):
-        text = text.replace(marker, "")
-    return text
+    """TensorFlow's message without its op wrapper and the batch-relative index."""
+    text = (getattr(exc, "message", None) or str(exc)).strip().splitlines()[0]
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:[^\]]*\].*$|Name: [^,]*, ", "", text)
+    return re.sub(r",? Index: \d+\.?\s*", ": ", text).strip()[:300]
 
 
 def _first_line(exc: Exception) -> str:
