@@ -86,7 +86,7 @@ class SkippedRecordsHook(Hook):
             return
         counts, reasons = self._fetch()
         for path, count in sorted(counts.items()):
-            print(f"towerflow: skipped {count} bad record(s) in {path} (first: {reasons.get(path, '')})")
+            print(f"towerflow: skipped {count} bad record(s) in {path} (e.g. {reasons.get(path, '')})")
         self._log(session, counts, final=True)
 
     def _fetch(self) -> tuple[dict[str, int], dict[str, str]]:

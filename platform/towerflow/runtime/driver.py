@@ -74,8 +74,9 @@ class Driver:
             outcome = RunOutcome("KILLED", self._global_step(), exc)
             raise
         except BaseException as exc:
-            outcome = RunOutcome("FAILED", self._global_step(), exc)
-            raise _as_user_error(exc) from exc
+            error = _as_user_error(exc)  # the run's error tag shows the user's message, not Ray's wrapper
+            outcome = RunOutcome("FAILED", self._global_step(), error)
+            raise error from exc
         finally:
             for hook in begun:
                 try:
@@ -249,7 +250,9 @@ def _as_user_error(exc: BaseException) -> BaseException:
     """Find a TowerflowError inside Ray's wrappers (worker -> data task); else say which actor failed."""
     seen = exc
     for _ in range(8):
-        if isinstance(seen, TowerflowError):
+        # Ray re-raises a remote error as a class deriving from both RayTaskError and the original;
+        # its message is Ray's traceback, so keep looking for the original underneath.
+        if isinstance(seen, TowerflowError) and not isinstance(seen, ray.exceptions.RayError):
             return seen
         cause = getattr(seen, "cause", None) or seen.__cause__
         if cause is None:

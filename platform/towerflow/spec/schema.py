@@ -39,7 +39,9 @@ class FeatureSpec(_Strict):
     decode: Literal["uint8", "float32"] | None = None
     decoded_shape: list[int] | None = None
     scale: float | None = None
-    varlen: bool = Field(False, description="Variable length: padded to pad_to (or the batch's longest), or ragged.")
+    varlen: bool = Field(
+        False, description="Variable length: padded to pad_to (or the batch's longest), or ragged."
+    )
     pad_to: int | None = Field(None, gt=0, description="varlen: pad (or cut) every record to this length.")
     ragged: bool = Field(False, description="varlen: hand the model a tf.RaggedTensor instead of padding.")
 
@@ -73,13 +75,15 @@ class SourceSpec(_Strict):
     features: dict[str, FeatureSpec] | None = None
     csv: CsvSpec = Field(default_factory=CsvSpec)
     groups: dict[str, list[str]] | None = Field(
-        None, description="name: [features or globs]: one dense float32 tensor, concatenated on the last axis."
+        None,
+        description="name: [features or globs]: one dense float32 tensor, concatenated on the last axis.",
     )
     preprocess: list[FunctionRef] = Field(
         default_factory=list, description="module:fn applied per batch in Ray Data (dict of NumPy arrays)."
     )
     tower_preprocess: list[FunctionRef] = Field(
-        default_factory=list, description="module:fn(features, training) -> features, per tower in TensorFlow."
+        default_factory=list,
+        description="module:fn(features, training) -> features, per tower in TensorFlow.",
     )
 
     @property
