@@ -34,6 +34,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
+RAY_WORKER_NICENESS = 15  # the raylet starts Ray's worker processes at this niceness
 CSV_FEATURES = 32
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -174,8 +175,19 @@ def _rates(start: float, marks: list[tuple[float, int]]) -> dict:
 
 
 def tfdata(kind: str, folder: Path, epochs: int) -> dict:
+    # Same niceness as Ray's workers, so other jobs on the machine slow both alike.
     out = subprocess.run(
-        [sys.executable, __file__, "--tfdata-child", kind, str(folder), str(epochs)],
+        [
+            "nice",
+            "-n",
+            str(RAY_WORKER_NICENESS),
+            sys.executable,
+            __file__,
+            "--tfdata-child",
+            kind,
+            str(folder),
+            str(epochs),
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -260,11 +272,15 @@ def main() -> None:
         order = configs[r % 2 :] + configs[: r % 2]  # rotate who goes first
         for system, kind in order:
             log(f"round {r + 1}/{args.rounds}: {system} {kind}")
+            load = os.getloadavg()[0]
             if system == "tf.data":
                 found = tfdata(kind, folders[kind], args.epochs)
             else:
                 found = towerflow_run(ray, kind, folders[kind], args.epochs, args.data_cpus)
-            log(f"  cold {found['cold']:,.0f} ex/s, steady {found['steady']:,.0f} ex/s")
+            found["load"] = (load + os.getloadavg()[0]) / 2
+            log(
+                f"  cold {found['cold']:,.0f} ex/s, steady {found['steady']:,.0f} ex/s, load {found['load']:.1f}"
+            )
             results.setdefault(f"{system} {kind}", []).append(found)
     ray.shutdown()
 
@@ -291,8 +307,12 @@ def main() -> None:
             ratios[f"{system} {kind}"] = ratio
             print(
                 f"{key:<22}{median(key, 'steady'):>14,.0f}{min(steady):>10,.0f}{max(steady):>10,.0f}"
-                f"{median(key, 'cold'):>12,.0f}{ratio:>12.3f}"
+                f"{median(key, 'cold'):>12,.0f}{ratio:>12.3f}{median(key, 'load'):>7.1f}"
             )
+    print(
+        "(steady: epochs 2+ of a run; cold: its first epoch from building the pipeline; load: the machine's"
+    )
+    print(" 1-minute load average around the runs, medians; tf.data runs at Ray's worker niceness)")
     print()
     print(f"wall time of the whole benchmark: {time.time() - began:.0f} s")
     print(f"cold_vs_tfdata={median('towerflow tfrecord', 'cold') / median('tf.data tfrecord', 'cold'):.3f}")
