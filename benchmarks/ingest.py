@@ -295,7 +295,7 @@ def main() -> None:
     )
     print()
     print(
-        f"{'configuration':<22}{'steady ex/s':>14}{'min':>10}{'max':>10}{'cold ex/s':>12}{'vs tf.data':>12}"
+        f"{'configuration':<22}{'steady ex/s':>14}{'min':>10}{'max':>10}{'cold ex/s':>12}{'vs tf.data':>12}{'load':>7}"
     )
     ratios = {}
     for kind in ("tfrecord", "csv"):
