@@ -33,9 +33,6 @@ class BadRecords:
         self.skipped += count
         self.first_reason = self.first_reason or f"{where}: {reason}"
 
-    def for_file(self) -> BadRecords:
-        return BadRecords(self.mode, self.ledger)
-
     def report(self, path: str) -> None:
         """Send this file's count to the ledger (once, when the file is done)."""
         if self.skipped and self.ledger is not None:

@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 
 from towerflow.errors import DataError
-
-NOT_INPUTS = ("example_id",)  # never a model input (contract); the label is excluded too
+from towerflow.runtime.batches import NOT_INPUTS  # never model inputs (contract), like the label
 
 _FEATURE_DEFAULTS = {
     "shape": [],
