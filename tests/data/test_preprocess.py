@@ -64,3 +64,23 @@ def test_a_bad_import_string_fails_before_training(ray_cluster, tmp_path):
     write_uneven_shards(tmp_path, [10])
     with pytest.raises(SpecError, match=r"data.train.preprocess: .*no attribute 'nope'"):
         train(_spec(tmp_path, preprocess=["tests.data.pipeline_fns:nope"]), track=False)
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded-to-batch-longest"])
+def test_varlen_feature_trains_end_to_end(ray_cluster, tmp_path, ragged):
+    from support import write_examples
+
+    examples = [{"ids": list(range(1, i % 5 + 2)), "label": [i % 2], "example_id": [i]} for i in range(60)]
+    write_examples(tmp_path / "train-00000-of-00001", examples)
+    features = {
+        "ids": {"dtype": "int64", "varlen": True, "ragged": ragged, "default": -1},
+        "label": {"dtype": "int64"},
+        "example_id": {"dtype": "int64"},
+    }
+    if ragged:
+        features["ids"].pop("default")
+    spec = _spec(tmp_path, features=features)
+    spec.model.ref = "tests.data.pipeline_fns:mean_of_ids"
+    spec.model.params = {"ragged": ragged}
+    result = train(spec, track=False)
+    assert result.examples_seen == 60 and np.isfinite(result.final_loss)
