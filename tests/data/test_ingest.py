@@ -162,3 +162,22 @@ def test_manifest_csv_settings_and_file_urls(ray_cluster, tmp_path):
     assert data.examples_per_epoch == 12
     batch = next(data.splits[0].batches(batch_size=64, drop_last=False, shuffle_buffer=0, seed=0))
     assert sorted(batch["example_id"].tolist()) == list(range(12))
+
+
+def test_seeded_shuffles_repeat_and_differ_per_epoch(ray_cluster, tmp_path):
+    """deterministic: true keeps block order, so file-order shuffle + seeded buffer give one order."""
+    write_uneven_shards(tmp_path, SIZES)
+
+    def order(seed):
+        spec = _spec(str(tmp_path / "train-*"), workers=1, epochs=2, deterministic=True, seed=seed)
+        (stream,) = build_training_data(spec, 1).splits
+        ids = []
+        for batch in stream.batches(batch_size=16, drop_last=False, shuffle_buffer=64, seed=seed):
+            ids.extend(batch["example_id"].tolist())
+        return ids
+
+    first, again, other = order(1), order(1), order(2)
+    n = sum(SIZES)
+    assert first == again and first != other
+    assert sorted(first[:n]) != first[:n]  # shuffled
+    assert first[:n] != first[n:]  # a different order in the second epoch
