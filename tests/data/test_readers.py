@@ -95,8 +95,20 @@ def test_corrupt_crc_names_the_record_and_skip_keeps_the_good_ones(tmp_path):
     flip_byte(path, 12 * _record_size(tmp_path) + 20)  # inside record 12's data
     with pytest.raises(DataError, match=r"record 12: corrupt TFRecord"):
         _read(path)
+    columns, bad = _read(path, mode="skip")  # the length field still frames the records after it
+    assert columns["example_id"].tolist() == [i for i in range(20) if i != 12] and bad.skipped == 1
+
+
+def test_skip_after_a_corrupt_length_gives_up_on_the_rest_of_the_file(tmp_path):
+    path = write_examples(tmp_path / "a", [_good(i) for i in range(20)])
+    flip_byte(path, 5 * _record_size(tmp_path) + 2)  # record 5's length field
     columns, bad = _read(path, mode="skip")
-    assert columns["example_id"].tolist() == list(range(12)) and bad.skipped == 1
+    assert columns["example_id"].tolist() == list(range(5)) and bad.skipped == 1
+    assert "record 5: corrupt TFRecord, the rest of the file is unreadable" in bad.first_reason
+    truncated = truncate(write_examples(tmp_path / "b", [_good(i) for i in range(20)]), 7)
+    columns, bad = _read(truncated, mode="skip")
+    assert columns["example_id"].tolist() == list(range(19)) and bad.skipped == 1
+    assert "the rest of the file is unreadable" in bad.first_reason
 
 
 def test_decode_raw_bytes_and_wrong_size(tmp_path):

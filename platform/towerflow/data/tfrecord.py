@@ -9,6 +9,8 @@ record (on_bad_record: error) or drop it and go on (skip).
 from __future__ import annotations
 
 import re
+import struct
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,26 +53,30 @@ def read_tfrecord_file(
     """Yield parsed, decoded column batches of one file; errors name the file and the record."""
     tf = _tensorflow()
     bad = bad or BadRecords()
-    parsers = feature_map(features)
     with local_copy(path) as local:
-        records = 0  # records of this file handed on or judged so far
-        batches = iter(tf.data.TFRecordDataset(local, buffer_size=1 << 20).batch(READ_BATCH))
-        while True:
-            try:
-                serialized = next(batches)
-            except StopIteration:
-                return
-            except tf.errors.DataLossError as exc:
-                yield from _corrupt_tail(tf, path, local, records, parsers, features, bad, exc)
-                return
-            except tf.errors.NotFoundError:
-                raise DataError(f"{path}: file not found (it was there when the job started)") from None
-            except tf.errors.OpError as exc:
-                raise DataError(f"{path}: cannot read after record {records} ({_parse_reason(exc)})") from None
-            columns = _parse(tf, path, serialized, records, parsers, features, bad)
-            records += int(serialized.shape[0])
-            if columns is not None:
-                yield columns
+        yield from _read_local(tf, path, local, 0, feature_map(features), features, bad, resynced=False)
+
+
+def _read_local(tf, path, local, first, parsers, features, bad: BadRecords, *, resynced: bool):
+    """Read `local` (all of `path`, or its tail after a skipped corrupt record, which was record `first` - 1)."""
+    records = first  # records of the file handed on or judged so far
+    batches = iter(tf.data.TFRecordDataset(local, buffer_size=1 << 20).batch(READ_BATCH))
+    while True:
+        try:
+            serialized = next(batches)
+        except StopIteration:
+            return
+        except tf.errors.DataLossError as exc:
+            yield from _corrupt(tf, path, local, first, records, parsers, features, bad, exc, resynced)
+            return
+        except tf.errors.NotFoundError:
+            raise DataError(f"{path}: file not found (it was there when the job started)") from None
+        except tf.errors.OpError as exc:
+            raise DataError(f"{path}: cannot read after record {records} ({_parse_reason(exc)})") from None
+        columns = _parse(tf, path, serialized, records, parsers, features, bad)
+        records += int(serialized.shape[0])
+        if columns is not None:
+            yield columns
 
 
 class _JudgeRecords(Exception):
@@ -160,16 +166,13 @@ def ragged_column(values: np.ndarray, row_splits: np.ndarray) -> np.ndarray:
     return column
 
 
-def _corrupt_tail(tf, path, local, records, parsers, features, bad: BadRecords, exc):
-    """A record could not be read (bad length or CRC): find which, hand on the good ones before it.
-
-    Records after a corrupt one cannot be framed reliably, so the rest of the file is not read.
-    """
-    good = []
-    index = 0
+def _corrupt(tf, path, local, first, records, parsers, features, bad: BadRecords, exc, resynced):
+    """A record could not be read (bad length or CRC): find which, hand on the good ones before it;
+    in skip mode go on after it when its length field still frames the next record."""
+    good, index = [], 0
     try:
         for record in tf.data.TFRecordDataset(local):
-            if index >= records:
+            if first + index >= records:
                 good.append(record.numpy())
             index += 1
     except tf.errors.DataLossError as again:
@@ -178,7 +181,32 @@ def _corrupt_tail(tf, path, local, records, parsers, features, bad: BadRecords, 
         columns = _parse(tf, path, tf.constant(good), records, parsers, features, bad)
         if columns is not None:
             yield columns
-    bad.bad(path, f"record {index}", f"corrupt TFRecord, the rest of the file is unreadable ({_parse_reason(exc)})")
+    where = f"record {first + index}"
+    if resynced and index == 0:  # the skipped record's length did not frame a record: give up
+        bad.bad(path, where, f"corrupt TFRecord, the rest of the file is unreadable ({_parse_reason(exc)})")
+        return
+    tail = _bytes_after(local, index)
+    lost = "" if tail is not None else ", the rest of the file is unreadable"
+    bad.bad(path, where, f"corrupt TFRecord{lost} ({_parse_reason(exc)})")
+    if tail:
+        with tempfile.NamedTemporaryFile(prefix="towerflow-tail-") as rest:
+            rest.write(tail)
+            rest.flush()
+            yield from _read_local(tf, path, rest.name, first + index + 1, parsers, features, bad, resynced=True)
+
+
+def _bytes_after(local: str, index: int) -> bytes | None:
+    """The file's bytes after record `index`, framed by the length fields (error path only);
+    None when the framing runs past the end (a bad length, or a truncated file)."""
+    with open(local, "rb") as f:
+        data = f.read()
+    offset = 0
+    for _ in range(index + 1):
+        if offset + 8 > len(data):
+            return None
+        (length,) = struct.unpack_from("<Q", data, offset)
+        offset += 16 + length
+    return data[offset:] if offset <= len(data) else None
 
 
 _configured = False
