@@ -71,3 +71,80 @@ def blob_spec(folder: Path, **sections) -> dict:
         else:
             spec[key] = value
     return spec
+
+
+def example_bytes(features: dict) -> bytes:
+    """One serialized tf.train.Example from {name: list of ints | list of floats | list of bytes}."""
+    feature = {}
+    for key, values in features.items():
+        values = list(values)
+        if values and isinstance(values[0], bytes):
+            feature[key] = tf.train.Feature(bytes_list=tf.train.BytesList(value=values))
+        elif values and isinstance(values[0], float):
+            feature[key] = tf.train.Feature(float_list=tf.train.FloatList(value=values))
+        else:
+            feature[key] = tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
+    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+
+def write_examples(path: Path, examples: list[dict]) -> Path:
+    """A TFRecord file of hand-made Examples (see example_bytes), e.g. with a broken one among them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for example in examples:
+            writer.write(example_bytes(example))
+    return path
+
+
+def write_uneven_shards(folder: Path, sizes: list[int], dim: int = 4, seed: int = 0) -> list[Path]:
+    """TFRecord shards of the given sizes holding x (float32 [dim]), label and a unique example_id."""
+    rng = np.random.default_rng(seed)
+    paths, next_id = [], 0
+    for s, size in enumerate(sizes):
+        examples = [
+            {
+                "x": rng.normal(size=dim).astype(np.float32).tolist(),
+                "label": [int(i % 2)],
+                "example_id": [next_id + i],
+            }
+            for i in range(size)
+        ]
+        paths.append(write_examples(folder / f"train-{s:05d}-of-{len(sizes):05d}", examples))
+        next_id += size
+    return paths
+
+
+def write_csv(path: Path, header: list[str] | None, rows: list[list]) -> Path:
+    """A CSV file written by hand (so rows can be broken on purpose)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [",".join(header)] if header else []
+    lines += [",".join(str(v) for v in row) for row in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tabular_rows(n: int, features: int = 3, seed: int = 0, start_id: int = 0) -> list[list]:
+    """CSV rows: example_id, f0..f{k-1} (floats), label (0/1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        x = rng.normal(size=features)
+        rows.append([start_id + i, *(repr(float(v)) for v in x), int(x.sum() > 0)])
+    return rows
+
+
+def tabular_header(features: int = 3) -> list[str]:
+    return ["example_id", *(f"f{j}" for j in range(features)), "label"]
+
+
+def truncate(path: Path, drop_bytes: int) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[:-drop_bytes])
+    return path
+
+
+def flip_byte(path: Path, offset: int) -> Path:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path

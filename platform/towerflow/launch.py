@@ -76,8 +76,17 @@ def train(
     all_hooks += build_supervision_hooks(spec, checkpoint_store=checkpoint_store, artifact_sink=artifact_sink)
     all_hooks.extend(hooks)
 
+    skipped = None
+    if spec.data.on_bad_record == "skip":
+        from towerflow.data.bad_records import SkippedRecordsHook
+
+        skipped = SkippedRecordsHook()
+        all_hooks.append(skipped)
+
     def make_data(num_workers: int):
         data = build_training_data(spec, num_workers)
+        if skipped is not None:
+            skipped.ledger = data.ledger
         return data.splits, data.feature_scales
 
     driver = Driver(

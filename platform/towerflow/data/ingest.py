@@ -3,57 +3,154 @@
 Epochs are laid out as one pass over the file list repeated (re-shuffled per epoch), so the whole
 run is a single Ray Data execution: no barrier between workers at epoch boundaries, and parse
 processes (with TensorFlow imported) stay warm for the whole run.
+
+What an epoch means, and the remainder rule:
+- Each file of an epoch is read by exactly one parse task and each of its blocks goes to exactly
+  one worker, so every example of every epoch reaches exactly one worker (this needs no
+  `preserve_order`: Ray Data may reorder blocks, never duplicate or drop them).
+- sync: `streaming_split(equal=True)`: every worker receives the same number of examples over the
+  run, so no worker runs dry while the others wait at the aggregation. Ray Data leaves out fewer
+  than `workers` examples at the very end of the run to make the shares equal, and with
+  `drop_remainder: true` each worker also drops its final partial batch of the run: at most
+  `workers x batch_size - 1` examples of the last epoch go unused, earlier epochs are complete.
+- async: `equal=False`: a faster worker takes more blocks; no example is dropped by the split, no
+  worker waits for another. An epoch is then a pass over the data by all workers together: its
+  examples are spread across workers by their speed, and the epochs overlap at their boundaries.
+- `data.epochs` and `training.max_steps` both bound the run; whichever is reached first ends it.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from towerflow.data.sources import example_count, feature_spec, resolve_files
+from towerflow.data.bad_records import BadRecords, make_ledger
+from towerflow.data.csv import CsvLayout, read_csv_file
+from towerflow.data.features import ColumnPlan, expand_groups
+from towerflow.data.infer import resolve_features
+from towerflow.data.sources import example_count, read_manifest, resolve_files
 from towerflow.data.tfrecord import read_tfrecord_file
 from towerflow.errors import DataError
+from towerflow.runtime.batches import StreamOptions, WorkerStream
 
 UNBOUNDED_EPOCHS = 1000  # data.epochs: null with an unknown data set size
+MIB = 1 << 20
 
 
 @dataclass
 class TrainingData:
-    splits: list[Any]  # ray.data.DataIterator, one per worker
+    splits: list[Any]  # WorkerStream, one per worker
     features: dict[str, dict[str, Any]]
     feature_scales: dict[str, float]
     files: list[str]
     epochs: int
     examples_per_epoch: int | None
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    ledger: Any = None  # SkippedRecordsLedger actor in on_bad_record: skip
+    dataset: Any = None  # the Ray Data dataset before the split (stats, tests)
+
+
+@dataclass
+class ShardReader:
+    """Reads one shard file into model-ready column batches (runs inside Ray Data tasks)."""
+
+    format: str
+    features: dict[str, dict[str, Any]]
+    plan: ColumnPlan
+    layout: CsvLayout = field(default_factory=CsvLayout)
+    on_bad_record: str = "error"
+    ledger: Any = None
+
+    def __call__(self, path: str):
+        bad = BadRecords(self.on_bad_record, self.ledger)
+        if self.format == "csv":
+            batches = read_csv_file(path, self.layout, self.features, bad)
+        else:
+            batches = read_tfrecord_file(path, self.features, bad)
+        try:
+            for columns in batches:
+                yield self.plan(columns)
+        finally:
+            bad.report(path)
 
 
 def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     import ray
 
-    source = spec.data.train
+    source, data = spec.data.train, spec.data
     files = resolve_files(source.path_list, key="data.train.paths")
-    features = feature_spec(source, files, key="data.train")
+    manifest = read_manifest(files)
+    layout = csv_layout(source, manifest)
+    features = resolve_features(source, files, manifest, layout, key="data.train")
     if source.label not in features:
         raise DataError(
             f"data.train.label: {source.label!r} is not a feature of the data (features: {', '.join(features)})"
         )
+    groups = expand_groups(source.groups, features, source.label)
+    plan = ColumnPlan(features, groups, list(source.preprocess))
+    plan._functions()  # a bad import string fails now, in the driver, not in a parse task
+    ledger = make_ledger() if data.on_bad_record == "skip" else None
+    reader = ShardReader(source.format, features, plan, layout, data.on_bad_record, ledger)
+
     per_epoch = example_count(files)
-    epochs = spec.data.epochs or _epochs_for_steps(spec, per_epoch, num_workers)
-    ordered = epoch_file_order(files, epochs, shuffle=spec.data.shuffle_files, seed=spec.data.seed)
+    epochs = data.epochs or _epochs_for_steps(spec, per_epoch, num_workers)
+    ordered = epoch_file_order(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
+    task_cpus = min(1.0, spec.cluster.data_cpus)
     ds = ray.data.from_items([{"path": p} for p in ordered], override_num_blocks=len(ordered))
-    ds = ds.map_batches(parse_files, batch_size=1, fn_kwargs={"features": features}, num_cpus=1)
+    ds = ds.map_batches(read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus)
+    bound_readahead(ds.context, spec.cluster.data_cpus, data.readahead_mb * MIB, data.deterministic)
     # Sync: every worker gets the same number of examples (equal). Async: faster workers take more.
-    splits = ds.streaming_split(num_workers, equal=spec.training.mode == "sync")
-    scales = {name: f["scale"] for name, f in features.items() if f.get("scale") is not None}
-    return TrainingData(splits, features, scales, files, epochs, per_epoch)
+    iterators = ds.streaming_split(num_workers, equal=spec.training.mode == "sync")
+    options = StreamOptions(
+        prefetch_batches=data.prefetch_batches,
+        varlen={
+            n: {"ragged": f["ragged"], "default": f["default"]}
+            for n, f in features.items()
+            if f["varlen"] and not f["pad_to"]
+        },
+        tower_preprocess=list(source.tower_preprocess),
+    )
+    scales = {name: f["scale"] for name, f in features.items() if f.get("scale") is not None and name not in _grouped(groups)}
+    return TrainingData(
+        [WorkerStream(it, options) for it in iterators],
+        features,
+        scales,
+        files,
+        epochs,
+        per_epoch,
+        groups,
+        ledger,
+        ds,
+    )
 
 
-def parse_files(batch: dict[str, Any], features: dict[str, dict[str, Any]]):
+def bound_readahead(context: Any, cpus: float, object_store_bytes: float, deterministic: bool) -> None:
+    """Keep Ray Data from reading the whole run ahead: cap its CPUs and object-store memory, and
+    its blocks well below that cap so the cap can bite."""
+    from ray.data import ExecutionResources
+
+    options = context.execution_options
+    options.resource_limits = ExecutionResources(cpu=cpus, object_store_memory=object_store_bytes)
+    options.preserve_order = deterministic
+    context.target_max_block_size = int(max(MIB, min(context.target_max_block_size or 1 << 30, object_store_bytes / 8)))
+
+
+def read_files(batch: dict[str, Any], reader: ShardReader):
     """Ray Data map_batches function: a batch of file paths in, parsed column batches out."""
     for path in batch["path"]:
-        yield from read_tfrecord_file(str(path), features)
+        yield from reader(str(path))
+
+
+def csv_layout(source: Any, manifest: dict[str, Any] | None) -> CsvLayout:
+    """The spec's csv settings, with the manifest's filling what the spec leaves unset."""
+    given = source.csv.model_fields_set
+    from_manifest = (manifest or {}).get("csv") or {}
+    header = source.csv.header if "header" in given else bool(from_manifest.get("header", True))
+    delimiter = source.csv.delimiter if "delimiter" in given else from_manifest.get("delimiter", ",")
+    columns = source.csv.columns
+    return CsvLayout(header=header, delimiter=delimiter, columns=tuple(columns) if columns else None)
 
 
 def epoch_file_order(files: list[str], epochs: int, *, shuffle: bool, seed: int) -> list[str]:
@@ -64,6 +161,10 @@ def epoch_file_order(files: list[str], epochs: int, *, shuffle: bool, seed: int)
             random.Random(seed * 100_003 + epoch).shuffle(files_this_epoch)
         order.extend(files_this_epoch)
     return order
+
+
+def _grouped(groups: dict[str, list[str]]) -> set[str]:
+    return {m for members in groups.values() for m in members}
 
 
 def _epochs_for_steps(spec: Any, per_epoch: int | None, num_workers: int) -> int:

@@ -1,76 +1,129 @@
-"""Resolve a split's paths (globs or lists) to files, and find its feature spec.
+"""Resolve a split's paths (globs or lists, local or any fsspec filesystem) to files, and read the
+manifest that `towerflow data synth` writes beside its shards.
 
-The feature spec comes from the job spec when it gives one, else from the `manifest.json` that
-`towerflow data synth` writes beside its shards.
+Local paths and `file://` URLs come back as plain local paths (TensorFlow reads them directly);
+other URLs (`s3://...`, `gs://...`, `memory://...`) keep their protocol and are opened via fsspec.
 """
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import json
 import os
-from pathlib import Path
-from typing import Any
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import PurePosixPath
+from typing import IO, Any
 
 from towerflow.errors import DataError
 
 MANIFEST = "manifest.json"
+_LOCAL = ("file", "local")
+
+
+def _filesystem(path: str):
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(os.path.expanduser(path))
+    except (ImportError, ValueError) as exc:  # unknown protocol or its library is not installed
+        raise DataError(f"{path}: cannot open this filesystem ({exc})") from None
+
+
+def is_local(path: str) -> bool:
+    return "://" not in path or path.split("://", 1)[0] in _LOCAL
+
+
+def _public(fs, path: str) -> str:
+    """A path as users and readers see it: plain for local files, a full URL otherwise."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return path if protocol in _LOCAL else fs.unstrip_protocol(path)
+
+
+def _keep(path: str) -> bool:
+    name = PurePosixPath(path).name
+    return name != MANIFEST and not name.startswith((".", "_"))
 
 
 def resolve_files(patterns: list[str], *, key: str = "data.train.paths") -> list[str]:
     """Expand globs in order; every pattern must match something, and every file must exist."""
     files: list[str] = []
     for pattern in patterns:
-        if glob.has_magic(pattern):
-            matched = sorted(glob.glob(os.path.expanduser(pattern)))
-            matched = [m for m in matched if Path(m).name != MANIFEST and not Path(m).name.startswith(".")]
-            if not matched:
-                raise DataError(
-                    f"{key}: {pattern!r} matches no files (working directory {os.getcwd()}). "
-                    "Generate data with `towerflow data synth mnist --out data/mnist` or fix the path."
-                )
-            files.extend(matched)
-        elif Path(pattern).expanduser().is_file():
-            files.append(str(Path(pattern).expanduser()))
-        else:
-            raise DataError(f"{key}: no such file {pattern!r} (working directory {os.getcwd()})")
+        fs, stripped = _filesystem(pattern)
+        try:
+            if any(c in stripped for c in "*?["):
+                matched = sorted(m for m in fs.glob(stripped) if _keep(m) and fs.isfile(m))
+                if not matched:
+                    raise DataError(
+                        f"{key}: {pattern!r} matches no files (working directory {os.getcwd()}). "
+                        "Generate data with `towerflow data synth mnist --out data/mnist` or fix the path."
+                    )
+                files.extend(_public(fs, m) for m in matched)
+            elif fs.isfile(stripped):
+                files.append(_public(fs, stripped))
+            else:
+                raise DataError(f"{key}: no such file {pattern!r} (working directory {os.getcwd()})")
+        except (OSError, PermissionError) as exc:
+            raise DataError(f"{key}: cannot list {pattern!r}: {exc}") from None
     return files
+
+
+def open_binary(path: str) -> IO[bytes]:
+    """Open a data file for reading, whatever filesystem it is on."""
+    fs, stripped = _filesystem(path)
+    try:
+        return fs.open(stripped, "rb")
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found (it was there when the job started)") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot open: {exc}") from None
+
+
+@contextlib.contextmanager
+def local_copy(path: str) -> Iterator[str]:
+    """A local path with this file's bytes: the file itself when local, else a temporary copy
+    (TensorFlow's readers only know local paths and a few built-in filesystems)."""
+    if is_local(path):
+        yield path.removeprefix("file://")
+        return
+    with tempfile.NamedTemporaryFile(prefix="towerflow-", suffix=".shard") as tmp:
+        with open_binary(path) as src:
+            shutil.copyfileobj(src, tmp, 1 << 20)
+        tmp.flush()
+        yield tmp.name
 
 
 def read_manifest(files: list[str]) -> dict[str, Any] | None:
     """The manifest beside the first file, if there is one."""
-    path = Path(files[0]).parent / MANIFEST
-    if not path.is_file():
+    first = files[0]
+    parent = first.rsplit("/", 1)[0] if "/" in first else "."
+    path = f"{parent}/{MANIFEST}"
+    fs, stripped = _filesystem(path)
+    if not fs.isfile(stripped):
         return None
     try:
-        return json.loads(path.read_text())
+        with fs.open(stripped, "rb") as f:
+            return json.loads(f.read())
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: not valid JSON ({exc})") from None
 
 
-def feature_spec(source, files: list[str], *, key: str = "data.train") -> dict[str, dict[str, Any]]:
-    """The features of a split as plain dicts (FeatureSpec fields), from the spec or the manifest."""
-    if source.features:
-        return {name: f.model_dump() for name, f in source.features.items()}
-    manifest = read_manifest(files)
-    if manifest and manifest.get("features"):
-        return manifest["features"]
-    raise DataError(
-        f"{key}: no feature spec: give {key}.features (name: {{dtype, shape}}) or keep the manifest.json "
-        f"that `towerflow data synth` writes beside the shards (looked in {Path(files[0]).parent})"
-    )
-
-
-def example_count(files: list[str]) -> int | None:
-    """Total examples of these files, from the manifest, when it covers all of them."""
-    manifest = read_manifest(files)
+def examples_per_file(files: list[str], manifest: dict[str, Any] | None) -> dict[str, int] | None:
+    """Examples in each file, from the manifest, when it covers all of them."""
     if not manifest:
         return None
     per_file: dict[str, int] = {}
     for split in manifest.get("splits", {}).values():
         for name, count in zip(split.get("files", []), split.get("per_file", [])):
-            per_file[name] = count
-    names = [Path(f).name for f in files]
-    if not all(n in per_file for n in names):
+            per_file[name] = int(count)
+    names = {f: PurePosixPath(f).name for f in files}
+    if not all(n in per_file for n in names.values()):
         return None
-    return sum(per_file[n] for n in names)
+    return {f: per_file[n] for f, n in names.items()}
+
+
+def example_count(files: list[str]) -> int | None:
+    """Total examples of these files, from the manifest, when it covers all of them."""
+    counts = examples_per_file(files, read_manifest(files))
+    return None if counts is None else sum(counts.values())

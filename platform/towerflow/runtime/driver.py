@@ -85,8 +85,9 @@ class Driver:
             outcome = RunOutcome("KILLED", self._global_step(), exc)
             raise
         except BaseException as exc:
-            outcome = RunOutcome("FAILED", self._global_step(), exc)
-            raise _as_user_error(exc) from exc
+            error = _as_user_error(exc)  # the run's error tag shows the user's message, not Ray's wrapper
+            outcome = RunOutcome("FAILED", self._global_step(), error)
+            raise error from exc
         finally:
             for hook in reversed(begun):
                 try:
@@ -312,8 +313,7 @@ class Driver:
 
     def evaluate(
         self,
-        files: list[str],
-        features: dict[str, Any],
+        source: Any,
         metrics: list[str],
         batch_size: int,
         max_batches: int | None,
@@ -326,7 +326,7 @@ class Driver:
             # No CPU reservation: evaluations are short and occasional, and must not wait for a slot.
             self._evaluator = worker_actor(0, 0).remote(config)
         ref = self._evaluator.evaluate.remote(
-            self.shards, self._placement(), files, features, metrics, batch_size, max_batches
+            self.shards, self._placement(), source, metrics, batch_size, max_batches
         )
         return ref.future()
 
@@ -352,7 +352,9 @@ def _as_user_error(exc: BaseException) -> BaseException:
     """Find a TowerflowError inside Ray's wrappers (worker -> data task); else say which actor failed."""
     seen = exc
     for _ in range(8):
-        if isinstance(seen, TowerflowError):
+        # Ray re-raises a remote error as a class deriving from both RayTaskError and the original;
+        # its message is Ray's traceback, so keep looking for the original underneath.
+        if isinstance(seen, TowerflowError) and not isinstance(seen, ray.exceptions.RayError):
             return seen
         cause = getattr(seen, "cause", None) or seen.__cause__
         if cause is None:

@@ -39,7 +39,9 @@ class TowerStep:
         self._metrics = list(metrics)
         self._clip = clip_global_norm
         self._from_logits = from_logits
-        self._step = tf.function(self._graph, reduce_retracing=True)
+        # One trace per batch size (the last batch of a run may be partial): the slice sizes are
+        # Python ints, which a relaxed (None) batch dimension would not give.
+        self._step = tf.function(self._graph)
 
     def __call__(self, inputs: Any, labels: Any) -> tuple[Any, dict[str, Any], list[Any]]:
         return self._step(inputs, labels)

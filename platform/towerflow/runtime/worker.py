@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from towerflow.runtime.batches import BatchAdapter
+from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream
 from towerflow.runtime.sharding import VariableInfo
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
@@ -123,8 +123,7 @@ class TowerWorker:
         self,
         shards: list[Any],
         placement: list[list[tuple[int, int, int, bool]]],
-        files: list[str],
-        features: dict[str, dict[str, Any]],
+        source: Any,
         metric_names: list[str],
         batch_size: int,
         max_batches: int | None = None,
@@ -137,6 +136,7 @@ class TowerWorker:
         import keras
 
         from towerflow.data.eval_reader import iter_eval_batches
+        from towerflow.runtime.batches import TowerModel
         from towerflow.runtime.evaluation import StreamingMetrics
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
@@ -162,11 +162,13 @@ class TowerWorker:
             from_logits=self.config.from_logits,
             num_outputs=int(outputs_shape[-1]) if outputs_shape[-1] is not None else 1,
         )
-        for count, batch in enumerate(iter_eval_batches(files, features, batch_size)):
+        self.adapter.varlen = source.varlen
+        forward = TowerModel(self.model, source.tower_preprocess) if source.tower_preprocess else self.model
+        for count, batch in enumerate(iter_eval_batches(source.files, source.reader, batch_size)):
             if max_batches is not None and count >= max_batches:
                 break
             inputs, labels = self.adapter(batch)
-            outputs = np.asarray(self.model(inputs, training=False))
+            outputs = np.asarray(forward(inputs, training=False))
             metrics.update(labels, outputs, np.asarray(loss_fn(labels, outputs)))
         return replies[0].version, metrics.result()
 
@@ -192,16 +194,17 @@ class TowerWorker:
             if not whole
         }
         start = time.perf_counter()
-        batches = iter(
-            data.iter_batches(
-                batch_size=cfg.batch_size,
-                batch_format="numpy",
-                drop_last=cfg.drop_remainder,
-                prefetch_batches=2,
-                local_shuffle_buffer_size=cfg.shuffle_buffer or None,
-                local_shuffle_seed=cfg.seed + cfg.worker_id if cfg.shuffle_buffer else None,
-            )
+        stream = as_stream(data)
+        self.adapter.varlen = stream.options.varlen
+        if stream.options.tower_preprocess:
+            self.towers.model = TowerModel(self.model, stream.options.tower_preprocess)
+        batches = stream.batches(
+            batch_size=cfg.batch_size,
+            drop_last=cfg.drop_remainder,
+            shuffle_buffer=cfg.shuffle_buffer,
+            seed=cfg.seed + cfg.worker_id,
         )
+        batches = iter(batches)
         if cfg.start_at_step:
             # Join the data stream first: Ray Data starts an epoch only once every split has asked
             # for it, so a worker that waited before asking would hold up the others.

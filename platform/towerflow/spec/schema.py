@@ -6,7 +6,7 @@ Defaults follow TensorFlow's where TensorFlow had one.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,12 +22,16 @@ _OPTIMIZER_FIELDS: dict[str, set[str]] = {
 }
 
 
+FunctionRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # module.path:function
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class FeatureSpec(_Strict):
-    """One feature of a record: its stored type and shape, and how raw bytes decode."""
+    """One feature of a record (or one CSV column): its stored type and shape, how raw bytes decode,
+    and, for variable-length features, how they become dense (padded) or stay ragged."""
 
     dtype: Literal["int64", "float32", "bytes"]
     shape: list[int] = Field(default_factory=list)
@@ -35,21 +39,52 @@ class FeatureSpec(_Strict):
     decode: Literal["uint8", "float32"] | None = None
     decoded_shape: list[int] | None = None
     scale: float | None = None
+    varlen: bool = Field(
+        False, description="Variable length: padded to pad_to (or the batch's longest), or ragged."
+    )
+    pad_to: int | None = Field(None, gt=0, description="varlen: pad (or cut) every record to this length.")
+    ragged: bool = Field(False, description="varlen: hand the model a tf.RaggedTensor instead of padding.")
 
     @model_validator(mode="after")
     def _decode_needs_bytes(self) -> FeatureSpec:
         if self.decode is not None and self.dtype != "bytes":
             raise ValueError(f"decode: {self.decode} applies to dtype bytes only, not {self.dtype}")
+        if (self.pad_to is not None or self.ragged) and not self.varlen:
+            raise ValueError("pad_to and ragged apply to varlen: true features only")
+        if self.ragged and self.pad_to is not None:
+            raise ValueError("a varlen feature is either ragged or padded to pad_to, not both")
+        if self.varlen and self.decode is not None:
+            raise ValueError("decode applies to fixed-length bytes features, not varlen ones")
         return self
+
+
+class CsvSpec(_Strict):
+    """How CSV shards are laid out; column types come from `features`, the manifest, or inference."""
+
+    header: bool = True
+    delimiter: str = Field(",", min_length=1, max_length=1)
+    columns: list[str] | None = Field(None, description="Column names, needed only without a header row.")
 
 
 class SourceSpec(_Strict):
     """Where one split's shards live and what their records hold."""
 
     paths: str | list[str]
-    format: Literal["tfrecord"] = "tfrecord"  # csv arrives with the data-pipeline work
+    format: Literal["tfrecord", "csv"] = "tfrecord"
     label: str = "label"
     features: dict[str, FeatureSpec] | None = None
+    csv: CsvSpec = Field(default_factory=CsvSpec)
+    groups: dict[str, list[str]] | None = Field(
+        None,
+        description="name: [features or globs]: one dense float32 tensor, concatenated on the last axis.",
+    )
+    preprocess: list[FunctionRef] = Field(
+        default_factory=list, description="module:fn applied per batch in Ray Data (dict of NumPy arrays)."
+    )
+    tower_preprocess: list[FunctionRef] = Field(
+        default_factory=list,
+        description="module:fn(features, training) -> features, per tower in TensorFlow.",
+    )
 
     @property
     def path_list(self) -> list[str]:
@@ -65,6 +100,14 @@ class DataSpec(_Strict):
     shuffle_buffer: int = Field(0, ge=0, description="Per-worker local shuffle buffer, in examples; 0 = off.")
     drop_remainder: bool = Field(True, description="Drop a worker's last partial batch of the run.")
     seed: int = 0
+    on_bad_record: Literal["error", "skip"] = Field(
+        "error", description="error: stop the job naming the file and record; skip: drop and count them."
+    )
+    prefetch_batches: int = Field(2, ge=0, description="Batches each worker keeps ready ahead of its step.")
+    readahead_mb: float = Field(
+        256, gt=0, description="Object-store memory Ray Data may fill ahead of the workers (MiB)."
+    )
+    deterministic: bool = Field(False, description="Keep block order (preserve_order); slower.")
 
 
 class ModelSpec(_Strict):

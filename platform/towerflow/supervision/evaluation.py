@@ -30,17 +30,14 @@ class EvalHook(Hook):
         self.max_batches = max_batches
         self.at_end = at_end
         self.results: list[tuple[int, dict[str, float]]] = []
-        self._files: list[str] = []
-        self._features: dict[str, Any] = {}
+        self._source: Any = None
         self._last_step = 0
         self._in_flight: Future | None = None
 
     def begin(self, session: SessionInfo) -> None:
-        from towerflow.data.sources import feature_spec, resolve_files
+        from towerflow.data.eval_reader import eval_source
 
-        source = session.spec.data.eval
-        self._files = resolve_files(source.path_list, key="data.eval.paths")
-        self._features = feature_spec(source, self._files, key="data.eval")
+        self._source = eval_source(session.spec)
         self._last_step = session.start_step
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
@@ -58,9 +55,7 @@ class EvalHook(Hook):
             self._collect(session, wait=True)
 
     def _start(self, session: SessionInfo) -> Future:
-        return session.runtime.evaluate(
-            self._files, self._features, self.metrics, self.batch_size, self.max_batches
-        )
+        return session.runtime.evaluate(self._source, self.metrics, self.batch_size, self.max_batches)
 
     def _collect(self, session: SessionInfo, *, wait: bool) -> None:
         if self._in_flight is None or not (wait or self._in_flight.done()):
