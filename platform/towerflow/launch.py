@@ -81,7 +81,7 @@ def train(
         from towerflow.data.bad_records import SkippedRecordsHook
 
         skipped = SkippedRecordsHook()
-        all_hooks.append(skipped)
+        all_hooks.insert(0, skipped)  # ends before the tracker closes the run (it logs to that run)
 
     def make_data(num_workers: int):
         data = build_training_data(spec, num_workers)

@@ -156,8 +156,7 @@ def test_manifest_csv_settings_and_file_urls(ray_cluster, tmp_path):
     }
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     spec = _spec(f"file://{tmp_path}/train-*.csv", workers=1, epochs=1, drop_remainder=False)
-    spec.data.train.format = "csv"
-    spec.data.train.csv.columns = header
+    spec.data.train.format = "csv"  # no header, no csv.columns: the manifest's features give them
     data = build_training_data(spec, 1)
     assert data.examples_per_epoch == 12
     batch = next(data.splits[0].batches(batch_size=64, drop_last=False, shuffle_buffer=0, seed=0))

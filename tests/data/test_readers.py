@@ -192,3 +192,12 @@ def test_csv_skip_counts_every_kind_once(tmp_path):
     columns, bad = _read_csv(write_csv(tmp_path / "a.csv", tabular_header(), rows), mode="skip")
     assert bad.skipped == 4
     assert sorted(columns["example_id"].tolist()) == [i for i in range(50) if i not in (1, 10, 20, 30)]
+
+
+def test_csv_header_without_a_spec_column_and_empty_file(tmp_path):
+    path = write_csv(tmp_path / "a.csv", ["example_id", "g0", "f1", "f2", "label"], tabular_rows(3))
+    with pytest.raises(DataError, match=r"a\.csv: Column 'f0' .* header lacks a column"):
+        _read_csv(path)
+    path.write_text("")
+    with pytest.raises(DataError, match=r"a\.csv: the file is empty"):
+        _read_csv(path)

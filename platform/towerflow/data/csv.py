@@ -58,7 +58,7 @@ def read_csv_file(
     consumed = 0  # data rows (after skipped invalid rows) already handed on
     try:
         with open_binary(path) as raw:
-            reader = _open(raw, layout, features, invalid, typed=True)
+            reader = _open(path, raw, layout, features, invalid, typed=True)
             for batch in reader:
                 columns = _finish(path, batch, consumed, layout, features, bad, invalid.lines)
                 consumed += batch.num_rows
@@ -75,7 +75,7 @@ def read_csv_file(
         bad.bad(path, f"line {invalid.lines[0]}", invalid.first or "bad row", count=len(invalid.lines))
 
 
-def _open(raw, layout: CsvLayout, features, invalid: _InvalidRows, *, typed: bool):
+def _open(path: str, raw, layout: CsvLayout, features, invalid: _InvalidRows, *, typed: bool):
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -96,21 +96,16 @@ def _open(raw, layout: CsvLayout, features, invalid: _InvalidRows, *, typed: boo
     )
     try:
         return pacsv.open_csv(raw, read_options=read, parse_options=parse, convert_options=convert)
-    except pa.ArrowInvalid as exc:
+    except (pa.ArrowInvalid, pa.ArrowKeyError) as exc:
         text = str(exc)
-        if "No columns" in text or "Empty CSV" in text:
-            raise DataError("the file is empty (no header row)") from None
-        if "not found" in text.lower() or "include_columns" in text:
-            raise _header_error(raw, layout, features) from None
+        if "Empty CSV" in text or "No columns" in text:
+            raise DataError(f"{path}: the file is empty (no header row)") from None
+        if "include_columns" in text:
+            raise DataError(
+                f"{path}: {text.splitlines()[0]}: its header lacks a column the feature spec names "
+                f"({', '.join(features)}); fix the header, or set csv.header: false with csv.columns"
+            ) from None
         raise
-
-
-def _header_error(raw, layout: CsvLayout, features) -> DataError:
-    path = getattr(raw, "path", None) or getattr(raw, "name", "")
-    return DataError(
-        f"{path}: the header row lacks column(s) the feature spec names ({', '.join(features)}); "
-        "fix the header, or set data.train.csv.header: false with data.train.csv.columns"
-    )
 
 
 def _finish(path, batch, first, layout, features, bad: BadRecords, skipped_lines) -> dict[str, np.ndarray] | None:
@@ -143,7 +138,7 @@ def _untyped_rest(path, layout, features, bad: BadRecords, invalid, start: int):
     import pyarrow.compute as pc
 
     with open_binary(path) as raw:
-        table = _open(raw, layout, features, invalid, typed=False).read_all().slice(start)
+        table = _open(path, raw, layout, features, invalid, typed=False).read_all().slice(start)
     keep = np.ones(table.num_rows, dtype=bool)
     typed = {}
     for name, spec in features.items():

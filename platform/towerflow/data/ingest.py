@@ -150,6 +150,8 @@ def csv_layout(source: Any, manifest: dict[str, Any] | None) -> CsvLayout:
     header = source.csv.header if "header" in given else bool(from_manifest.get("header", True))
     delimiter = source.csv.delimiter if "delimiter" in given else from_manifest.get("delimiter", ",")
     columns = source.csv.columns
+    if not columns and not header and (manifest or {}).get("features"):
+        columns = list(manifest["features"])  # the contract: a CSV manifest lists every column in file order
     return CsvLayout(header=header, delimiter=delimiter, columns=tuple(columns) if columns else None)
 
 
