@@ -59,6 +59,9 @@ def test_modes_are_checked_before_anything_runs(blob_data):
     sync = spec_for_mode(spec, "sync")  # the async-only staleness bound is dropped for the sync child
     assert sync.training.mode == "sync" and sync.training.max_staleness is None
     assert spec_for_mode(spec, "async").training.max_staleness == 2
+    exporting = validate_spec(blob_spec(blob_data, export={"saved_model": True, "register_as": "m"}))
+    assert not spec_for_mode(exporting, "sync").export.saved_model  # children export nothing by default
+    assert spec_for_mode(exporting, "sync", ["export.saved_model=true"]).export.saved_model
 
 
 def test_cli_rejects_unknown_modes_with_one_paragraph(tmp_path):
