@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from support import blob_spec
 
-from towerflow.errors import SpecError
+from towerflow.errors import DataError, SpecError
 from towerflow.spec import validate_spec
 from towerflow.tracking.compare import compare_modes, parse_modes, spec_for_mode
 
@@ -59,6 +59,9 @@ def test_modes_are_checked_before_anything_runs(blob_data):
     sync = spec_for_mode(spec, "sync")  # the async-only staleness bound is dropped for the sync child
     assert sync.training.mode == "sync" and sync.training.max_staleness is None
     assert spec_for_mode(spec, "async").training.max_staleness == 2
+    exporting = validate_spec(blob_spec(blob_data, export={"saved_model": True, "register_as": "m"}))
+    assert not spec_for_mode(exporting, "sync").export.saved_model  # children export nothing by default
+    assert spec_for_mode(exporting, "sync", ["export.saved_model=true"]).export.saved_model
 
 
 def test_cli_rejects_unknown_modes_with_one_paragraph(tmp_path):
@@ -71,3 +74,17 @@ def test_cli_rejects_unknown_modes_with_one_paragraph(tmp_path):
     )
     assert done.returncode == 2
     assert "--modes 'sync,downpour'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_failed_child_fails_the_parent(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "cmp-bad"})
+    raw["data"]["train"]["label"] = "no_such_label"
+    with pytest.raises(DataError, match="no_such_label"):
+        compare_modes(validate_spec(raw), ["sync", "async"])
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("cmp-bad").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("mode") == "compare")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.info.status == "FAILED"
+    assert [c.data.tags["mode"] for c in children] == ["sync"] and children[0].info.status == "FAILED"

@@ -121,9 +121,13 @@ def test_run_page_shows_metrics_and_logged_model(exported_run, browser):
         # each Ray node's host metrics, under MLflow's own System metrics tab
         browser.find_element(By.XPATH, "//*[normalize-space(text())='System metrics']").click()
         nodes = [n for n in ray.nodes() if n["Alive"]]
-        # the tab's chart legends name run and metric: "blobs-test-sync (system/<node>/<metric>)"
-        legends = [f"(system/{label}/cpu_utilization_percentage)" for label in node_labels(nodes).values()]
-        _page_text_when(browser, lambda t: all(legend in t for legend in legends))
+        # the tab groups its charts per node: a "system/<node> (<chart count>)" header, then the charts
+        headers = [
+            re.compile(rf"system/{re.escape(label)}\s*\(\d+\)") for label in node_labels(nodes).values()
+        ]
+        _page_text_when(
+            browser, lambda t: all(h.search(t) for h in headers) and "cpu_utilization_percentage" in t
+        )
     finally:
         stop_ui(server)
 

@@ -48,8 +48,11 @@ def parse_modes(text: str) -> list[str]:
 
 
 def spec_for_mode(spec: JobSpec | str | Path, mode: str, overrides: Iterable[str] = ()) -> JobSpec:
-    """The job spec with `training.mode` set to `mode` (and the run named after it)."""
-    overrides = [*overrides, f"training.mode={mode}"]
+    """The job spec with `training.mode` set to `mode` (and the run named after it).
+
+    A comparison exports no model unless an override asks for it: each child would otherwise register
+    a version and move the alias, and the last mode to finish would win it."""
+    overrides = ["export.saved_model=false", *overrides, f"training.mode={mode}"]
     if mode == "sync":  # an async spec's staleness bound means nothing in sync mode, and sync refuses it
         overrides.append("training.max_staleness=null")
     if not isinstance(spec, JobSpec):
