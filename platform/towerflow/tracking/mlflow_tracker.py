@@ -146,8 +146,12 @@ class MLflowTracker(Hook):
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         step = event.global_step
         self._window.add(event)
+        if self._system is not None:  # on its own clock, whatever log_every_steps is
+            self._buffer.extend(self._system.poll(int(time.time() * 1000)))
         if step - self._last_logged_step >= self.log_every_steps or step == 1 or event.nonfinite:
             self._log_step(event)
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
 
     def _log_step(self, event: StepEvent) -> None:
         from mlflow.entities import Metric
@@ -168,10 +172,6 @@ class MLflowTracker(Hook):
             for key in [k for k in values if k.startswith("staleness_")]:
                 del values[key]
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
-        if self._system is not None:
-            self._buffer.extend(self._system.poll(now))
-        if time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
 
     def on_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
