@@ -96,12 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="start the MLflow UI over the run store, on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000, help="port (default 5000)")
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    ui.add_argument(
-        "--store",
-        default=None,
-        metavar="URI",
-        help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
-    )
+    _add_store_option(ui)
     ui.set_defaults(handler=_ui)
 
     compare = sub.add_parser(
@@ -124,17 +119,21 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="export a run's latest checkpoint as a SavedModel, log and register it in MLflow"
     )
     export.add_argument("run_id", metavar="RUN_ID", help="the MLflow run (its spec.yaml and checkpoints/)")
-    export.add_argument(
-        "--store",
-        default=None,
-        metavar="URI",
-        help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
-    )
+    _add_store_option(export)
     export.set_defaults(handler=_export)
 
     gpus = sub.add_parser("gpus", help="list every GPU in the Ray cluster with the processes on it")
     gpus.set_defaults(handler=_gpus)
     return parser
+
+
+def _add_store_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="URI",
+        help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
