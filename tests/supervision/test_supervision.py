@@ -197,3 +197,17 @@ def test_export_on_demand_uses_the_latest_checkpoint(first_run, blob_data):
         np.testing.assert_allclose(np.asarray(served.predict(x)), expected, atol=1e-5)
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_checkpoints_every_n_seconds_and_retention(ray_cluster, blob_data, tmp_path):
+    spec = _spec(
+        blob_data,
+        None,
+        training={"max_steps": 40},
+        supervision={"checkpoint": {"every_secs": 0.5, "max_to_keep": 2}},
+    )
+    slow = {w: {"step_delay_s": 0.1} for w in range(2)}  # about 4 s of training
+    result = train(spec, track=False, output_dir=tmp_path, worker_overrides=slow)
+    steps = [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()]
+    assert len(steps) == 2 and steps[-1] == result.global_step == 40  # the newest two kept
+    assert steps[0] < 40
