@@ -184,7 +184,8 @@ def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int):
         data.batch_size={GLOBAL_BATCH // workers} cluster.workers={workers} cluster.ps=2
         cluster.cpus_per_worker={cpus} cluster.cpus_per_ps=0.5 cluster.data_cpus=1 training.mode=sync
         training.max_steps={max_steps} training.replicas_to_aggregate={workers}
-        training.total_num_replicas={workers} export.saved_model=false export.register_as=null""".split()
+        training.total_num_replicas={workers} export.saved_model=false export.register_as=null
+        supervision.eval=null supervision.checkpoint.enabled=false""".split()
     return load_spec(SPEC, [f"data.train.paths={args.data}/train-*", *overrides])
 
 
