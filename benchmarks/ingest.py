@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -31,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import ensure_mnist, machine, make_log
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
@@ -39,26 +38,10 @@ CSV_FEATURES = 32
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def log(message: str) -> None:
-    print(f"[ingest {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def machine() -> str:
-    found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    cpu = found.group(1) if found else platform.processor() or "unknown CPU"
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+log = make_log("ingest")
 
 
 # -- data ------------------------------------------------------------------------------------------
-
-
-def ensure_mnist(folder: Path) -> None:
-    if (folder / "manifest.json").is_file():
-        return
-    from towerflow.data.synth import synth_mnist
-
-    log(f"generating synthetic MNIST into {folder}")
-    synth_mnist(str(folder), shards=8, examples=60000, eval_examples=0, seed=0)
 
 
 def ensure_csv(folder: Path, examples: int = 60000, shards: int = 8) -> None:
@@ -259,7 +242,7 @@ def main() -> None:
         args.rounds, args.epochs = 1, 2
     began = time.time()
     folders = {"tfrecord": args.data / "bench-mnist", "csv": args.data / "bench-csv"}
-    ensure_mnist(folders["tfrecord"])
+    ensure_mnist(folders["tfrecord"], log)
     ensure_csv(folders["csv"])
 
     import ray

@@ -18,13 +18,13 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import ensure_mnist, machine, make_log
 
 from towerflow.runtime.events import PHASES
 from towerflow.runtime.hooks import Hook
@@ -38,26 +38,7 @@ STATUS_FIELDS = {"rss": "VmRSS", "peak": "VmHWM", "anon": "RssAnon", "file": "Rs
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def log(message: str) -> None:
-    print(f"[throughput {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def machine() -> str:
-    import psutil
-
-    found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    cpu = found.group(1) if found else platform.processor() or "unknown CPU"
-    ram = psutil.virtual_memory().total / (1 << 30)
-    return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, Python {platform.python_version()}"
-
-
-def ensure_data(folder: Path) -> None:
-    if (folder / "manifest.json").is_file():
-        return
-    from towerflow.data.synth import synth_mnist
-
-    log(f"generating synthetic MNIST into {folder}")
-    synth_mnist(str(folder), shards=8, examples=60000, eval_examples=10000, seed=0)
+log = make_log("throughput")
 
 
 def cpu_snapshot() -> tuple[float, dict[int, float]]:
@@ -396,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
 
     print(f"# towerflow throughput benchmark, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}")
-    ensure_data(args.data)
+    ensure_mnist(args.data, log)
     ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     print(
         f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {args.rounds} round(s) "

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from towerflow.runtime.sharding import join_pieces
+
 
 @dataclass
 class TrainingState:
@@ -37,24 +39,17 @@ def assemble_state(
     if len(versions) != 1:
         raise ValueError(f"shards are at different versions {sorted(versions)}: not a consistent cut")
     slot_names = list(snapshots[0].slots)
-    parts: dict[int, list[tuple[int, np.ndarray, dict[str, np.ndarray]]]] = {}
-    for snapshot, indices in zip(snapshots, assignment, strict=True):
-        for position, index in enumerate(indices):
-            piece = pieces[index]
-            slot_values = {slot: snapshot.slots[slot][position] for slot in slot_names}
-            parts.setdefault(piece.variable, []).append((piece.start, snapshot.values[position], slot_values))
-
-    def join(chunks: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(chunks) if len(chunks) > 1 else np.array(chunks[0])
-
-    names, values, slots = [], {}, {slot: {} for slot in slot_names}
-    for info in variables:
-        ordered = sorted(parts[info.index], key=lambda p: p[0])
-        names.append(info.name)
-        values[info.name] = join([value for _, value, _ in ordered])
-        for slot in slot_names:
-            slots[slot][info.name] = join([s[slot] for _, _, s in ordered])
-    return TrainingState(versions.pop(), optimizer, names, values, slots, dict(data_position or {}))
+    values = join_pieces([s.values for s in snapshots], pieces, assignment)
+    slots = {slot: join_pieces([s.slots[slot] for s in snapshots], pieces, assignment) for slot in slot_names}
+    names = [info.name for info in variables]
+    return TrainingState(
+        versions.pop(),
+        optimizer,
+        names,
+        {info.name: values[info.index] for info in variables},
+        {slot: {info.name: by_index[info.index] for info in variables} for slot, by_index in slots.items()},
+        dict(data_position or {}),
+    )
 
 
 def split_for_shards(

@@ -60,11 +60,13 @@ class MlflowCheckpointStore:
     def __init__(self, client, run_id: str) -> None:
         self.client = client
         self.run_id = run_id
+        self._written_at_by_path: dict[str, float] = {}  # a checkpoint never changes once complete
 
     def save(self, state: TrainingState) -> str:
         with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
             local = write_checkpoint(state, scratch)
             target = f"{ARTIFACT_DIR}/{local.name}"
+            self._written_at_by_path.pop(target, None)
             for path in sorted(local.iterdir()):
                 if path.name != META:
                     self.client.log_artifact(self.run_id, str(path), target)
@@ -94,9 +96,16 @@ class MlflowCheckpointStore:
 
         run = self.client.get_run(self.run_id)
         repository = get_artifact_repository(run.info.artifact_uri)
-        repository.delete_artifacts(f"{ARTIFACT_DIR}/{checkpoint_name(step)}")
+        path = f"{ARTIFACT_DIR}/{checkpoint_name(step)}"
+        repository.delete_artifacts(path)
+        self._written_at_by_path.pop(path, None)
 
     def _written_at(self, path: str) -> float:
+        if path not in self._written_at_by_path:
+            self._written_at_by_path[path] = self._download_written_at(path)
+        return self._written_at_by_path[path]
+
+    def _download_written_at(self, path: str) -> float:
         with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
             local = self.client.download_artifacts(self.run_id, f"{path}/{META}", scratch)
             return float(read_meta(Path(local).parent)["written_at"])

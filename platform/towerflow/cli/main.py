@@ -45,14 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run a training job from a YAML spec")
     train.add_argument("spec", type=Path, help="job spec (YAML), e.g. pipelines/mnist_sync.yaml")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set training.max_steps=200 (repeatable)",
-    )
+    _add_overrides_option(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     train.add_argument(
         "--resume",
@@ -104,14 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("spec", type=Path, help="job spec (YAML)")
     compare.add_argument("--modes", default="sync,async", help="comma-separated modes (default sync,async)")
-    compare.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key (repeatable)",
-    )
+    _add_overrides_option(compare)
     compare.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     compare.set_defaults(handler=_compare)
 
@@ -125,6 +111,17 @@ def _parser() -> argparse.ArgumentParser:
     gpus = sub.add_parser("gpus", help="list every GPU in the Ray cluster with the processes on it")
     gpus.set_defaults(handler=_gpus)
     return parser
+
+
+def _add_overrides_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set training.max_steps=200 (repeatable)",
+    )
 
 
 def _add_store_option(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.result import TrainResult, staleness_summary
-from towerflow.runtime.sharding import cut_variables, make_sharding, shard_variables
+from towerflow.runtime.sharding import cut_variables, join_pieces, make_sharding, shard_variables
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.worker import WorkerConfig, worker_actor
 
@@ -264,18 +264,9 @@ class Driver:
 
     def _fetch_parameters(self) -> list[np.ndarray]:
         replies = ray.get([s.pull.remote(0) for s in self.shards])
-        by_shard = ray.get([r.params for r in replies])
-        parts: dict[int, list[tuple[int, np.ndarray]]] = {}
-        for indices, values in zip(self.session.shard_assignment, by_shard):
-            for index, value in zip(indices, values):
-                piece = self.session.pieces[index]
-                parts.setdefault(piece.variable, []).append((piece.start, value))
-        return [
-            np.concatenate([v for _, v in sorted(parts[i], key=lambda p: p[0])])
-            if len(parts[i]) > 1
-            else np.array(parts[i][0][1])
-            for i in sorted(parts)
-        ]
+        session = self.session
+        whole = join_pieces(ray.get([r.params for r in replies]), session.pieces, session.shard_assignment)
+        return [whole[i] for i in sorted(whole)]
 
     # -- TrainingRuntime: what hooks may ask of the cluster -------------------------------------
     def capture_state(self, version: int | None = None, data_position: dict[str, Any] | None = None):

@@ -45,7 +45,7 @@ class StreamingMetrics:
         self._loss_count += int(np.size(token_losses))
         self._examples += int(labels.shape[0])
         wanted = set(self.names)
-        if wanted & CLASSIFICATION and self.loss_name != "mse" and self.loss_name != "mae":
+        if wanted & CLASSIFICATION and self.loss_name not in ("mse", "mae"):
             probabilities = self._probabilities(outputs)
             predicted, truth = self._class_ids(probabilities), self._true_ids(labels)
             np.add.at(self._confusion, (truth.reshape(-1), predicted.reshape(-1)), 1)

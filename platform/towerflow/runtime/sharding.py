@@ -113,3 +113,20 @@ def shard_variables(strategy: ShardingStrategy, pieces: list, num_shards: int) -
     if any(not shard for shard in shards):
         raise AssertionError(f"{type(strategy).__name__} left a shard empty")
     return shards
+
+
+def join_pieces(per_shard: list[list], pieces: list[Piece], assignment: list[list[int]]) -> dict[int, object]:
+    """Whole variables (by variable index) from each shard's piece values, in `assignment` order."""
+    import numpy as np
+
+    parts: dict[int, list[tuple[int, object]]] = {}
+    for indices, values in zip(assignment, per_shard, strict=True):
+        for index, value in zip(indices, values, strict=True):
+            piece = pieces[index]
+            parts.setdefault(piece.variable, []).append((piece.start, value))
+    return {
+        variable: np.concatenate([v for _, v in sorted(chunks, key=lambda c: c[0])])
+        if len(chunks) > 1
+        else np.array(chunks[0][1])
+        for variable, chunks in parts.items()
+    }

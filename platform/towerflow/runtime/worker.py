@@ -81,6 +81,7 @@ class TowerWorker:
 
         self.config = config
         self.devices = devices
+        self._variables = self.model.trainable_variables  # fixed once built; read every step
         loss_fn = keras.losses.get({"class_name": _LOSS_CLASSES[config.loss], "config": _loss_config(config)})
         self.towers = TowerStep(
             self.model,
@@ -140,19 +141,7 @@ class TowerWorker:
         from towerflow.runtime.evaluation import StreamingMetrics
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
-        variables = self.model.trainable_variables
-        staging = {}
-        for shard_values, pieces in zip(ray.get([r.params for r in replies]), placement):
-            for value, (index, start, stop, whole) in zip(shard_values, pieces):
-                if whole:
-                    variables[index].assign(value)
-                else:
-                    staging.setdefault(
-                        index, np.empty(variables[index].shape, np.dtype(variables[index].dtype))
-                    )
-                    staging[index][start:stop] = value
-        for index, buffer in staging.items():
-            variables[index].assign(buffer)
+        self._assign(ray.get([r.params for r in replies]), placement, _staging_buffers(self.model, placement))
         loss_config = {**self.loss_config, "config": {**self.loss_config["config"], "reduction": None}}
         loss_fn = keras.losses.get(loss_config)
         outputs_shape = self.model.outputs[0].shape
@@ -172,6 +161,18 @@ class TowerWorker:
             metrics.update(labels, outputs, np.asarray(loss_fn(labels, outputs)))
         return replies[0].version, metrics.result()
 
+    def _assign(self, per_shard: list[list[np.ndarray]], placement, staging: dict[int, np.ndarray]) -> None:
+        """Load pulled parameters into the model: whole variables directly, slices via `staging`."""
+        variables = self._variables
+        for shard_values, pieces in zip(per_shard, placement):
+            for value, (index, start, stop, whole) in zip(shard_values, pieces):
+                if whole:
+                    variables[index].assign(value)
+                else:
+                    staging[index][start:stop] = value
+        for index, buffer in staging.items():
+            variables[index].assign(buffer)
+
     def profile(self) -> dict[str, Any] | None:
         """The TensorFlow profiler trace of the profiled steps: files (relative path -> bytes) and window."""
         return self._profiler.collect()
@@ -184,15 +185,7 @@ class TowerWorker:
         `placement[s]` lists shard s's pieces as (variable index, start row, stop row, whole?).
         """
         cfg = self.config
-        variables = self.model.trainable_variables
-        # Slices of a cut variable are gathered in a reusable buffer, then assigned in one op
-        # (a sliced assign per piece costs several times more).
-        staging = {
-            index: np.empty(variables[index].shape, dtype=np.dtype(variables[index].dtype))
-            for pieces in placement
-            for index, _, _, whole in pieces
-            if not whole
-        }
+        staging = _staging_buffers(self.model, placement)
         start = time.perf_counter()
         stream = as_stream(data)
         self.adapter.varlen = stream.options.varlen
@@ -223,14 +216,7 @@ class TowerWorker:
                     break
                 inputs, labels = self.adapter(batch)
                 t1 = time.perf_counter()
-                for shard_values, pieces in zip(ray.get(param_refs), placement):
-                    for value, (index, start, stop, whole) in zip(shard_values, pieces):
-                        if whole:
-                            variables[index].assign(value)
-                        else:
-                            staging[index][start:stop] = value
-                for index, buffer in staging.items():
-                    variables[index].assign(buffer)
+                self._assign(ray.get(param_refs), placement, staging)
                 t2 = time.perf_counter()
                 loss, metrics, grads = self.towers(inputs, labels)
                 grads = [g.numpy() for g in grads]
@@ -303,6 +289,18 @@ class TowerWorker:
             "examples": examples,
             "seconds": time.perf_counter() - start,
         }
+
+
+def _staging_buffers(model, placement) -> dict[int, np.ndarray]:
+    """Slices of a cut variable are gathered in a reusable buffer, then assigned in one op (a sliced
+    assign per piece costs several times more)."""
+    variables = model.trainable_variables
+    return {
+        index: np.empty(variables[index].shape, dtype=np.dtype(variables[index].dtype))
+        for pieces in placement
+        for index, _, _, whole in pieces
+        if not whole
+    }
 
 
 class StepWindowProfiler:

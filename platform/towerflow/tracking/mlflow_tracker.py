@@ -50,7 +50,7 @@ class MLflowTracker(Hook):
         self._buffer: list[Any] = []
         self._last_flush = 0.0
         self._last_logged_step = 0
-        self._window = StepWindow()
+        self._window = StepWindow(staleness=spec.training.mode == "async")
         self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
 
     @property
@@ -168,9 +168,6 @@ class MLflowTracker(Hook):
             **{f"time_{k}_s": v for k, v in event.time_split.items()},
         }
         values.update(self._window.metrics())
-        if self.spec.training.mode != "async":
-            for key in [k for k in values if k.startswith("staleness_")]:
-                del values[key]
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
 
     def on_metrics(self, metrics: dict[str, float], step: int) -> None:

@@ -11,7 +11,8 @@ from towerflow.runtime.hooks import StepEvent
 
 
 class StepWindow:
-    def __init__(self) -> None:
+    def __init__(self, staleness: bool = True) -> None:
+        self.staleness = staleness  # only async applies stale gradients worth describing
         self._events: list[StepEvent] = []
         self._previous: StepEvent | None = None
         self._dropped = 0
@@ -40,7 +41,7 @@ class StepWindow:
                     per_worker[worker] += share
             for worker, examples in sorted(per_worker.items()):
                 out[f"worker_{worker}_examples_per_sec"] = examples / span
-        staleness = [s for e in events for s in e.staleness]
+        staleness = [s for e in events for s in e.staleness] if self.staleness else []
         if staleness:
             values = np.asarray(staleness, dtype=np.float64)
             out.update(

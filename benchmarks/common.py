@@ -1,0 +1,37 @@
+"""Pieces every benchmark script shares: a timestamped log, the machine line, the MNIST data."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def make_log(name: str) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def machine() -> str:
+    import psutil
+
+    found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    cpu = found.group(1) if found else platform.processor() or "unknown CPU"
+    ram = psutil.virtual_memory().total / (1 << 30)
+    return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, Python {platform.python_version()}"
+
+
+def ensure_mnist(folder: Path, log: Callable[[str], None]) -> None:
+    """Synthetic MNIST (60,000 train, 10,000 eval examples, 8 shards) unless the folder has it."""
+    if (folder / "manifest.json").is_file():
+        return
+    from towerflow.data.synth import synth_mnist
+
+    log(f"generating synthetic MNIST into {folder}")
+    synth_mnist(str(folder), shards=8, examples=60000, eval_examples=10000, seed=0)
