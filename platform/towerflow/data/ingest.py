@@ -84,9 +84,10 @@ def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     manifest = read_manifest(files)
     layout = csv_layout(source, manifest)
     features = resolve_features(source, files, manifest, layout, key="data.train")
-    if source.label not in features:
+    if source.label not in features and source.label not in (source.groups or {}):
         raise DataError(
-            f"data.train.label: {source.label!r} is not a feature of the data (features: {', '.join(features)})"
+            f"data.train.label: {source.label!r} is neither a feature of the data nor a group "
+            f"(features: {', '.join(features)})"
         )
     groups = expand_groups(source.groups, features, source.label)
     plan = ColumnPlan(features, groups, list(source.preprocess))
