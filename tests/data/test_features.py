@@ -169,3 +169,11 @@ def test_several_label_columns_grouped_into_one_label(ray_cluster, tmp_path):
     result = train(spec, track=False, output_dir=tmp_path / "run")
     assert result.global_step == 30
     assert result.final_loss < 0.5  # the mean squared error of both targets went down from about 2.5
+
+
+def test_s3_paths_reach_an_s3_filesystem():
+    """s3:// resolves to s3fs's filesystem (installed with towerflow); reading needs credentials."""
+    from towerflow.data.sources import _filesystem
+
+    fs, path = _filesystem("s3://my-bucket/mnist/train-*")
+    assert "s3" in fs.protocol and path == "my-bucket/mnist/train-*"

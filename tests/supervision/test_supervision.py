@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,7 +76,7 @@ def test_evaluation_metrics_are_logged_at_the_evaluated_step(first_run):
     assert seen == [m.step for m in client.get_metric_history(result.run_id, "eval_loss")]
 
 
-def test_profiles_of_the_window_are_logged(first_run):
+def test_profiles_of_the_window_are_logged(first_run, tmp_path):
     _, uri, result, _ = first_run
     client = MlflowClient(uri)
     files = []
@@ -84,7 +85,20 @@ def test_profiles_of_the_window_are_logged(first_run):
         for entry in client.list_artifacts(result.run_id, pending.pop()):
             (pending if entry.is_dir else files).append(entry.path)
     assert "profiles/ray_timeline.json" in files
-    assert any(f.startswith("profiles/worker-0/") and f.endswith(".xplane.pb") for f in files)
+    traces = [
+        f for f in files if f.startswith("profiles/worker-0/plugins/profile/") and f.endswith(".xplane.pb")
+    ]
+    assert (
+        traces
+    )  # the layout TensorBoard's profile view reads: <logdir>/plugins/profile/<run>/<host>.xplane.pb
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(
+        Path(client.download_artifacts(result.run_id, traces[0], str(tmp_path))).read_bytes()
+    )
+    host = [plane for plane in space.planes if plane.name == "/host:CPU"]
+    assert host and sum(len(line.events) for line in host[0].lines) > 0  # the traced steps' ops
 
 
 def test_user_hook_from_import_string_sees_the_lifecycle(first_run):
