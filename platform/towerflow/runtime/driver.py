@@ -61,7 +61,8 @@ class Driver:
         self._runs: list[Any] = []
         self._evaluator: Any = None
         self.aggregator = StepAggregator(
-            replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1
+            replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1,
+            first_step=self.session.start_step + 1,
         )
 
     def run(self) -> TrainResult:

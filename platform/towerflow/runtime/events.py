@@ -14,15 +14,22 @@ PHASES = ("data", "pull", "compute", "push", "apply")
 class StepAggregator:
     """Groups applied gradients by the step they went into; counts dropped ones.
 
-    A step is reported once every gradient it needs has been heard of, or once a later step has
-    been (records from different workers arrive in different drains).
+    Steps are dense (each shard version is one step), so they are reported in order: a step goes
+    out once every step before it has and all the gradients it needs have been heard of. A worker
+    records its step only when its push returns, so step 25's record can arrive a drain before
+    step 24's; waiting for the gap to fill keeps every step in the hooks' view. A step still
+    incomplete after `grace_s` (its worker was lost between push and record) goes out as it is.
     """
 
-    def __init__(self, replicas_per_step: int, window_s: float = 5.0) -> None:
+    def __init__(
+        self, replicas_per_step: int, first_step: int = 1, window_s: float = 5.0, grace_s: float = 5.0
+    ) -> None:
         self.replicas_per_step = replicas_per_step
         self._pending: dict[int, list[StepRecord]] = collections.defaultdict(list)
+        self._first_heard: dict[int, float] = {}
+        self._grace_s = grace_s
         self._dropped = 0
-        self._last_emitted = 0
+        self._last_emitted = first_step - 1
         self._start = time.time()
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._window_s = window_s
@@ -44,6 +51,7 @@ class StepAggregator:
                 nonfinite.append(self._nonfinite_event(record))
             elif record.step > 0:
                 self._pending[record.step].append(record)
+                self._first_heard.setdefault(record.step, time.monotonic())
             elif record.verdict == "stale":
                 self._dropped += 1
                 self.dropped_total += 1
@@ -56,12 +64,16 @@ class StepAggregator:
 
     def _emit(self, final: bool) -> list[StepEvent]:
         events = []
-        newest = max(self._pending, default=0)
+        now = time.monotonic()
         for step in sorted(self._pending):
             records = self._pending[step]
-            if not final and step == newest and len(records) < self.replicas_per_step:
-                break
+            if step > self._last_emitted and not final:
+                in_order = step == self._last_emitted + 1 and len(records) >= self.replicas_per_step
+                overdue = now - self._first_heard[step] > self._grace_s
+                if not (in_order or overdue):
+                    break
             del self._pending[step]
+            del self._first_heard[step]
             if step <= self._last_emitted:
                 continue  # a late gradient of a step already reported
             events.append(self._event(step, records))
