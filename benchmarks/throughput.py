@@ -354,6 +354,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="1 round, 60 steps, 300 memory steps")
     parser.add_argument("--data", type=Path, default=Path("data/bench-mnist"))
     parser.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray")
+    parser.add_argument(
+        "--object-store-mb", type=int, default=None, help="size of the local Ray's object store (Ray's default: 30%% of RAM)"
+    )
     parser.add_argument("--cpus-1worker", type=float, default=2, help="cpus_per_worker of the 1-worker run")
     parser.add_argument(
         "--quiet-wait", type=float, default=300, help="seconds to wait for other jobs to calm"
@@ -378,7 +381,13 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"# towerflow throughput benchmark, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}")
     ensure_mnist(args.data, log)
-    ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(
+        num_cpus=args.ray_cpus,
+        object_store_memory=args.object_store_mb * MIB if args.object_store_mb else None,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="WARNING",
+    )
     print(
         f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {args.rounds} round(s) "
         f"x {args.steps} timed steps after {args.warmup} warm-up; 1-worker cpus_per_worker={args.cpus_1worker:g}"

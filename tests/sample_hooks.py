@@ -35,3 +35,10 @@ class RecordingHook(Hook):
 
     def end(self, session, outcome) -> None:
         self.calls.append(f"end:{outcome.status}")
+
+
+class FailsAtEndHook(Hook):
+    """Raises in `end`, as a user's upload or export step might after training went well."""
+
+    def end(self, session, outcome) -> None:
+        raise OSError("the bucket refused the upload")

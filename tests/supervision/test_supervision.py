@@ -171,6 +171,24 @@ def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
     assert [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()] == [3]
 
 
+def test_a_hook_failing_at_the_end_fails_the_run_and_keeps_its_checkpoints(ray_cluster, blob_data, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = _spec(
+        blob_data,
+        uri,
+        training={"max_steps": 4},
+        supervision={"checkpoint": {"every_steps": 2}, "hooks": ["sample_hooks:FailsAtEndHook"]},
+    )
+    with pytest.raises(TrainingError, match="hook FailsAtEndHook failed at its end: the bucket refused"):
+        train(spec)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("supervision").experiment_id])
+    assert run.info.status == "FAILED" and "bucket refused" in run.data.tags["towerflow.error"]
+    store = MlflowCheckpointStore(client, run.info.run_id)
+    assert [s for s, _ in store.list()] == [2, 4]  # the final checkpoint was written before the hook failed
+    assert store.load(4).global_step == 4
+
+
 def test_stop_at_step_stops_exactly(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, None, training={"max_steps": 100}, supervision={"stop_at_step": {"num_steps": 5}})
     result = train(spec, track=False, output_dir=tmp_path)

@@ -79,6 +79,8 @@ class ShardReader:
 def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     import ray
 
+    from towerflow.data.pacing import pace_scheduling_loop
+
     source, data = spec.data.train, spec.data
     files = resolve_files(source.path_list, key="data.train.paths")
     manifest = read_manifest(files)
@@ -102,6 +104,7 @@ def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     ds = ray.data.from_items([{"path": p} for p in ordered], override_num_blocks=len(ordered))
     ds = ds.map_batches(read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus)
     bound_readahead(ds.context, spec.cluster.data_cpus, data.readahead_mb * MIB, data.deterministic)
+    pace_scheduling_loop(ds.context, data.executor_step_ms / 1000)
     # Sync: every worker gets the same number of examples (equal). Async: faster workers take more.
     iterators = ds.streaming_split(num_workers, equal=spec.training.mode == "sync")
     options = StreamOptions(

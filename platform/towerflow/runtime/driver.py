@@ -90,12 +90,33 @@ class Driver:
             outcome = RunOutcome("FAILED", self._global_step(), error)
             raise error from exc
         finally:
-            for hook in reversed(begun):
-                try:
-                    hook.end(self.session, outcome)
-                except Exception as exc:  # one hook's failure must not hide the run's own outcome
-                    print(f"towerflow: hook {type(hook).__name__}.end failed: {exc}")
+            failed_at_end = self._end_hooks(begun, outcome)
             self._release()
+            if failed_at_end is not None:
+                raise failed_at_end
+
+    def _end_hooks(self, begun: list[Hook], outcome: RunOutcome) -> TrainingError | None:
+        """End every begun hook, last begun first, even when some fail.
+
+        A hook that fails at the end of a finished run (an export, say) fails the run: the hooks
+        still to end (the tracker last) see FAILED, and the error is returned to raise. After a
+        failed run the first error stays the one reported; later ones are only printed.
+        """
+        failure = None
+        for hook in reversed(begun):
+            try:
+                hook.end(self.session, outcome)
+            except Exception as exc:
+                name = type(hook).__name__
+                if outcome.status != "FINISHED":
+                    print(f"towerflow: hook {name}.end failed after the run had failed: {exc}")
+                    continue
+                failure = TrainingError(
+                    f"the run trained to step {outcome.global_step}, then hook {name} failed at its end: {exc}"
+                )
+                failure.__cause__ = exc
+                outcome = RunOutcome("FAILED", outcome.global_step, failure)
+        return failure
 
     # -- set-up ----------------------------------------------------------------------------------
     def _create_actors(self) -> None:

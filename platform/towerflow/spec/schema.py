@@ -108,6 +108,12 @@ class DataSpec(_Strict):
         256, gt=0, description="Object-store memory Ray Data may fill ahead of the workers (MiB)."
     )
     deterministic: bool = Field(False, description="Keep block order (preserve_order); slower.")
+    executor_step_ms: float = Field(
+        20,
+        ge=0,
+        description="Shortest step of Ray Data's scheduling loop (ms): keeps a backpressured pipeline "
+        "from spinning on a core; 0 = Ray's own pace.",
+    )
 
 
 class ModelSpec(_Strict):
