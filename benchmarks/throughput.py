@@ -355,7 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=Path("data/bench-mnist"))
     parser.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray")
     parser.add_argument(
-        "--object-store-mb", type=int, default=None, help="size of the local Ray's object store (Ray's default: 30%% of RAM)"
+        "--object-store-mb",
+        type=int,
+        default=None,
+        help="size of the local Ray's object store (Ray's default: 30%% of RAM)",
     )
     parser.add_argument("--cpus-1worker", type=float, default=2, help="cpus_per_worker of the 1-worker run")
     parser.add_argument(
