@@ -2,8 +2,8 @@
 
 Inputs (matching the data spec's names): `x` float32 [num_features] (the numeric columns grouped
 into one tensor) and `category` int64 [] in [0, num_categories). Give `mean` and `variance` (per
-feature, e.g. from the training split) to standardise `x` with fixed constants: no batch
-statistics, since towerflow's parameter servers hold trainable variables only.
+feature, e.g. from the training split) to standardise `x` with fixed constants rather than
+statistics learnt during training. `pipelines/tabular_csv.yaml` trains it from CSV shards.
 """
 
 from __future__ import annotations

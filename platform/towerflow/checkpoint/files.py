@@ -45,6 +45,10 @@ def write_checkpoint(state: TrainingState, parent: str | Path) -> Path:
                 for n in state.names
             ],
             "slots": sorted(state.slots),
+            "model_state": [
+                {"name": n, "shape": list(v.shape), "dtype": str(v.dtype)}
+                for n, v in state.model_state.items()
+            ],
             "data_position": state.data_position,
             "written_at": time.time(),
         }
@@ -78,10 +82,13 @@ def read_checkpoint(directory: str | Path) -> TrainingState:
             for slot in meta["slots"]
         },
         data_position=dict(meta.get("data_position") or {}),
+        model_state={v["name"]: np.zeros(v["shape"], v["dtype"]) for v in meta.get("model_state", [])},
     )
     holder = _checkpoint_object(state)
     holder.read(str(directory / PREFIX)).assert_consumed()
     state.variables = {n: v.numpy() for n, v in holder.variables.items()}
+    if state.model_state:
+        state.model_state = {n: v.numpy() for n, v in holder.model_state.items()}
     state.slots = {s: {n: v.numpy() for n, v in vs.items()} for s, vs in holder.slots.items()}
     state.global_step = int(holder.step.numpy())
     return state
@@ -90,7 +97,14 @@ def read_checkpoint(directory: str | Path) -> TrainingState:
 def _checkpoint_object(state: TrainingState):
     import tensorflow as tf
 
+    # Model state only when there is some: checkpoints of models without any keep their old layout.
+    extra = (
+        {"model_state": {n: tf.Variable(v) for n, v in state.model_state.items()}}
+        if state.model_state
+        else {}
+    )
     return tf.train.Checkpoint(
+        **extra,
         step=tf.Variable(state.global_step, dtype=tf.int64),
         variables={n: tf.Variable(state.variables[n]) for n in state.names},
         slots={s: {n: tf.Variable(v[n]) for n in state.names} for s, v in state.slots.items()},

@@ -20,9 +20,12 @@ class TrainingState:
     variables: dict[str, np.ndarray]
     slots: dict[str, dict[str, np.ndarray]]  # slot name -> variable name -> value
     data_position: dict[str, Any] = field(default_factory=dict)
+    # Non-trainable model variables by path (batch-norm moving statistics), averaged over workers.
+    model_state: dict[str, np.ndarray] = field(default_factory=dict)
 
     def all_finite(self) -> bool:
         arrays = list(self.variables.values()) + [a for s in self.slots.values() for a in s.values()]
+        arrays += list(self.model_state.values())
         return all(np.isfinite(a).all() for a in arrays if a.dtype.kind == "f")
 
 

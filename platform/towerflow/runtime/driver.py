@@ -18,6 +18,7 @@ import ray
 from towerflow.errors import TowerflowError, TrainingError
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
+from towerflow.runtime.model_state import average_model_states
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.result import TrainResult, staleness_summary
@@ -161,6 +162,8 @@ class Driver:
         ]
         # Wait until every actor has started (TensorFlow imported, model built) before the clock runs.
         ray.get([s.ping.remote() for s in self.shards] + [w.devices_used.remote() for w in self.workers])
+        if self.initial_state is not None and self.initial_state.model_state:
+            ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
 
     def _apply_threads(self) -> int | None:
         """Sync workers wait while the shards apply: lend the shards their cores meanwhile."""
@@ -282,6 +285,7 @@ class Driver:
             workers=worker_summaries,
             shards=shard_stats,
             parameters=parameters,
+            model_state=self.model_state() if self.return_parameters else None,
         )
 
     def _fetch_parameters(self) -> list[np.ndarray]:
@@ -308,7 +312,7 @@ class Driver:
                 # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
                 ray.get([s.finish.remote() for s in self.shards])
         snapshots = ray.get(refs)
-        return assemble_state(
+        state = assemble_state(
             snapshots,
             self.session.variables,
             self.session.pieces,
@@ -316,6 +320,24 @@ class Driver:
             self.spec.training.optimizer.name,
             data_position or self._data_position(),
         )
+        state.model_state = self.model_state()
+        return state
+
+    def model_state(self) -> dict[str, np.ndarray]:
+        """The workers' non-trainable variables, averaged (batch-norm statistics); {} if the model has none.
+
+        Read as the workers are now, not at the shards' cut: they are running averages, which the
+        replicas update each on its own data, and never part of the gradient step.
+        """
+        if not self.workers:
+            return {}
+        refs = [w.model_state.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+        states = []
+        for ref in ready:
+            with contextlib.suppress(ray.exceptions.RayError):  # a lost worker: average the others
+                states.append(ray.get(ref))
+        return average_model_states(states)
 
     def parameters(self) -> list[np.ndarray]:
         return self._fetch_parameters()
@@ -339,7 +361,7 @@ class Driver:
             # No CPU reservation: evaluations are short and occasional, and must not wait for a slot.
             self._evaluator = worker_actor(0, 0).remote(config)
         ref = self._evaluator.evaluate.remote(
-            self.shards, self._placement(), source, metrics, batch_size, max_batches
+            self.shards, self._placement(), source, metrics, batch_size, max_batches, self.model_state()
         )
         return ref.future()
 

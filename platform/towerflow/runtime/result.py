@@ -24,6 +24,7 @@ class TrainResult:
     workers: list[dict[str, Any]] = field(default_factory=list)
     shards: list[dict[str, Any]] = field(default_factory=list)
     parameters: list[np.ndarray] | None = None  # trained variables in model order
+    model_state: dict[str, np.ndarray] | None = None  # non-trainable variables by path (BN statistics)
 
     def summary_line(self) -> str:
         metrics = " ".join(f"{k}={v:.4f}" for k, v in self.final_metrics.items())

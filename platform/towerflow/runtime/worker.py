@@ -17,6 +17,7 @@ import numpy as np
 import ray
 
 from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream
+from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.sharding import VariableInfo
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
@@ -108,6 +109,18 @@ class TowerWorker:
             values.append(value)
         return infos, values
 
+    def model_state(self) -> dict[str, np.ndarray]:
+        """The model's non-trainable variables (batch-norm moving statistics and the like), by path.
+
+        They are not on the shards: each worker updates its own copy as it trains, as each replica
+        does under TensorFlow's MirroredStrategy.
+        """
+        return model_state_of(self.model)
+
+    def load_model_state(self, state: dict[str, np.ndarray]) -> int:
+        """Assign the non-trainable variables named in `state`; returns how many were assigned."""
+        return load_model_state(self.model, state)
+
     def devices_used(self) -> list[str]:
         return list(self.devices)
 
@@ -128,6 +141,7 @@ class TowerWorker:
         metric_names: list[str],
         batch_size: int,
         max_batches: int | None = None,
+        model_state: dict[str, np.ndarray] | None = None,
     ) -> tuple[int, dict[str, float]]:
         """Evaluate the shards' current parameters on the evaluation files, read in order.
 
@@ -142,6 +156,8 @@ class TowerWorker:
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
         self._assign(ray.get([r.params for r in replies]), placement, _staging_buffers(self.model, placement))
+        if model_state:
+            load_model_state(self.model, model_state)
         loss_config = {**self.loss_config, "config": {**self.loss_config["config"], "reduction": None}}
         loss_fn = keras.losses.get(loss_config)
         outputs_shape = self.model.outputs[0].shape

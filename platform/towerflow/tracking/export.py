@@ -66,8 +66,11 @@ def load_run_spec(run_id: str, tracking_uri: str | None = None) -> Any:
     return validate_spec(yaml.safe_load(text), source=f"run {run_id}: {SPEC_ARTIFACT}")
 
 
-def build_trained_model(spec: Any, weights: Sequence[np.ndarray]) -> Any:
-    """The spec's model with `weights` assigned to its trainable variables, in order."""
+def build_trained_model(
+    spec: Any, weights: Sequence[np.ndarray], model_state: dict[str, np.ndarray] | None = None
+) -> Any:
+    """The spec's model with `weights` assigned to its trainable variables, in order, and
+    `model_state` (non-trainable variables by path: batch-norm statistics) to the others."""
     from towerflow.imports import import_ref
 
     model = import_ref(spec.model.ref)(**spec.model.params)
@@ -84,6 +87,15 @@ def build_trained_model(spec: Any, weights: Sequence[np.ndarray]) -> Any:
                 f"array has {tuple(np.shape(value))}: the weights do not belong to this model"
             )
         variable.assign(np.asarray(value, dtype=variable.dtype))
+    if model_state:
+        from towerflow.runtime.model_state import load_model_state
+
+        try:
+            load_model_state(model, model_state)
+        except ValueError as exc:
+            raise ExportError(
+                f"{spec.model.ref}: {exc}: the model state does not belong to this model"
+            ) from None
     return model
 
 
@@ -156,6 +168,7 @@ def export_model(
     register_as: str | None = None,
     alias: str | None = None,
     input_example: Any = None,
+    model_state: dict[str, np.ndarray] | None = None,
 ) -> ExportedModel:
     """Build the spec's model with `weights`, log it to run `run_id` as a TensorFlow SavedModel, and
     register it as `register_as` (default: the spec's `export.register_as`) with `alias` (default: the
@@ -168,7 +181,7 @@ def export_model(
     uri = default_tracking_uri(tracking_uri or spec.tracking.tracking_uri)
     register_as = register_as or spec.export.register_as
     alias = alias or spec.export.alias
-    model = build_trained_model(spec, weights)
+    model = build_trained_model(spec, weights, model_state)
     module, signatures = serving_module(model)
     example = example_input(model) if input_example is None else input_example
     client = mlflow.MlflowClient(uri)
@@ -246,4 +259,4 @@ def export_run(run_id: str, tracking_uri: str | None = None) -> ExportedModel:
     spec = load_run_spec(run_id, uri)
     state = latest_state(MlflowCheckpointStore(MlflowClient(uri), run_id), f"run {run_id}")
     weights = [state.variables[name] for name in state.names]
-    return export_model(spec, weights, run_id, tracking_uri=uri)
+    return export_model(spec, weights, run_id, tracking_uri=uri, model_state=state.model_state)

@@ -204,7 +204,11 @@ class MLflowTracker(Hook):
         if result is None or result.parameters is None:
             raise ExportError("export.saved_model: the run returned no trained parameters to export")
         self.exported = export_model(
-            self.spec, result.parameters, self.run_id, tracking_uri=self.tracking_uri
+            self.spec,
+            result.parameters,
+            self.run_id,
+            tracking_uri=self.tracking_uri,
+            model_state=result.model_state,
         )
         self._client.set_tag(self.run_id, "towerflow.model_uri", self.exported.model_uri)
         if self.exported.registry_uri:

@@ -1,0 +1,52 @@
+"""A model's non-trainable variables (batch-norm moving statistics and the like), by variable path.
+
+They are not on the parameter servers: no gradient reaches them. Each worker updates its own copy
+as it trains, as each replica does under TensorFlow's MirroredStrategy, and readers (checkpoints,
+evaluation, export) take the workers' mean, as MirroredStrategy's ON_READ MEAN aggregation does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def model_state_of(model: Any) -> dict[str, np.ndarray]:
+    return {var.path: np.array(var.numpy()) for var in model.non_trainable_variables}
+
+
+def load_model_state(model: Any, state: dict[str, np.ndarray]) -> int:
+    """Assign `state` to the model's non-trainable variables in model order; returns how many.
+
+    By position, as trainable weights are: Keras names layers per process (`batch_normalization_3`
+    where another model was built before), so paths differ between the workers and an exporter.
+    """
+    variables = model.non_trainable_variables
+    if len(variables) != len(state):
+        raise ValueError(
+            f"the saved model state has {len(state)} non-trainable variables, the model {len(variables)}"
+        )
+    for var, (name, value) in zip(variables, state.items()):
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(
+                f"{name}: the saved model state has shape {tuple(value.shape)}, "
+                f"the model's {var.path} {tuple(var.shape)}"
+            )
+        var.assign(value.astype(np.dtype(var.dtype)))
+    return len(variables)
+
+
+def average_model_states(states: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The workers' float states averaged; other dtypes (counters, seeds) taken from the first."""
+    if not states:
+        return {}
+    averaged = {}
+    for name, first in states[0].items():
+        values = [s[name] for s in states if name in s]
+        if np.asarray(first).dtype.kind == "f" and len(values) > 1:
+            averaged[name] = np.mean(np.stack(values), axis=0).astype(first.dtype)
+        else:
+            averaged[name] = first
+    return averaged
