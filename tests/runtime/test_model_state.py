@@ -12,20 +12,37 @@ from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
 from towerflow.checkpoint.state import TrainingState
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.launch import train
-from towerflow.runtime.model_state import average_model_states, load_model_state
+from towerflow.runtime.model_state import average_model_states, load_model_state, model_state_of
 from towerflow.spec import validate_spec
 
 
-def test_float_states_are_averaged_and_others_taken_from_the_first_worker():
+def test_worker_states_are_averaged_in_their_dtype():
     states = [
-        {"bn/moving_mean": np.array([0.0, 2.0], np.float32), "seed/state": np.array([7, 1], np.uint32)},
-        {"bn/moving_mean": np.array([1.0, 4.0], np.float32), "seed/state": np.array([9, 9], np.uint32)},
+        {
+            "bn/moving_mean": np.array([0.0, 2.0], np.float32),
+            "bn/moving_variance": np.array([1.0], np.float64),
+        },
+        {
+            "bn/moving_mean": np.array([1.0, 4.0], np.float32),
+            "bn/moving_variance": np.array([3.0], np.float64),
+        },
     ]
     averaged = average_model_states(states)
     np.testing.assert_array_equal(averaged["bn/moving_mean"], [0.5, 3.0])
-    assert averaged["bn/moving_mean"].dtype == np.float32
-    np.testing.assert_array_equal(averaged["seed/state"], [7, 1])
+    assert (
+        averaged["bn/moving_mean"].dtype == np.float32 and averaged["bn/moving_variance"].dtype == np.float64
+    )
     assert average_model_states([]) == {}
+
+
+def test_seed_generator_states_are_each_workers_own():
+    import keras
+
+    inputs = keras.Input((4,))
+    x = keras.layers.BatchNormalization()(keras.layers.Dense(3)(inputs))
+    model = keras.Model(inputs, keras.layers.Dropout(0.5)(x))
+    assert any("seed_generator" in v.path for v in model.non_trainable_variables)
+    assert [name.split("/")[-1] for name in model_state_of(model)] == ["moving_mean", "moving_variance"]
 
 
 def test_a_state_of_the_wrong_shape_is_refused():

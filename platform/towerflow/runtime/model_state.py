@@ -1,8 +1,9 @@
-"""A model's non-trainable variables (batch-norm moving statistics and the like), by variable path.
+"""A model's floating-point non-trainable variables (batch-norm moving statistics), by variable path.
 
 They are not on the parameter servers: no gradient reaches them. Each worker updates its own copy
 as it trains, as each replica does under TensorFlow's MirroredStrategy, and readers (checkpoints,
 evaluation, export) take the workers' mean, as MirroredStrategy's ON_READ MEAN aggregation does.
+Integer ones (Keras's random seed-generator states) are each worker's own and are left out.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ from typing import Any
 import numpy as np
 
 
+def stateful_variables(model: Any) -> list[Any]:
+    """The non-trainable variables that make up model state, in model order."""
+    return [var for var in model.non_trainable_variables if np.dtype(var.dtype).kind == "f"]
+
+
 def model_state_of(model: Any) -> dict[str, np.ndarray]:
-    return {var.path: np.array(var.numpy()) for var in model.non_trainable_variables}
+    return {var.path: np.array(var.numpy()) for var in stateful_variables(model)}
 
 
 def load_model_state(model: Any, state: dict[str, np.ndarray]) -> int:
@@ -22,7 +28,7 @@ def load_model_state(model: Any, state: dict[str, np.ndarray]) -> int:
     By position, as trainable weights are: Keras names layers per process (`batch_normalization_3`
     where another model was built before), so paths differ between the workers and an exporter.
     """
-    variables = model.non_trainable_variables
+    variables = stateful_variables(model)
     if len(variables) != len(state):
         raise ValueError(
             f"the saved model state has {len(state)} non-trainable variables, the model {len(variables)}"
@@ -39,14 +45,10 @@ def load_model_state(model: Any, state: dict[str, np.ndarray]) -> int:
 
 
 def average_model_states(states: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The workers' float states averaged; other dtypes (counters, seeds) taken from the first."""
+    """The workers' states averaged, variable by variable, in the dtype they came in."""
     if not states:
         return {}
-    averaged = {}
-    for name, first in states[0].items():
-        values = [s[name] for s in states if name in s]
-        if np.asarray(first).dtype.kind == "f" and len(values) > 1:
-            averaged[name] = np.mean(np.stack(values), axis=0).astype(first.dtype)
-        else:
-            averaged[name] = first
-    return averaged
+    return {
+        name: np.mean(np.stack([s[name] for s in states]), axis=0).astype(first.dtype)
+        for name, first in states[0].items()
+    }

@@ -70,7 +70,9 @@ class TowerWorker:
 
         from towerflow.imports import import_ref
 
-        keras.utils.set_random_seed(config.seed)
+        # Seeded per worker: dropout and other random layers draw different masks on each replica,
+        # as on TensorFlow's devices. Initial weights differ too, but only worker 0's reach the shards.
+        keras.utils.set_random_seed(config.seed + max(config.worker_id, 0))
         build = import_ref(config.model_ref)
         self.model = build(**config.model_params)
         if not self.model.trainable_variables:
