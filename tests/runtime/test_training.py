@@ -165,6 +165,9 @@ def test_towers_inside_workers(ray_cluster, blob_data):
     result = train(spec, track=False)
     assert result.global_step == 5
     assert np.isfinite(result.final_loss)
+    (worker,) = result.workers
+    assert [d.upper() for d in worker["devices"]] == ["/CPU:0", "/CPU:1"]  # one logical device per tower
+    assert worker["gpu_peak_mb"] == {}
 
 
 def test_hooks_can_stop_the_job(ray_cluster, blob_data):

@@ -306,7 +306,23 @@ class TowerWorker:
             "steps": steps,
             "examples": examples,
             "seconds": time.perf_counter() - start,
+            "devices": list(self.devices),
+            "gpu_peak_mb": _gpu_peak_mb(self.devices),
         }
+
+
+def _gpu_peak_mb(devices: list[str]) -> dict[str, float]:
+    """Peak memory TensorFlow allocated on each GPU tower device (MiB); {} on CPUs."""
+    import tensorflow as tf
+
+    peaks = {}
+    for device in devices:
+        if "GPU" in device.upper():
+            try:
+                peaks[device] = tf.config.experimental.get_memory_info(device)["peak"] / (1 << 20)
+            except (ValueError, RuntimeError):  # a device TF cannot report on
+                continue
+    return peaks
 
 
 def _staging_buffers(model, placement) -> dict[int, np.ndarray]:
