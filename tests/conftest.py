@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.chdir(REPO)  # specs name models/ and pipelines/ by import string, as from the repository root
+# Untracked runs (track=False without output_dir) write their checkpoints here, not into the repository.
+os.environ.setdefault("TOWERFLOW_RUNS_DIR", tempfile.mkdtemp(prefix="towerflow-test-runs-"))
 for entry in (str(REPO), str(REPO / "tests")):
     if entry not in sys.path:
         sys.path.insert(0, entry)

@@ -5,6 +5,7 @@ The CLI only calls this.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ def train(
 
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, overrides)
-    local_root = Path(output_dir or Path("runs") / spec.name)
+    local_root = Path(output_dir or Path(os.environ.get("TOWERFLOW_RUNS_DIR", "runs")) / spec.name)
     tracker = None
     if track:
         from towerflow.tracking import MLflowTracker
