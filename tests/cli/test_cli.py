@@ -13,9 +13,20 @@ from mlflow.tracking import MlflowClient
 from support import blob_spec
 
 
-def _run(args, *, env=None, timeout=300):
+def _run(args, *, env=None, timeout=300, console_script=False):
+    # `python -m` puts the working directory on sys.path; the console script (what `make example`
+    # runs) does not, so both are exercised.
+    command = (
+        [os.path.join(os.path.dirname(sys.executable), "towerflow")]
+        if console_script
+        else [
+            sys.executable,
+            "-m",
+            "towerflow",
+        ]
+    )
     return subprocess.run(
-        [sys.executable, "-m", "towerflow", *args],
+        [*command, *args],
         cwd=REPO,
         env={**os.environ, **(env or {})},
         capture_output=True,
@@ -81,8 +92,13 @@ def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path
 def test_train_end_to_end(cluster_env, blob_data, tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(blob_spec(blob_data)))
+    # Through the console script, with an export: the driver itself imports models.mlp from the
+    # working directory to build the SavedModel.
+    settings = ["training.max_steps=6", "training.mode=async", "export.saved_model=true"]
     out = _run(
-        ["train", str(path), "--set", "training.max_steps=6", "--set", "training.mode=async"], env=cluster_env
+        ["train", str(path), *[a for s in settings for a in ("--set", s)]],
+        env=cluster_env,
+        console_script=True,
     )
     assert out.returncode == 0, out.stderr
     summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
@@ -95,3 +111,4 @@ def test_train_end_to_end(cluster_env, blob_data, tmp_path):
     assert run.data.tags["mode"] == "async"
     assert {"loss", "global_step", "examples_per_sec"} <= set(run.data.metrics)
     assert run.data.metrics["global_step"] == 6
+    assert run.data.tags["towerflow.model_uri"].startswith("models:/")

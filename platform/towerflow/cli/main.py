@@ -14,6 +14,7 @@ from towerflow.errors import TowerflowError
 
 
 def main(argv: list[str] | None = None) -> int:
+    _working_directory_importable()
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -35,6 +36,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _working_directory_importable() -> None:
+    """Specs name models/ and pipelines/ by import string from the working directory, which Ray
+    ships to the actors. `python -m towerflow` puts it on sys.path; the console script does not, so
+    put it there too: the driver imports the model itself to export it."""
+    cwd = os.getcwd()
+    if not any(entry in ("", ".", cwd) for entry in sys.path):
+        sys.path.insert(0, cwd)
 
 
 def _parser() -> argparse.ArgumentParser:
