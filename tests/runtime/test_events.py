@@ -6,8 +6,10 @@ from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.worker import StepRecord
 
 
-def record(worker: int, step: int, verdict: str = "applied") -> StepRecord:
-    return StepRecord(worker, step, verdict, max(0, step - 1), 1.0, {}, 16, 0, finished_at=time.time())
+def record(worker: int, step: int, verdict: str = "applied", replicas: int = 0) -> StepRecord:
+    return StepRecord(
+        worker, step, verdict, max(0, step - 1), 1.0, {}, 16, 0, finished_at=time.time(), replicas=replicas
+    )
 
 
 def steps(events) -> list[int]:
@@ -27,6 +29,13 @@ def test_a_sync_step_waits_for_all_its_replicas_even_when_the_next_has_begun():
     events = agg.add([record(1, 1), record(1, 2)])
     assert steps(events) == [1, 2]
     assert all(e.workers == [0, 1] for e in events)
+
+
+def test_once_a_worker_retires_a_step_needs_only_the_gradients_its_shard_aggregated():
+    agg = StepAggregator(replicas_per_step=2, first_step=9)
+    assert steps(agg.add([record(0, 9, replicas=2), record(1, 9, replicas=2)])) == [9]
+    # Worker 1's data ran out: the shards now apply worker 0's gradient alone, and say so.
+    assert steps(agg.add([record(0, 10, replicas=1), record(0, 11, replicas=1)])) == [10, 11]
 
 
 def test_a_step_whose_record_never_comes_goes_out_after_the_grace_period():

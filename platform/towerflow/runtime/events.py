@@ -17,8 +17,9 @@ class StepAggregator:
     Steps are dense (each shard version is one step), so they are reported in order: a step goes
     out once every step before it has and all the gradients it needs have been heard of. A worker
     records its step only when its push returns, so step 25's record can arrive a drain before
-    step 24's; waiting for the gap to fill keeps every step in the hooks' view. A step still
-    incomplete after `grace_s` (its worker was lost between push and record) goes out as it is.
+    step 24's; waiting for the gap to fill keeps every step in the hooks' view. How many gradients
+    a step needs is what its shard aggregated (fewer once workers retire). A step still incomplete
+    after `grace_s` (its worker was lost between push and record) goes out as it is.
     """
 
     def __init__(
@@ -68,7 +69,8 @@ class StepAggregator:
         for step in sorted(self._pending):
             records = self._pending[step]
             if step > self._last_emitted and not final:
-                in_order = step == self._last_emitted + 1 and len(records) >= self.replicas_per_step
+                needed = records[0].replicas or self.replicas_per_step  # fewer once workers retire
+                in_order = step == self._last_emitted + 1 and len(records) >= needed
                 overdue = now - self._first_heard[step] > self._grace_s
                 if not (in_order or overdue):
                     break

@@ -44,9 +44,11 @@ class PushReply:
     staleness: int
     apply_s: float  # time of the apply this gradient went into
     next: ParamsReply  # the parameters to compute the next step with
+    replicas: int = 0  # gradients the step aggregated (fewer than asked once workers retire)
 
 
 _SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
+_REPLICA_COUNTS_KEPT = 256  # recent steps whose replica count a woken sync push may still ask for
 
 
 class ParameterShard:
@@ -104,6 +106,7 @@ class ParameterShard:
         self._snapshot_at: set[int] = set()
         self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
         self._snapshots: dict[int, ShardSnapshot] = {}
+        self._step_replicas: dict[int, int] = {}
         self._publish()
 
     # -- the protocol's verbs ------------------------------------------------------------------
@@ -127,7 +130,14 @@ class ParameterShard:
             self._counts[decision.verdict] += 1
         next_version = self._protocol.next_version_to_read(version_read)
         await self._wait_for(lambda: self._version >= next_version or self._done)
-        return PushReply(verdict, step, decision.staleness, self._last_apply_s, self._params_reply())
+        return PushReply(
+            verdict,
+            step,
+            decision.staleness,
+            self._last_apply_s,
+            self._params_reply(),
+            replicas=self._step_replicas.get(step, 0),
+        )
 
     async def retire(self, worker: int) -> None:
         """A worker stopped pushing; sync aggregation goes on with the others."""
@@ -183,6 +193,8 @@ class ParameterShard:
             tf.constant(self._version + 1, tf.float32),
         )
         self._version += 1
+        self._step_replicas[self._version] = len(replicas)
+        self._step_replicas.pop(self._version - _REPLICA_COUNTS_KEPT, None)
         self._counts["applied"] += 1
         if self._max_steps is not None and self._version >= self._max_steps:
             self._done = True

@@ -61,6 +61,7 @@ class StepRecord:
     staleness: int
     time_split: dict[str, float] = field(default_factory=dict)  # data, pull, compute, push, apply
     finished_at: float = 0.0
+    replicas: int = 0  # gradients the step aggregated, as the lead shard applied it (0: unknown)
 
 
 class TowerWorker:
@@ -290,6 +291,7 @@ class TowerWorker:
                             "apply": max(r.apply_s for r in replies),
                         },
                         finished_at=time.time(),
+                        replicas=lead.replicas,
                     )
                 )
                 steps += 1
