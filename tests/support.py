@@ -73,6 +73,19 @@ def blob_spec(folder: Path, **sections) -> dict:
     return spec
 
 
+def tracked_spec(
+    folder: Path, data_dir: Path, experiment: str, /, *, tracking: dict | None = None, **sections
+):
+    """(validated blob spec, its tracking URI): a fresh SQLite MLflow store in `folder`, `experiment`."""
+    from towerflow.spec import validate_spec
+
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    raw = blob_spec(
+        data_dir, tracking={"tracking_uri": uri, "experiment": experiment, **(tracking or {})}, **sections
+    )
+    return validate_spec(raw), uri
+
+
 def example_bytes(features: dict) -> bytes:
     """One serialized tf.train.Example from {name: list of ints | list of floats | list of bytes}."""
     feature = {}

@@ -6,14 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blob_spec
+from support import tracked_spec
 
 from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
 from towerflow.checkpoint.state import TrainingState
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.launch import train
 from towerflow.runtime.model_state import average_model_states, load_model_state, model_state_of
-from towerflow.spec import validate_spec
 
 
 def test_worker_states_are_averaged_in_their_dtype():
@@ -76,17 +75,16 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_and_exported(
 ):
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    raw = blob_spec(
+    spec, uri = tracked_spec(
+        tmp_path,
         blob_data,
-        tracking={"tracking_uri": uri, "experiment": "model-state"},
+        "model-state",
+        model={"params": {"input_dim": 8, "num_classes": 2, "hidden": [16], "seed": 1, "batch_norm": True}},
+        data={"epochs": None},
         training={"max_steps": 6, "optimizer": {"name": "sgd", "learning_rate": 0.1}},
         supervision={"checkpoint": {"every_steps": 3}},
         export={"saved_model": True},
     )
-    raw["model"]["params"]["batch_norm"] = True
-    raw["data"]["epochs"] = None
-    spec = validate_spec(raw)
     result = train(spec)
     means = {k: v for k, v in result.model_state.items() if "moving_mean" in k}
     assert means and all(np.abs(v).max() > 0.01 for v in means.values())  # they moved off their zeros

@@ -10,7 +10,7 @@ import matplotlib.image
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blob_spec
+from support import blob_spec, tracked_spec
 
 from towerflow.errors import DataError, SpecError
 from towerflow.spec import validate_spec
@@ -18,14 +18,12 @@ from towerflow.tracking.compare import compare_modes, parse_modes, spec_for_mode
 
 
 def test_both_modes_become_child_runs_with_plots_in_the_parent(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            tracking={"tracking_uri": uri, "experiment": "cmp"},
-            training={"max_steps": 5},
-            supervision={"log_every_steps": 1},  # a point per step for the plots
-        )
+    spec, uri = tracked_spec(
+        tmp_path,
+        blob_data,
+        "cmp",
+        training={"max_steps": 5},
+        supervision={"log_every_steps": 1},  # a point per step for the plots
     )
     comparison = compare_modes(spec, ["sync", "async"])
     client = MlflowClient(uri)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from mlflow.tracking import MlflowClient
-from support import blob_spec, blobs
+from support import blob_spec, blobs, tracked_spec
 
 from towerflow.errors import SpecError
 from towerflow.launch import train
@@ -81,14 +81,12 @@ def test_the_run_keeps_its_spec_for_later_exports(exported_run):
 
 
 def test_a_failed_export_fails_the_run(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            tracking={"tracking_uri": uri, "experiment": "bad-export"},
-            training={"max_steps": 2},
-            export={"saved_model": True, "register_as": "blobs-bad", "alias": "latest"},  # reserved by MLflow
-        )
+    spec, uri = tracked_spec(
+        tmp_path,
+        blob_data,
+        "bad-export",
+        training={"max_steps": 2},
+        export={"saved_model": True, "register_as": "blobs-bad", "alias": "latest"},  # reserved by MLflow
     )
     with pytest.raises(ExportError, match="latest"):
         train(spec)

@@ -9,7 +9,7 @@ import pytest
 import ray
 import tensorflow as tf
 from mlflow.tracking import MlflowClient
-from support import blob_spec
+from support import blob_spec, tracked_spec
 
 from towerflow.errors import DataError
 from towerflow.launch import train
@@ -27,14 +27,8 @@ def test_default_store_is_in_the_working_directory(tmp_path, monkeypatch):
 
 
 def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            tracking={"tracking_uri": uri, "experiment": "t"},
-            training={"max_steps": 8},
-            supervision={"log_every_steps": 3},
-        )
+    spec, uri = tracked_spec(
+        tmp_path, blob_data, "t", training={"max_steps": 8}, supervision={"log_every_steps": 3}
     )
     result = train(spec)
     client = MlflowClient(uri)
@@ -52,10 +46,7 @@ def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
 
 
 def test_run_records_versions_cluster_shape_and_git_commit(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = validate_spec(
-        blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "meta"}, training={"max_steps": 2})
-    )
+    spec, uri = tracked_spec(tmp_path, blob_data, "meta", training={"max_steps": 2})
     run = MlflowClient(uri).get_run(train(spec).run_id)
     params, tags = run.data.params, run.data.tags
     assert params["versions.tensorflow"] == tags["tensorflow.version"] == tf.__version__

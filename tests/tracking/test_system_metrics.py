@@ -7,10 +7,9 @@ import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blob_spec
+from support import tracked_spec
 
 from towerflow.launch import train
-from towerflow.spec import validate_spec
 from towerflow.tracking.cluster_gpus import NodeGpus, format_table, probe_cluster
 from towerflow.tracking.gpu import GpuProcess, GpuReading, NVMLMonitor, nvml, read_gpus
 from towerflow.tracking.system_metrics import NodeSampler, node_labels
@@ -43,13 +42,8 @@ def test_without_nvml_there_are_no_gpus_and_no_error():
 
 
 def test_run_has_host_metrics_of_each_ray_node(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            tracking={"tracking_uri": uri, "experiment": "sys", "system_metrics_interval_s": 0.2},
-            training={"max_steps": 8},
-        )
+    spec, uri = tracked_spec(
+        tmp_path, blob_data, "sys", tracking={"system_metrics_interval_s": 0.2}, training={"max_steps": 8}
     )
     run_id = train(spec).run_id
     client = MlflowClient(uri)
@@ -68,13 +62,8 @@ def test_run_has_host_metrics_of_each_ray_node(ray_cluster, blob_data, tmp_path)
 
 
 def test_system_metrics_can_be_turned_off(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            tracking={"tracking_uri": uri, "experiment": "nosys", "system_metrics": False},
-            training={"max_steps": 2},
-        )
+    spec, uri = tracked_spec(
+        tmp_path, blob_data, "nosys", tracking={"system_metrics": False}, training={"max_steps": 2}
     )
     names = MlflowClient(uri).get_run(train(spec).run_id).data.metrics
     assert "loss" in names and not any(n.startswith("system/") for n in names)
