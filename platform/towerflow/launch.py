@@ -82,7 +82,9 @@ def train(
         from towerflow.data.bad_records import SkippedRecordsHook
 
         skipped = SkippedRecordsHook()
-        all_hooks.insert(0, skipped)  # ends before the tracker closes the run (it logs to that run)
+        # Right after the tracker: hooks end in reverse order, so this one's last counts reach the
+        # tracker before it closes the run.
+        all_hooks.insert(1 if tracker else 0, skipped)
 
     def make_data(num_workers: int):
         data = build_training_data(spec, num_workers)

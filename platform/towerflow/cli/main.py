@@ -256,7 +256,7 @@ def _gpus(args: argparse.Namespace) -> int:
 
 def _ui(args: argparse.Namespace) -> int:
     from towerflow.tracking.store import default_tracking_uri
-    from towerflow.tracking.ui import start_ui
+    from towerflow.tracking.ui import start_ui, stop_ui
 
     store = default_tracking_uri(args.store)
     process = start_ui(store, host=args.host, port=args.port)
@@ -266,9 +266,7 @@ def _ui(args: argparse.Namespace) -> int:
     try:
         return process.wait()
     finally:
-        if process.poll() is None:
-            process.terminate()
-            process.wait()
+        stop_ui(process)
 
 
 if __name__ == "__main__":

@@ -97,21 +97,13 @@ class SkippedRecordsHook(Hook):
         return counts, reasons
 
     def _log(self, session: SessionInfo, counts: dict[str, int], final: bool = False) -> None:
-        run_id, uri = session.tags.get("run_id"), session.tags.get("tracking_uri")
-        if not run_id or not (counts or final):
+        """Through the session's metric channel: the tracker buffers and logs them with the rest."""
+        if not (counts or final):
             return
-        import time
-
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
-
-        now = int(time.time() * 1000)
-        metrics = [Metric("bad_records_skipped", float(sum(counts.values())), now, self._step)]
-        metrics += [
-            Metric(f"bad_records_skipped/{metric_safe(path)}", float(n), now, self._step)
-            for path, n in sorted(counts.items())
-        ][:999]
-        MlflowClient(tracking_uri=uri).log_batch(run_id, metrics=metrics)
+        metrics = {"bad_records_skipped": float(sum(counts.values()))}
+        for path, n in sorted(counts.items())[:999]:
+            metrics[f"bad_records_skipped/{metric_safe(path)}"] = float(n)
+        session.log_metrics(metrics, self._step)
 
 
 def metric_safe(path: str) -> str:

@@ -97,7 +97,7 @@ def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     ledger = make_ledger() if data.on_bad_record == "skip" else None
     reader = ShardReader(source.format, features, plan, layout, data.on_bad_record, ledger)
 
-    per_epoch = example_count(files)
+    per_epoch = example_count(files, manifest)
     epochs = data.epochs or _epochs_for_steps(spec, per_epoch, num_workers)
     ordered = epoch_file_order(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
     task_cpus = min(1.0, spec.cluster.data_cpus)
@@ -116,7 +116,8 @@ def build_training_data(spec: Any, num_workers: int) -> TrainingData:
         },
         tower_preprocess=list(source.tower_preprocess),
     )
-    scales = {name: f["scale"] for name, f in features.items() if f.get("scale") is not None and name not in _grouped(groups)}
+    grouped = _grouped(groups)
+    scales = {name: f["scale"] for name, f in features.items() if f.get("scale") is not None and name not in grouped}
     return TrainingData(
         [WorkerStream(it, options) for it in iterators],
         features,

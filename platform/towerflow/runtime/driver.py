@@ -299,8 +299,7 @@ class Driver:
         """All shards' state at one version: a consistent cut, taken without a pause."""
         from towerflow.checkpoint import assemble_state
 
-        versions = ray.get([s.ping.remote() for s in self.shards])
-        target = version if version is not None else max(versions) + 1
+        target = version if version is not None else max(ray.get([s.ping.remote() for s in self.shards])) + 1
         refs = [s.snapshot.remote(target) for s in self.shards]
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
@@ -338,9 +337,6 @@ class Driver:
             with contextlib.suppress(ray.exceptions.RayError):  # a lost worker: average the others
                 states.append(ray.get(ref))
         return average_model_states(states)
-
-    def parameters(self) -> list[np.ndarray]:
-        return self._fetch_parameters()
 
     def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
         chosen = [w for w in workers if w < len(self.workers)]

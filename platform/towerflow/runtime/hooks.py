@@ -41,9 +41,6 @@ class TrainingRuntime(Protocol):
         """A consistent TrainingState of all shards: at `version` when they kept it (a multiple of
         `snapshot_every`), else at their next common version (or the final one)."""
 
-    def parameters(self) -> list[Any]:
-        """The current whole variables in model order (numpy)."""
-
     def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
         """Each chosen worker's profiler trace: {'files': {path: bytes}, 'window': (start, end)}."""
 

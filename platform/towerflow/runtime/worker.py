@@ -86,7 +86,8 @@ class TowerWorker:
         self.config = config
         self.devices = devices
         self._variables = self.model.trainable_variables  # fixed once built; read every step
-        loss_fn = keras.losses.get({"class_name": _LOSS_CLASSES[config.loss], "config": _loss_config(config)})
+        self.loss_config = {"class_name": _LOSS_CLASSES[config.loss], "config": _loss_config(config)}
+        loss_fn = keras.losses.get(self.loss_config)
         self.towers = TowerStep(
             self.model,
             loss_fn,
@@ -95,7 +96,6 @@ class TowerWorker:
             clip_global_norm=config.clip_global_norm,
             from_logits=config.from_logits,
         )
-        self.loss_config = {"class_name": _LOSS_CLASSES[config.loss], "config": _loss_config(config)}
         input_names = [getattr(t, "name", f"input_{i}") for i, t in enumerate(self.model.inputs)]
         self.adapter = BatchAdapter(input_names, config.label, config.feature_scales)
         self._records: collections.deque[StepRecord] = collections.deque()
@@ -155,7 +155,7 @@ class TowerWorker:
 
         from towerflow.data.eval_reader import iter_eval_batches
         from towerflow.runtime.batches import TowerModel
-        from towerflow.runtime.evaluation import StreamingMetrics
+        from towerflow.runtime.evaluation import StreamingMetrics, per_example_loss
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
         self._assign(ray.get([r.params for r in replies]), placement, _staging_buffers(self.model, placement))
@@ -177,7 +177,7 @@ class TowerWorker:
                 break
             inputs, labels = self.adapter(batch)
             outputs = np.asarray(forward(inputs, training=False))
-            metrics.update(labels, outputs, np.asarray(loss_fn(labels, outputs)))
+            metrics.update(labels, outputs, per_example_loss(loss_fn, labels, outputs))
         return replies[0].version, metrics.result()
 
     def _assign(self, per_shard: list[list[np.ndarray]], placement, staging: dict[int, np.ndarray]) -> None:

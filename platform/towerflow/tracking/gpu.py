@@ -44,7 +44,7 @@ def nvml() -> Any | None:
     return pynvml
 
 
-def read_gpus(with_processes: bool = True) -> list[GpuReading]:
+def read_gpus() -> list[GpuReading]:
     """One reading per GPU of this machine (empty without NVML)."""
     lib = nvml()
     if lib is None:
@@ -60,8 +60,7 @@ def read_gpus(with_processes: bool = True) -> list[GpuReading]:
                 uuid=_read(lambda h=handle: _text(lib.nvmlDeviceGetUUID(h))) or "",
                 fields=gpu_fields(lib, handle),
             )
-            if with_processes:
-                reading.processes = _processes(lib, handle)
+            reading.processes = _processes(lib, handle)
             readings.append(reading)
         return readings
     except lib.NVMLError:
