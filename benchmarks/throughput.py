@@ -167,7 +167,7 @@ def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int):
         training.max_steps={max_steps} training.replicas_to_aggregate={workers}
         training.total_num_replicas={workers} export.saved_model=false export.register_as=null
         supervision.eval=null supervision.checkpoint.enabled=false""".split()
-    return load_spec(SPEC, [f"data.train.paths={args.data}/train-*", *overrides])
+    return load_spec(SPEC, [f"data.train.paths={args.data}/train-*", *overrides, *args.set])
 
 
 def run_towerflow(args: argparse.Namespace, workers: int) -> dict:
@@ -359,6 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="size of the local Ray's object store (Ray's default: 30%% of RAM)",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="spec override for the towerflow runs"
     )
     parser.add_argument("--cpus-1worker", type=float, default=2, help="cpus_per_worker of the 1-worker run")
     parser.add_argument(

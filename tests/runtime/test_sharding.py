@@ -5,6 +5,7 @@ from towerflow.runtime.sharding import (
     RoundRobin,
     VariableInfo,
     cut_variables,
+    gradient_buckets,
     make_sharding,
     shard_variables,
 )
@@ -73,3 +74,11 @@ def test_cutting_respects_the_minimum_slice_and_can_be_off():
     assert len(cut_variables([var], 4, min_slice_bytes=None)) == 1
     scalar = VariableInfo(1, "s", (), "float32", 4)
     assert cut_variables([scalar], 4, min_slice_bytes=1)[0].shape == ()
+
+
+def test_gradient_buckets_follow_backprop_order_and_close_at_the_size():
+    variables = _vars(800, 32, 51200, 64, 3211264, 1024, 10240, 10)  # LeNet's, in model order
+    # From the loss down: the logits layer and the big dense kernel fill the first bucket.
+    assert gradient_buckets(variables, 1 << 20) == [[7, 6, 5, 4], [3, 2, 1, 0]]
+    assert gradient_buckets(variables, 1) == [[7], [6], [5], [4], [3], [2], [1], [0]]
+    assert gradient_buckets(variables, None) == [[0, 1, 2, 3, 4, 5, 6, 7]]

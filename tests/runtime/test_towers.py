@@ -43,3 +43,26 @@ def test_gradient_clipping_by_global_norm():
     y = np.array([0, 1, 0, 1])
     _, _, grads = TowerStep(model, loss_fn, ["/CPU:0"], clip_global_norm=0.5)(x, y)
     assert float(tf.linalg.global_norm(grads)) == pytest.approx(0.5, rel=1e-4)
+
+
+def test_push_hooks_hand_over_each_bucket_in_order_from_inside_the_graph():
+    model = mlp.build(input_dim=6, num_classes=3, hidden=[8, 8], seed=1)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(12, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=12).astype(np.int64)
+    buckets = [[5, 4], [3, 2], [1, 0]]  # the last layer's variables first, as backprop makes them
+    seen = []
+
+    def hook(bucket, loss, *gradients):
+        seen.append((bucket, float(loss), [np.array(g) for g in gradients]))
+        return np.int64(0)
+
+    towers = TowerStep(model, loss_fn, ["/CPU:0", "/CPU:1"])
+    towers.push_in_buckets(buckets, hook)
+    loss, _, grads = towers(x, y)
+    assert [bucket for bucket, _, _ in seen] == [0, 1, 2]
+    for bucket, hooked_loss, gradients in seen:
+        assert hooked_loss == pytest.approx(float(loss))
+        for index, gradient in zip(buckets[bucket], gradients, strict=True):
+            np.testing.assert_allclose(gradient, grads[index].numpy(), atol=1e-7)

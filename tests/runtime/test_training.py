@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from support import blob_spec, blobs
 
@@ -52,7 +53,9 @@ def _fixed_splits(ray, columns, per_worker):
     return make
 
 
-def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_data):
+@pytest.mark.parametrize("push_bucket_bytes", [None, 64], ids=["one-push", "bucketed"])
+def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_data, push_bucket_bytes):
+    """Bucketed: every variable is a bucket of its own, pushed from inside the backward pass."""
     b, k, lr = 8, 6, 0.2
     columns = blobs(2 * b * k, seed=5)
     # Step t: worker 0 sees rows [2tb, 2tb+b), worker 1 rows [2tb+b, 2tb+2b).
@@ -62,7 +65,13 @@ def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_
             blob_data,
             data={"batch_size": b},
             # Cut every kernel into row slices on both shards: slices must reassemble exactly.
-            cluster={"workers": 2, "ps": 2, "sharding": "round_robin", "min_slice_bytes": 64},
+            cluster={
+                "workers": 2,
+                "ps": 2,
+                "sharding": "round_robin",
+                "min_slice_bytes": 64,
+                "push_bucket_bytes": push_bucket_bytes,
+            },
             training={"mode": "sync", "max_steps": k, "optimizer": {"name": "sgd", "learning_rate": lr}},
         )
     )
@@ -70,6 +79,10 @@ def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_
     result = Driver(spec, [hook], _fixed_splits(ray_cluster, columns, per_worker)).run()
     sliced = [p for p in hook.session.pieces if not p.covers(hook.session.variables[p.variable])]
     assert sliced, "the test must exercise sliced variables"
+    if push_bucket_bytes:
+        assert all(len(s["bucket_versions"]) > 1 for s in result.shards), (
+            "every shard must get several pushes"
+        )
 
     assert hook.calls == ["begin", "after_create_session", "end"]
     assert hook.outcome.status == "FINISHED"

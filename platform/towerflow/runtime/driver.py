@@ -22,7 +22,13 @@ from towerflow.runtime.model_state import average_model_states
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.result import TrainResult, staleness_summary
-from towerflow.runtime.sharding import cut_variables, join_pieces, make_sharding, shard_variables
+from towerflow.runtime.sharding import (
+    cut_variables,
+    gradient_buckets,
+    join_pieces,
+    make_sharding,
+    shard_variables,
+)
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.worker import WorkerConfig, worker_actor
 
@@ -61,6 +67,7 @@ class Driver:
         self.context = RunContext(self.session)
         self._runs: list[Any] = []
         self._evaluator: Any = None
+        self._shard_buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self.aggregator = StepAggregator(
             replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1,
             first_step=self.session.start_step + 1,
@@ -128,6 +135,12 @@ class Driver:
         pieces = cut_variables(infos, cluster.ps, cluster.min_slice_bytes)
         assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
         self.session.variables, self.session.pieces, self.session.shard_assignment = infos, pieces, assignment
+        bucket_of = {
+            variable: bucket
+            for bucket, variables in enumerate(gradient_buckets(infos, self._push_bucket_bytes()))
+            for variable in variables
+        }
+        self._shard_buckets = [[bucket_of[pieces[i].variable] for i in indices] for indices in assignment]
         optimizer = spec.training.optimizer.model_dump(mode="json")
         if self.initial_state is not None:
             from towerflow.checkpoint import split_for_shards
@@ -157,6 +170,7 @@ class Driver:
                 initial_version=self.session.start_step,
                 apply_threads=self._apply_threads(),
                 snapshot_every=self.session.snapshot_every,
+                buckets=self._shard_buckets[shard],
             )
             for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
         ]
@@ -164,6 +178,14 @@ class Driver:
         ray.get([s.ping.remote() for s in self.shards] + [w.devices_used.remote() for w in self.workers])
         if self.initial_state is not None and self.initial_state.model_state:
             ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
+
+    def _push_bucket_bytes(self) -> int | None:
+        """Push gradients in buckets during backprop only where it pays: sync mode, where every
+        worker waits for the update, and no clipping, whose norm needs the whole gradient first."""
+        training = self.spec.training
+        if training.mode != "sync" or training.optimizer.clip_global_norm is not None:
+            return None
+        return self.spec.cluster.push_bucket_bytes
 
     def _apply_threads(self) -> int | None:
         """Sync workers wait while the shards apply: lend the shards their cores meanwhile."""
@@ -195,6 +217,8 @@ class Driver:
                 memory_limit_mb=spec.tf_config.memory_limit_mb,
                 soft_placement=spec.tf_config.soft_placement,
                 log_device_placement=spec.tf_config.log_device_placement,
+                # A second inter-op thread runs the gradient-push hooks beside the backward pass.
+                inter_op_threads=2 if self._push_bucket_bytes() else None,
             ),
             clip_global_norm=spec.training.optimizer.clip_global_norm,
             drop_remainder=spec.data.drop_remainder,
@@ -215,7 +239,7 @@ class Driver:
     def _train(self) -> list[dict[str, Any]]:
         self.aggregator.start()
         runs = {
-            w.run.remote(self.shards, self._placement(), split): i
+            w.run.remote(self.shards, self._placement(), self._shard_buckets, split): i
             for i, (w, split) in enumerate(zip(self.workers, self.data_splits))
         }
         summaries: dict[int, dict[str, Any]] = {}

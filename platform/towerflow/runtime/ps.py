@@ -3,11 +3,17 @@
 Workers talk to shards directly. A shard publishes each version of its variables once into Ray's
 object store; every worker that pulls that version shares the one copy. Pushed gradients go to the
 update protocol (sync or async), which says whether to hold, apply or drop them.
+
+A shard's pieces may come in several gradient buckets, pushed one by one while the workers' backward
+pass still runs. Each bucket has its own protocol and version, as each variable had its own gradient
+accumulator under SyncReplicasOptimizer; the shard's version (the global step) moves on, and is
+published, once every bucket has been applied.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +74,7 @@ class ParameterShard:
         initial_version: int = 0,
         apply_threads: int | None = None,
         snapshot_every: int | None = None,
+        buckets: list[int] | None = None,
     ) -> None:
         # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
         configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0)))
@@ -93,8 +100,20 @@ class ParameterShard:
             }
             for i, value in enumerate(initial_values)
         ]
-        self._apply_fn = _compiled_apply(tf, self._optimizer, self._variables, self._slots)
-        self._protocol = protocol
+        piece_buckets = list(buckets) if buckets is not None else [0] * len(initial_values)
+        # bucket id -> positions of its pieces here, in push order (the order workers send them in)
+        self._buckets = {
+            b: [i for i, pb in enumerate(piece_buckets) if pb == b] for b in sorted(set(piece_buckets))
+        }
+        self._last_bucket = max(self._buckets)  # a worker's last push of a step: counted once
+        self._protocols = {b: copy.deepcopy(protocol) for b in self._buckets}
+        self._bucket_versions = dict.fromkeys(self._buckets, initial_version)
+        self._apply_fns = {
+            b: _compiled_apply(
+                tf, self._optimizer, [self._variables[i] for i in at], [self._slots[i] for i in at]
+            )
+            for b, at in self._buckets.items()
+        }
         self._max_steps = max_steps
         self._version = initial_version
         self._done = max_steps is not None and initial_version >= max_steps
@@ -102,6 +121,7 @@ class ParameterShard:
         self._counts = {"applied": 0, "stale": 0, "rejected": 0, "after_done": 0}
         self._apply_total_s = 0.0
         self._last_apply_s = 0.0
+        self._version_apply_s = 0.0  # apply time of the buckets of the version being built
         self._params_ref = None
         self._snapshot_at: set[int] = set()
         self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
@@ -114,21 +134,27 @@ class ParameterShard:
         await self._wait_for(lambda: self._version >= min_version or self._done)
         return self._params_reply()
 
-    async def push(self, gradients: list[np.ndarray], version_read: int, worker: int) -> PushReply:
-        if self._done:
-            self._counts["after_done"] += 1
+    async def push(
+        self, gradients: list[np.ndarray], version_read: int, worker: int, bucket: int = 0
+    ) -> PushReply:
+        """Gradients for this shard's pieces of `bucket`, computed against `version_read`."""
+        counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
+        if self._done or self._bucket_exhausted(bucket):
+            self._counts["after_done"] += counted
             return PushReply("done", -1, 0, 0.0, self._params_reply())
-        decision = self._protocol.on_push(gradients, version_read, self._version, worker)
+        protocol = self._protocols[bucket]
+        decision = protocol.on_push(gradients, version_read, self._bucket_versions[bucket], worker)
         verdict, step = decision.verdict, -1
         if decision.verdict == "apply":
-            step = self._apply(decision.replicas)
+            step = self._apply(bucket, decision.replicas)
             verdict = "applied"
         elif decision.verdict == "held":
-            await self._wait_for(lambda: self._version > version_read or self._done)
-            step, verdict = (version_read + 1, "applied") if self._version > version_read else (-1, "done")
+            await self._wait_for(lambda: self._bucket_versions[bucket] > version_read or self._done)
+            applied = self._bucket_versions[bucket] > version_read
+            step, verdict = (version_read + 1, "applied") if applied else (-1, "done")
         else:
-            self._counts[decision.verdict] += 1
-        next_version = self._protocol.next_version_to_read(version_read)
+            self._counts[decision.verdict] += counted
+        next_version = protocol.next_version_to_read(version_read)
         await self._wait_for(lambda: self._version >= next_version or self._done)
         return PushReply(
             verdict,
@@ -141,9 +167,10 @@ class ParameterShard:
 
     async def retire(self, worker: int) -> None:
         """A worker stopped pushing; sync aggregation goes on with the others."""
-        decision = self._protocol.on_retire(worker)
-        if decision.verdict == "apply":
-            self._apply(decision.replicas)
+        for bucket, protocol in self._protocols.items():
+            decision = protocol.on_retire(worker)
+            if decision.verdict == "apply" and not self._done:
+                self._apply(bucket, decision.replicas)
 
     async def finish(self) -> int:
         """Stop accepting gradients and release every waiting worker."""
@@ -173,6 +200,7 @@ class ParameterShard:
         return {
             "shard": self.shard_id,
             "version": self._version,
+            "bucket_versions": dict(self._bucket_versions),
             **self._counts,
             "apply_s_total": self._apply_total_s,
             "variable_bytes": int(var_bytes),
@@ -184,16 +212,31 @@ class ParameterShard:
         return self._version
 
     # -- internals -------------------------------------------------------------------------------
-    def _apply(self, replicas: list[list[np.ndarray]]) -> int:
+    def _bucket_exhausted(self, bucket: int) -> bool:
+        return self._max_steps is not None and self._bucket_versions[bucket] >= self._max_steps
+
+    def _apply(self, bucket: int, replicas: list[list[np.ndarray]]) -> int:
+        """Apply the mean of `replicas` to the bucket's pieces; returns the bucket's new version."""
         start = time.perf_counter()
         tf = self._tf
-        self._apply_fn(
+        version = self._bucket_versions[bucket]
+        self._apply_fns[bucket](
             [[tf.convert_to_tensor(g) for g in grads] for grads in replicas],
-            tf.constant(self._optimizer.learning_rate(self._version), tf.float32),
-            tf.constant(self._version + 1, tf.float32),
+            tf.constant(self._optimizer.learning_rate(version), tf.float32),
+            tf.constant(version + 1, tf.float32),
         )
+        self._bucket_versions[bucket] = version + 1
+        self._version_apply_s += time.perf_counter() - start
+        if min(self._bucket_versions.values()) > self._version:
+            self._complete_version(len(replicas))
+        asyncio.get_running_loop().create_task(self._notify())
+        return version + 1
+
+    def _complete_version(self, replicas: int) -> None:
+        """Every bucket has been applied: the next version exists. Publish it (and snapshot it)."""
+        start = time.perf_counter()
         self._version += 1
-        self._step_replicas[self._version] = len(replicas)
+        self._step_replicas[self._version] = replicas
         self._step_replicas.pop(self._version - _REPLICA_COUNTS_KEPT, None)
         self._counts["applied"] += 1
         if self._max_steps is not None and self._version >= self._max_steps:
@@ -205,10 +248,9 @@ class ParameterShard:
             self._snapshots[self._version] = self._capture()
             for old in sorted(self._snapshots)[:-_SNAPSHOTS_KEPT]:  # nobody came for these
                 del self._snapshots[old]
-        self._last_apply_s = time.perf_counter() - start
+        self._last_apply_s = self._version_apply_s + time.perf_counter() - start
+        self._version_apply_s = 0.0
         self._apply_total_s += self._last_apply_s
-        asyncio.get_running_loop().create_task(self._notify())
-        return self._version
 
     def _publish(self) -> None:
         # One object per version; the previous one lives on only while some worker still reads it.

@@ -60,6 +60,27 @@ def cut_variables(variables: list[VariableInfo], num_shards: int, min_slice_byte
     return pieces
 
 
+def gradient_buckets(variables: list[VariableInfo], bucket_bytes: int | None) -> list[list[int]]:
+    """Variable indices grouped into push buckets, in the order backprop produces their gradients.
+
+    Backprop reaches the layers nearest the loss first, so walking the model's variables from the
+    last to the first approximates the order gradients become ready (PyTorch DDP buckets the same
+    way). A bucket closes once it holds `bucket_bytes`; the rest of the model forms the last one.
+    With no size, everything is one bucket, pushed after the whole backward pass.
+    """
+    if not bucket_bytes:
+        return [[v.index for v in variables]]
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for var in reversed(variables):
+        if size >= bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(var.index)
+        size += var.nbytes
+    return buckets
+
+
 class ShardingStrategy(Protocol):
     def assign(self, variables: list[Piece], num_shards: int) -> list[list[int]]:
         """Return, per shard, the indices of the pieces it owns (each piece exactly once)."""

@@ -20,6 +20,7 @@ class TFProcessConfig:
     memory_limit_mb: int | None = None
     soft_placement: bool = True
     log_device_placement: bool = False
+    inter_op_threads: int | None = None  # default: 1, or 2 from 2 CPUs on
 
 
 def configure_tensorflow(config: TFProcessConfig) -> list[str]:
@@ -29,7 +30,7 @@ def configure_tensorflow(config: TFProcessConfig) -> list[str]:
 
     threads = max(1, math.floor(config.cpus))
     tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, threads)))
+    tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_threads or max(1, min(2, threads)))
     tf.config.set_soft_device_placement(config.soft_placement)
     tf.debugging.set_log_device_placement(config.log_device_placement)
 

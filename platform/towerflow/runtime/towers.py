@@ -3,10 +3,14 @@
 The worker's batch is split into one slice per tower; each tower computes the gradient of its own
 slice's mean loss, and the worker averages them weighted by slice size, which equals the gradient
 of the whole batch's mean loss.
+
+With push hooks, the graph also hands each bucket of averaged gradients to the worker the moment
+backprop has produced it, while the backward pass of the layers below goes on.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,12 +43,25 @@ class TowerStep:
         self._metrics = list(metrics)
         self._clip = clip_global_norm
         self._from_logits = from_logits
+        self._buckets: list[list[int]] = []
+        self._on_bucket: Callable[..., Any] | None = None
         # One trace per batch size (the last batch of a run may be partial): the slice sizes are
         # Python ints, which a relaxed (None) batch dimension would not give.
         self._step = tf.function(self._graph)
 
     def __call__(self, inputs: Any, labels: Any) -> tuple[Any, dict[str, Any], list[Any]]:
         return self._step(inputs, labels)
+
+    def push_in_buckets(self, buckets: list[list[int]], on_bucket: Callable[..., Any]) -> None:
+        """Call `on_bucket(bucket, loss, *gradients)` from inside the graph for each bucket of
+        variable indices, in order, as soon as the bucket's averaged gradients exist.
+
+        The graph runs its stateful ops in program order, so the hooks fire in bucket order; with
+        at least two inter-op threads a hook runs beside the rest of the backward pass.
+        """
+        self._buckets = [list(b) for b in buckets]
+        self._on_bucket = on_bucket
+        self._step = self._tf.function(self._graph)  # retrace with the hooks
 
     def _graph(self, inputs, labels):
         tf = self._tf
@@ -81,6 +98,15 @@ class TowerStep:
                 total_metrics[name] = total_metrics.get(name, 0.0) + weight * value
         if self._clip is not None:
             total_grads, _ = tf.clip_by_global_norm(total_grads, self._clip)
+        if self._on_bucket is not None:
+            for bucket, indices in enumerate(self._buckets):
+                tf.numpy_function(
+                    functools.partial(self._on_bucket, bucket),
+                    [total_loss, *(total_grads[i] for i in indices)],
+                    tf.int64,
+                    stateful=True,
+                    name=f"push_bucket_{bucket}",
+                )
         return total_loss, total_metrics, total_grads
 
     def _batch_metrics(self, labels, outputs) -> dict[str, Any]:

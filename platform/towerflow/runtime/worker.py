@@ -18,6 +18,7 @@ import ray
 
 from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream
 from towerflow.runtime.model_state import load_model_state, model_state_of
+from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.sharding import VariableInfo
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
@@ -101,6 +102,9 @@ class TowerWorker:
         self._records: collections.deque[StepRecord] = collections.deque()
         self._stop = threading.Event()
         self._profiler = StepWindowProfiler(config.profile_steps)
+        self._plan: PushPlan | None = None
+        self._bucket_variables: list[list[int]] = []
+        self._step: StepPushes | None = None  # the step in progress, as the push hooks see it
 
     # -- called by the driver --------------------------------------------------------------------
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
@@ -192,19 +196,50 @@ class TowerWorker:
         for index, buffer in staging.items():
             variables[index].assign(buffer)
 
+    def _injected_loss(self, step: StepPushes, loss: float) -> float:
+        """The loss, or NaN from `nan_at_step` on (a test knob for the NaN guard)."""
+        at = self.config.nan_at_step
+        return float("nan") if at is not None and step.global_step >= at else loss
+
+    def _push_bucket(self, bucket: int, loss: np.ndarray, *gradients: np.ndarray) -> np.int64:
+        """Push hook, called by the tower graph (on one of TensorFlow's threads) for each bucket.
+
+        It never pushes a gradient whose loss is not finite (the NaN guard), and it never raises
+        into TensorFlow: an error is kept for the worker to raise once the step returns.
+        """
+        step, cfg = self._step, self.config
+        if step is None or step.nonfinite or step.error is not None:
+            return np.int64(0)
+        try:
+            if cfg.nan_guard and not np.isfinite(self._injected_loss(step, float(loss))):
+                step.nonfinite = True
+                return np.int64(0)
+            if bucket == 0 and cfg.step_delay_s:
+                time.sleep(cfg.step_delay_s)
+            by_variable = dict(zip(self._bucket_variables[bucket], gradients, strict=True))
+            for shard, ref in self._plan.send(bucket, by_variable, step.versions, cfg.worker_id):
+                step.sent.append((shard, bucket, ref))
+        except BaseException as exc:  # noqa: BLE001 - handed to the worker's own thread
+            step.error = exc
+        return np.int64(0)
+
     def profile(self) -> dict[str, Any] | None:
         """The TensorFlow profiler trace of the profiled steps: files (relative path -> bytes) and window."""
         return self._profiler.collect()
 
     def run(
-        self, shards: list[Any], placement: list[list[tuple[int, int, int, bool]]], data: Any
+        self, shards: list[Any], placement: Placement, buckets: list[list[int]], data: Any
     ) -> dict[str, Any]:
         """Train until the data ends, the shards say the last step is done, or the driver stops us.
 
-        `placement[s]` lists shard s's pieces as (variable index, start row, stop row, whole?).
+        `placement[s]` lists shard s's pieces as (variable index, start row, stop row, whole?), and
+        `buckets[s]` the gradient bucket of each: buckets are pushed from inside the backward pass.
         """
         cfg = self.config
         staging = _staging_buffers(self.model, placement)
+        self._plan = PushPlan(shards, placement, buckets)
+        self._bucket_variables = self._plan.bucket_variables
+        self.towers.push_in_buckets(self._bucket_variables, self._push_bucket)
         start = time.perf_counter()
         stream = as_stream(data)
         self.adapter.varlen = stream.options.varlen
@@ -237,15 +272,16 @@ class TowerWorker:
                 t1 = time.perf_counter()
                 self._assign(ray.get(param_refs), placement, staging)
                 t2 = time.perf_counter()
-                loss, metrics, grads = self.towers(inputs, labels)
-                grads = [g.numpy() for g in grads]
-                loss = float(loss)
-                if cfg.nan_at_step is not None and versions[0] + 1 >= cfg.nan_at_step:
-                    loss = float("nan")
-                if cfg.step_delay_s:
-                    time.sleep(cfg.step_delay_s)
+                self._step = step = StepPushes(versions, versions[0] + 1)
+                try:
+                    loss, metrics, _ = self.towers(inputs, labels)  # pushes each bucket as it is ready
+                finally:
+                    self._step = None
+                if step.error is not None:
+                    raise step.error
+                loss = self._injected_loss(step, float(loss))
                 t3 = time.perf_counter()
-                if cfg.nan_guard and not np.isfinite(loss):
+                if step.nonfinite:
                     # Keep the shards clean: report the step and stop this worker without pushing.
                     self._records.append(
                         StepRecord(
@@ -261,18 +297,17 @@ class TowerWorker:
                         )
                     )
                     break
-                pushes = [
-                    shard.push.remote(
-                        [grads[i] if whole else grads[i][start:stop] for i, start, stop, whole in pieces],
-                        version,
-                        cfg.worker_id,
-                    )
-                    for shard, pieces, version in zip(shards, placement, versions)
-                ]
-                replies = ray.get(pushes)
+                every = ray.get([ref for _, _, ref in step.sent])
                 t4 = time.perf_counter()
+                # Each shard's last bucket completes its step: that reply carries the next version.
+                last = {
+                    shard: reply
+                    for (shard, bucket, _), reply in zip(step.sent, every)
+                    if bucket == self._plan.last_bucket(shard)
+                }
+                replies = [last[shard] for shard in range(len(shards))]
                 lead = replies[0]
-                verdict = lead.verdict if all(r.verdict == lead.verdict for r in replies) else "partial"
+                verdict = lead.verdict if all(r.verdict == lead.verdict for r in every) else "partial"
                 self._records.append(
                     StepRecord(
                         worker=cfg.worker_id,
@@ -282,7 +317,7 @@ class TowerWorker:
                         loss=loss,
                         metrics={k: float(v) for k, v in metrics.items()},
                         examples=int(labels.shape[0]),
-                        staleness=max(r.staleness for r in replies),
+                        staleness=max(r.staleness for r in every),
                         time_split={
                             "data": t1 - t0,
                             "pull": t2 - t1,

@@ -140,6 +140,15 @@ class ClusterSpec(_Strict):
         ge=1,
         description="Cut variables into per-shard row slices of at least this size; null: never cut.",
     )
+    push_bucket_bytes: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Sync mode: push gradients in buckets of about this size while backprop still runs (layers "
+            "nearest the loss first), so shards apply them while workers compute. Pays where the backward "
+            "pass leaves CPU cores free (GPU workers); null (default): one push a step, after backprop."
+        ),
+    )
 
     @model_validator(mode="after")
     def _towers_match_gpus(self) -> ClusterSpec:

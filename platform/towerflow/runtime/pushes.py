@@ -1,0 +1,66 @@
+"""Gradient pushes from a worker: which rows of which gradient go to which shard, bucket by bucket.
+
+The tower graph hands each bucket's averaged gradients over as soon as backprop has produced them
+(`TowerStep.push_in_buckets`); `PushPlan.send` then pushes the bucket's pieces to their shards at
+once, so the shards receive, average and apply the layers nearest the loss while the worker still
+computes the gradients of the layers below (wait-free backpropagation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Placement = list[list[tuple[int, int, int, bool]]]  # per shard: (variable, start row, stop row, whole?)
+
+
+@dataclass
+class PushPlan:
+    shards: list[Any]
+    placement: Placement
+    buckets: list[list[int]]  # per shard, per piece: the bucket its gradient is pushed in
+
+    @property
+    def bucket_variables(self) -> list[list[int]]:
+        """Per bucket, in push order, the indices of the variables whose gradients it carries."""
+        found: dict[int, set[int]] = {}
+        for pieces, buckets in zip(self.placement, self.buckets, strict=True):
+            for (variable, *_), bucket in zip(pieces, buckets, strict=True):
+                found.setdefault(bucket, set()).add(variable)
+        return [sorted(found[b]) for b in sorted(found)]
+
+    def last_bucket(self, shard: int) -> int:
+        """The bucket whose push completes the shard's step: its reply carries the next version."""
+        return max(self.buckets[shard])
+
+    def send(
+        self, bucket: int, gradients: dict[int, np.ndarray], versions: list[int], worker: int
+    ) -> list[tuple[int, Any]]:
+        """Push `bucket` to every shard holding some of it; returns (shard, reply ref) pairs.
+
+        Ray copies the arguments into its object store before `remote` returns, so the gradient
+        buffers (which TensorFlow reuses once the hook returns) may change right after.
+        """
+        sent = []
+        for s, (shard, pieces, buckets) in enumerate(zip(self.shards, self.placement, self.buckets)):
+            rows = [
+                gradients[variable] if whole else gradients[variable][start:stop]
+                for (variable, start, stop, whole), b in zip(pieces, buckets)
+                if b == bucket
+            ]
+            if rows:
+                sent.append((s, shard.push.remote(rows, versions[s], worker, bucket)))
+        return sent
+
+
+@dataclass
+class StepPushes:
+    """What one training step pushed, filled in from the tower graph's push hooks."""
+
+    versions: list[int]  # per shard, the version the gradients were computed against
+    global_step: int  # the step this gradient is meant for (versions[0] + 1)
+    sent: list[tuple[int, int, Any]] = field(default_factory=list)  # (shard, bucket, reply ref)
+    nonfinite: bool = False  # the loss was NaN or infinite: nothing was pushed
+    error: BaseException | None = None  # raised by a hook; re-raised by the worker after the step

@@ -1,0 +1,56 @@
+"""A parameter-server shard whose pieces come in gradient buckets, on a real Ray actor."""
+
+import time
+
+import numpy as np
+import ray
+
+from towerflow.runtime.protocol import SyncProtocol
+from towerflow.runtime.ps import shard_actor
+
+
+def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_applied(ray_cluster):
+    # Piece "a" is pushed in bucket 1 (after backprop is done), piece "b" in bucket 0 (early).
+    shard = shard_actor(0.1).remote(
+        0,
+        ["a", "b"],
+        [np.zeros(2, np.float32), np.zeros(3, np.float32)],
+        {"name": "sgd", "learning_rate": 1.0},
+        SyncProtocol(replicas_to_aggregate=2, total_num_replicas=3),  # one backup worker
+        None,
+        buckets=[1, 0],
+    )
+    grad = {w: (np.full(2, w + 1.0, np.float32), np.full(3, 10.0 * (w + 1), np.float32)) for w in range(3)}
+
+    early_a = shard.push.remote([grad[0][1]], 0, 0, 0)
+    early_b = shard.push.remote([grad[1][1]], 0, 1, 0)  # bucket 0 has its two gradients: applied
+    _wait_until(lambda: ray.get(shard.stats.remote())["bucket_versions"][0] == 1)
+    late_c = shard.push.remote([grad[2][1]], 0, 2, 0)  # too late for bucket 0 of this step
+    ready, _ = ray.wait([early_a, early_b, late_c], num_returns=3, timeout=1.0)
+    assert ready == []  # every reply waits for the whole step
+    assert ray.get(shard.ping.remote()) == 0  # bucket 1 is still open: no new version yet
+
+    last_c = shard.push.remote([grad[2][0]], 0, 2, 1)  # worker 2 is in time for bucket 1
+    last_a = shard.push.remote([grad[0][0]], 0, 0, 1)
+    replies = ray.get([early_a, early_b, late_c, last_c, last_a])
+    assert [r.verdict for r in replies] == ["applied", "applied", "stale", "applied", "applied"]
+    assert {r.step for r in replies if r.verdict == "applied"} == {1}
+    assert all(r.next.version == 1 for r in replies)
+    late_b = ray.get(shard.push.remote([grad[1][0]], 0, 1, 1))
+    assert late_b.verdict == "stale"
+
+    a, b = ray.get(ray.get(shard.pull.remote(1)).params)
+    np.testing.assert_allclose(a, -(grad[2][0] + grad[0][0]) / 2)  # SGD, lr 1: minus the mean
+    np.testing.assert_allclose(b, -(grad[0][1] + grad[1][1]) / 2)
+    stats = ray.get(shard.stats.remote())
+    assert stats["version"] == 1 and stats["applied"] == 1
+    assert stats["stale"] == 1  # counted once per gradient, by its last bucket
+    ray.kill(shard)
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> None:
+    """An async actor runs concurrent calls in no set order: wait for one to land before the next."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the shard never got there"
+        time.sleep(0.02)
