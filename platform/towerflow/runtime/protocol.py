@@ -1,8 +1,9 @@
 """Update protocols: the one place that decides sync or async.
 
-A parameter-server shard hands every pushed gradient to its protocol and does what it answers:
-nothing yet (held for aggregation), apply this gradient now, or drop it. Workers ask the same
-object which version they must wait for before their next step.
+A parameter-server shard asks its protocol about every pushed gradient and does what it answers:
+add it to the step being built and wait (held), add it and apply the mean of the step's gradients
+now, or drop it. The protocol only decides; the shard keeps the sum (its gradient accumulator).
+Workers ask the same object which version they must wait for before their next step.
 """
 
 from __future__ import annotations
@@ -10,18 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
 Verdict = Literal["held", "apply", "stale", "rejected"]
 
 
 @dataclass
 class Decision:
     verdict: Verdict
-    # When verdict == "apply": one gradient list per replica; the shard applies their mean. They are
-    # the read-only arrays as they came out of the object store: averaging them is the shard's job,
-    # in one compiled TensorFlow op, not a NumPy pass per replica here.
-    replicas: list[list[np.ndarray]] | None = None
+    count: int = 0  # when verdict == "apply": how many gradients the update averages
     staleness: int = 0
 
 
@@ -36,7 +32,7 @@ class SyncProtocol:
 
     replicas_to_aggregate: int
     total_num_replicas: int
-    _held: dict[int, list[np.ndarray]] = field(default_factory=dict, repr=False)  # worker -> gradients
+    _held: set[int] = field(default_factory=set)  # workers whose gradient the step being built holds
     _retired: set[int] = field(default_factory=set)
 
     @property
@@ -44,13 +40,13 @@ class SyncProtocol:
         active = self.total_num_replicas - len(self._retired)
         return max(1, min(self.replicas_to_aggregate, active))
 
-    def on_push(self, gradients: list[np.ndarray], version_read: int, version: int, worker: int) -> Decision:
+    def on_push(self, version_read: int, version: int, worker: int) -> Decision:
         if version_read < version:
             return Decision("stale", staleness=version - version_read)
         if worker in self._held:
             # A worker contributes once per step; a second push for the same version is a protocol bug.
             return Decision("rejected")
-        self._held[worker] = gradients
+        self._held.add(worker)
         return self._maybe_complete()
 
     def on_retire(self, worker: int) -> Decision:
@@ -61,9 +57,8 @@ class SyncProtocol:
     def _maybe_complete(self) -> Decision:
         if not self._held or len(self._held) < self.required:
             return Decision("held")
-        replicas = [self._held[w] for w in sorted(self._held)]
-        self._held = {}
-        return Decision("apply", replicas=replicas)
+        count, self._held = len(self._held), set()
+        return Decision("apply", count=count)
 
     def next_version_to_read(self, version_read: int) -> int:
         # Wait for the update this gradient went into: a worker never computes twice on one version.
@@ -76,11 +71,11 @@ class AsyncProtocol:
 
     max_staleness: int | None = None
 
-    def on_push(self, gradients: list[np.ndarray], version_read: int, version: int, worker: int) -> Decision:
+    def on_push(self, version_read: int, version: int, worker: int) -> Decision:
         staleness = version - version_read
         if self.max_staleness is not None and staleness > self.max_staleness:
             return Decision("stale", staleness=staleness)
-        return Decision("apply", replicas=[gradients], staleness=staleness)
+        return Decision("apply", count=1, staleness=staleness)
 
     def on_retire(self, worker: int) -> Decision:
         return Decision("held")

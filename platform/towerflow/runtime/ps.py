@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from towerflow.runtime.accumulator import GradientAccumulator
 from towerflow.runtime.protocol import UpdateProtocol
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
@@ -107,6 +108,9 @@ class ParameterShard:
         }
         self._last_bucket = max(self._buckets)  # a worker's last push of a step: counted once
         self._protocols = {b: copy.deepcopy(protocol) for b in self._buckets}
+        self._accumulators = {
+            b: GradientAccumulator(tf, [self._variables[i] for i in at]) for b, at in self._buckets.items()
+        }
         self._bucket_versions = dict.fromkeys(self._buckets, initial_version)
         self._apply_fns = {
             b: _compiled_apply(
@@ -142,13 +146,16 @@ class ParameterShard:
         if self._done or self._bucket_exhausted(bucket):
             self._counts["after_done"] += counted
             return PushReply("done", -1, 0, 0.0, self._params_reply())
-        protocol = self._protocols[bucket]
-        decision = protocol.on_push(gradients, version_read, self._bucket_versions[bucket], worker)
+        protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
+        decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker)
         verdict, step = decision.verdict, -1
-        if decision.verdict == "apply":
-            step = self._apply(bucket, decision.replicas)
-            verdict = "applied"
+        if decision.verdict == "apply" and decision.count == 1 and not accumulator.count:
+            step, verdict = self._apply(bucket, list(gradients), 1), "applied"  # async, or one replica
+        elif decision.verdict == "apply":
+            accumulator.add(gradients)
+            step, verdict = self._apply(bucket, *accumulator.take()), "applied"
         elif decision.verdict == "held":
+            accumulator.add(gradients)
             await self._wait_for(lambda: self._bucket_versions[bucket] > version_read or self._done)
             applied = self._bucket_versions[bucket] > version_read
             step, verdict = (version_read + 1, "applied") if applied else (-1, "done")
@@ -170,7 +177,7 @@ class ParameterShard:
         for bucket, protocol in self._protocols.items():
             decision = protocol.on_retire(worker)
             if decision.verdict == "apply" and not self._done:
-                self._apply(bucket, decision.replicas)
+                self._apply(bucket, *self._accumulators[bucket].take())
 
     async def finish(self) -> int:
         """Stop accepting gradients and release every waiting worker."""
@@ -215,20 +222,22 @@ class ParameterShard:
     def _bucket_exhausted(self, bucket: int) -> bool:
         return self._max_steps is not None and self._bucket_versions[bucket] >= self._max_steps
 
-    def _apply(self, bucket: int, replicas: list[list[np.ndarray]]) -> int:
-        """Apply the mean of `replicas` to the bucket's pieces; returns the bucket's new version."""
+    def _apply(self, bucket: int, gradients: list[Any], count: int) -> int:
+        """Apply `gradients` (a sum of `count` of them) to the bucket's pieces; returns the bucket's
+        new version."""
         start = time.perf_counter()
         tf = self._tf
         version = self._bucket_versions[bucket]
         self._apply_fns[bucket](
-            [[tf.convert_to_tensor(g) for g in grads] for grads in replicas],
+            gradients,
             tf.constant(self._optimizer.learning_rate(version), tf.float32),
             tf.constant(version + 1, tf.float32),
+            tf.constant(1.0 / count, tf.float32) if count > 1 else None,
         )
         self._bucket_versions[bucket] = version + 1
         self._version_apply_s += time.perf_counter() - start
         if min(self._bucket_versions.values()) > self._version:
-            self._complete_version(len(replicas))
+            self._complete_version(count)
         asyncio.get_running_loop().create_task(self._notify())
         return version + 1
 
@@ -296,13 +305,11 @@ def _nbytes(variable) -> int:
 
 def _compiled_apply(tf, optimizer, variables, slots):
     # A closure, not a method: Ray adds a tracing argument to actor methods that tf.function rejects.
-    def apply(replicas, lr, step):
-        if len(replicas) == 1:
-            mean = replicas[0]
-        else:
-            mean = [tf.add_n(list(parts)) / len(replicas) for parts in zip(*replicas, strict=True)]
-        for variable, variable_slots, gradient in zip(variables, slots, mean, strict=True):
-            optimizer.apply(tf, variable, variable_slots, gradient, lr, step)
+    def apply(gradients, lr, step, scale):
+        for variable, variable_slots, gradient in zip(variables, slots, gradients, strict=True):
+            value = tf.convert_to_tensor(gradient)  # a tensor, or the accumulator's sum
+            mean = value if scale is None else value * scale
+            optimizer.apply(tf, variable, variable_slots, mean, lr, step)
 
     return tf.function(apply, reduce_retracing=True)
 
