@@ -162,7 +162,7 @@ def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int):
 
     cpus = args.cpus_1worker if workers == 1 else 1
     overrides = f"""name=bench-sync-{workers}w data.eval=null data.epochs=null
-        data.batch_size={GLOBAL_BATCH // workers} cluster.workers={workers} cluster.ps=2
+        data.batch_size={GLOBAL_BATCH // workers} cluster.workers={workers} cluster.ps={args.ps}
         cluster.cpus_per_worker={cpus} cluster.cpus_per_ps=0.5 cluster.data_cpus=1 training.mode=sync
         training.max_steps={max_steps} training.replicas_to_aggregate={workers}
         training.total_num_replicas={workers} export.saved_model=false export.register_as=null
@@ -361,6 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="size of the local Ray's object store (Ray's default: 30%% of RAM)",
     )
     parser.add_argument(
+        "--ps",
+        type=int,
+        default=1,
+        help="parameter-server shards of the towerflow runs (1 beats 2 for LeNet on 2 cores: docs/benchmarks.md)",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="spec override for the towerflow runs"
     )
     parser.add_argument("--cpus-1worker", type=float, default=2, help="cpus_per_worker of the 1-worker run")
@@ -396,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {args.rounds} round(s) "
-        f"x {args.steps} timed steps after {args.warmup} warm-up; 1-worker cpus_per_worker={args.cpus_1worker:g}"
+        f"x {args.steps} timed steps after {args.warmup} warm-up; 1-worker cpus_per_worker={args.cpus_1worker:g}; "
+        f"{args.ps} PS shard(s) at 0.5 CPU"
     )
     runners = {"keras": run_keras, "tf1": lambda a: run_towerflow(a, 1), "tf2": lambda a: run_towerflow(a, 2)}
     results: dict[str, list[dict]] = {name: [] for name in runners}

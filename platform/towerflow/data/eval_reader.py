@@ -13,10 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from towerflow.data.features import ColumnPlan, expand_groups
-from towerflow.data.infer import resolve_features
-from towerflow.data.ingest import ShardReader, csv_layout
-from towerflow.data.sources import read_manifest, resolve_files
+from towerflow.data.ingest import ShardReader, prepare_split
 
 
 @dataclass
@@ -30,19 +27,8 @@ class EvalSource:
 def eval_source(spec: Any) -> EvalSource:
     """The spec's `data.eval`, resolved the way training data is (errors name `data.eval...`)."""
     source = spec.data.eval
-    files = resolve_files(source.path_list, key="data.eval.paths")
-    manifest = read_manifest(files)
-    layout = csv_layout(source, manifest)
-    features = resolve_features(source, files, manifest, layout, key="data.eval")
-    groups = expand_groups(source.groups, features, source.label)
-    plan = ColumnPlan(features, groups, list(source.preprocess))
-    reader = ShardReader(source.format, features, plan, layout, "error")
-    varlen = {
-        n: {"ragged": f["ragged"], "default": f["default"]}
-        for n, f in features.items()
-        if f["varlen"] and not f["pad_to"]
-    }
-    return EvalSource(files, reader, varlen, list(source.tower_preprocess))
+    split = prepare_split(source, "data.eval")
+    return EvalSource(split.files, split.reader, split.varlen, list(source.tower_preprocess))
 
 
 def iter_eval_batches(files: list[str], reader: ShardReader, batch_size: int) -> Iterator[dict[str, np.ndarray]]:

@@ -76,28 +76,55 @@ class ShardReader:
             bad.report(path)
 
 
+@dataclass
+class PreparedSplit:
+    """One split of the spec's data, resolved: its files, features and the reader of its shards."""
+
+    files: list[str]
+    manifest: dict[str, Any] | None
+    features: dict[str, dict[str, Any]]
+    groups: dict[str, list[str]]
+    reader: ShardReader
+
+    @property
+    def varlen(self) -> dict[str, dict[str, Any]]:
+        """Variable-length features that reach the towers unpadded, with how to batch them."""
+        return {
+            n: {"ragged": f["ragged"], "default": f["default"]}
+            for n, f in self.features.items()
+            if f["varlen"] and not f["pad_to"]
+        }
+
+
+def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: Any = None) -> PreparedSplit:
+    """Resolve `data.train` or `data.eval` (`key`); every error names the key it is about."""
+    files = resolve_files(source.path_list, key=f"{key}.paths")
+    manifest = read_manifest(files)
+    layout = csv_layout(source, manifest)
+    features = resolve_features(source, files, manifest, layout, key=key)
+    if source.label not in features and source.label not in (source.groups or {}):
+        raise DataError(
+            f"{key}.label: {source.label!r} is neither a feature of the data nor a group "
+            f"(features: {', '.join(features)})"
+        )
+    groups = expand_groups(source.groups, features, source.label)
+    plan = ColumnPlan(features, groups, list(source.preprocess))
+    plan._functions()  # a bad import string fails now, in the driver, not in a parse task
+    reader = ShardReader(source.format, features, plan, layout, on_bad_record, ledger)
+    return PreparedSplit(files, manifest, features, groups, reader)
+
+
 def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     import ray
 
     from towerflow.data.pacing import pace_scheduling_loop
 
     source, data = spec.data.train, spec.data
-    files = resolve_files(source.path_list, key="data.train.paths")
-    manifest = read_manifest(files)
-    layout = csv_layout(source, manifest)
-    features = resolve_features(source, files, manifest, layout, key="data.train")
-    if source.label not in features and source.label not in (source.groups or {}):
-        raise DataError(
-            f"data.train.label: {source.label!r} is neither a feature of the data nor a group "
-            f"(features: {', '.join(features)})"
-        )
-    groups = expand_groups(source.groups, features, source.label)
-    plan = ColumnPlan(features, groups, list(source.preprocess))
-    plan._functions()  # a bad import string fails now, in the driver, not in a parse task
     ledger = make_ledger() if data.on_bad_record == "skip" else None
-    reader = ShardReader(source.format, features, plan, layout, data.on_bad_record, ledger)
+    split = prepare_split(source, "data.train", data.on_bad_record, ledger)
+    files, features, groups, reader = split.files, split.features, split.groups, split.reader
 
-    per_epoch = example_count(files, manifest)
+    per_epoch = example_count(files, split.manifest)
     epochs = data.epochs or _epochs_for_steps(spec, per_epoch, num_workers)
     ordered = epoch_file_order(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
     task_cpus = min(1.0, spec.cluster.data_cpus)
@@ -109,11 +136,7 @@ def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     iterators = ds.streaming_split(num_workers, equal=spec.training.mode == "sync")
     options = StreamOptions(
         prefetch_batches=data.prefetch_batches,
-        varlen={
-            n: {"ragged": f["ragged"], "default": f["default"]}
-            for n, f in features.items()
-            if f["varlen"] and not f["pad_to"]
-        },
+        varlen=split.varlen,
         tower_preprocess=list(source.tower_preprocess),
     )
     grouped = _grouped(groups)
