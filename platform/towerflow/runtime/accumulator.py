@@ -17,7 +17,8 @@ class GradientAccumulator:
     def __init__(self, tf: Any, like: list[Any]) -> None:
         """`like`: the bucket's variables, whose shapes and dtypes the sums take."""
         self._tf = tf
-        self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in like]
+        self._like = like
+        self._sums: list[Any] | None = None  # made on first use: async shards and lone replicas never sum
         self.count = 0
         # The first gradient replaces the sum (no zeroing pass); later ones add into it in place.
         self._start = tf.function(lambda grads: [s.assign(g) for s, g in zip(self._sums, grads, strict=True)])
@@ -26,6 +27,9 @@ class GradientAccumulator:
         )
 
     def add(self, gradients: list[np.ndarray]) -> None:
+        if self._sums is None:
+            tf = self._tf
+            self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in self._like]
         (self._add if self.count else self._start)(list(gradients))
         self.count += 1
 
