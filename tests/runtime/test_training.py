@@ -104,13 +104,17 @@ def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_
         np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
 
 
-def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_data):
-    """3 workers, 2 to aggregate, worker 2 deliberately slow: steps go at the fast workers' pace."""
+@pytest.mark.parametrize("push_bucket_bytes", [None, 64], ids=["one-push", "bucketed"])
+def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_data, push_bucket_bytes):
+    """3 workers, 2 to aggregate, worker 2 deliberately slow: steps go at the fast workers' pace.
+
+    Bucketed, each bucket picks its own first two gradients, as each variable's accumulator did.
+    """
     spec = validate_spec(
         blob_spec(
             blob_data,
             data={"batch_size": 16, "epochs": 3},
-            cluster={"workers": 3, "ps": 1, "cpus_per_worker": 1},
+            cluster={"workers": 3, "ps": 1, "cpus_per_worker": 1, "push_bucket_bytes": push_bucket_bytes},
             training={"mode": "sync", "max_steps": 20, "replicas_to_aggregate": 2, "total_num_replicas": 3},
         )
     )
@@ -121,6 +125,8 @@ def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_dat
     delays = {0: {"step_delay_s": 0.05}, 1: {"step_delay_s": 0.05}, 2: {"step_delay_s": 0.4}}
     result = train(spec, hooks=[hook], track=False, worker_overrides=delays)
     assert result.global_step == 20
+    assert [e.global_step for e in hook.events] == list(range(1, 21))
+    assert len(result.shards[0]["bucket_versions"]) == (3 if push_bucket_bytes else 1)  # of 4 variables
     assert result.dropped_stale >= 1  # the slow worker computed on versions that had moved on
     assert sum(e.dropped_stale for e in hook.events) <= result.dropped_stale
     slow_steps = next(w["steps"] for w in result.workers if w["worker"] == 2)
