@@ -2,7 +2,10 @@
 
 On a machine with NVIDIA GPUs: NVML's readings; a short tracked LeNet job with one worker per GPU
 (memory growth on) and the per-GPU system metrics MLflow recorded for it; `towerflow gpus`; a
-second job under `tf_config.memory_limit_mb` and the peak memory TensorFlow reached under it.
+second job under `tf_config.memory_limit_mb` and the peak memory TensorFlow reached under it; and
+untracked jobs with and without gradient buckets pushed during backprop (`cluster.push_bucket_bytes`),
+interleaved, to see whether the overlap pays once the backward pass runs on a GPU (it does not on
+2 CPU cores: docs/benchmarks.md).
 
     python benchmarks/gpu_check.py                 # on the GPU machine
     python benchmarks/gpu_check.py --cpu-smoke     # the same path on CPUs (no GPU checks)
@@ -56,12 +59,32 @@ def job(args: argparse.Namespace, workdir: Path, gpus: int, name: str, extra: li
     return load_spec(SPEC, overrides)
 
 
+def compare_buckets(args: argparse.Namespace, workdir: Path, gpus: int) -> None:
+    """Examples/sec with one push a step against 4 MiB buckets pushed during backprop (informative)."""
+    from towerflow.launch import train
+
+    settings = {
+        "one push a step": "cluster.push_bucket_bytes=null",
+        "4 MiB buckets": "cluster.push_bucket_bytes=4194304",
+    }
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    for r in range(args.bucket_rounds):
+        for name, setting in settings.items():
+            log(f"bucket comparison round {r + 1}/{args.bucket_rounds}: {name}")
+            result = train(job(args, workdir, gpus, "gpu-check-buckets", [setting]), track=False)
+            rates[name].append(result.examples_per_sec)
+    print("\npushing during backprop (untracked runs, examples/sec per round):")
+    for name, values in rates.items():
+        print(f"  {name:<16} {', '.join(f'{v:,.0f}' for v in values)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--memory-limit-mb", type=int, default=1024)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
     parser.add_argument("--cpu-smoke", action="store_true", help="run the path on CPUs; skip GPU checks")
+    parser.add_argument("--bucket-rounds", type=int, default=2, help="rounds of the bucket comparison")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
@@ -130,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  limited worker {w['worker']}: TF peak MiB {peaks} (limit {args.memory_limit_mb})")
             if not peaks or max(peaks.values()) > args.memory_limit_mb:
                 failures.append(f"worker {w['worker']} peak {peaks} against limit {args.memory_limit_mb} MiB")
+    compare_buckets(args, workdir, gpus)
     ray.shutdown()
     print(f"\nworkdir: {workdir}")
     print("gpu_check=ok" if not failures else f"gpu_check=failed ({'; '.join(failures)})")
