@@ -263,7 +263,9 @@ class ParameterShard:
 
     def _publish(self) -> None:
         # One object per version; the previous one lives on only while some worker still reads it.
-        self._params_ref = ray.put([v.numpy() for v in self._variables])
+        # Views of the variables' buffers, not `.numpy()` copies: `ray.put` copies them once into the
+        # object store, and they are dropped before the next update writes the variables.
+        self._params_ref = ray.put([np.asarray(v.value()) for v in self._variables])
 
     def _capture(self) -> ShardSnapshot:
         return ShardSnapshot(
