@@ -27,11 +27,18 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, Python {platform.python_version()}"
 
 
-def ensure_mnist(folder: Path, log: Callable[[str], None]) -> None:
-    """Synthetic MNIST (60,000 train, 10,000 eval examples, 8 shards) unless the folder has it."""
+def ensure_mnist(
+    folder: Path,
+    log: Callable[[str], None],
+    *,
+    shards: int = 8,
+    examples: int = 60000,
+    eval_examples: int = 10000,
+) -> None:
+    """Synthetic MNIST (by default 60,000 train, 10,000 eval examples, 8 shards) unless the folder has it."""
     if (folder / "manifest.json").is_file():
         return
     from towerflow.data.synth import synth_mnist
 
     log(f"generating synthetic MNIST into {folder}")
-    synth_mnist(str(folder), shards=8, examples=60000, eval_examples=10000, seed=0)
+    synth_mnist(str(folder), shards=shards, examples=examples, eval_examples=eval_examples, seed=0)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine, make_log
+from common import ensure_mnist, machine, make_log
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "pipelines" / "mnist_sync.yaml"
@@ -107,13 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from mlflow.tracking import MlflowClient
 
-    from towerflow.data.synth import synth_mnist
     from towerflow.launch import train
     from towerflow.tracking.cluster_gpus import format_table, probe_cluster
 
-    if not (workdir / "mnist" / "manifest.json").is_file():
-        log("generating a small synthetic MNIST")
-        synth_mnist(str(workdir / "mnist"), shards=4, examples=20000, eval_examples=0, seed=0)
+    ensure_mnist(workdir / "mnist", log, shards=4, examples=20000, eval_examples=0)
     # Logical CPUs enough for the job's actors on a small machine; GPUs as Ray detects them.
     cpus = max(os.cpu_count() or 1, 4)
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level="WARNING")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +163,15 @@ def flip_byte(path: Path, offset: int) -> Path:
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
     return path
+
+
+@contextlib.contextmanager
+def mlflow_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's global tracking URI at a test store for a block."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(None)

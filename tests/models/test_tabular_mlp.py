@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from conftest import REPO
 from synth_support import read_split
 
 from models import tabular_mlp
@@ -55,8 +56,6 @@ def test_learns_the_synthetic_tabular_set(tmp_path):
 
 
 def test_the_csv_pipeline_trains_end_to_end_async(ray_cluster, tmp_path):
-    from conftest import REPO
-
     from towerflow.launch import train
     from towerflow.spec import load_spec
 

@@ -1,12 +1,12 @@
 """Non-trainable model state (batch-norm moving statistics): averaged over workers, checkpointed,
-restored on resume, used by evaluation and export."""
+restored on resume, used by export."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import tracked_spec
+from support import mlflow_uri, tracked_spec
 
 from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
 from towerflow.checkpoint.state import TrainingState
@@ -89,7 +89,8 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_and_exported(
     means = {k: v for k, v in result.model_state.items() if "moving_mean" in k}
     assert means and all(np.abs(v).max() > 0.01 for v in means.values())  # they moved off their zeros
 
-    store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
+    client = MlflowClient(uri)
+    store = MlflowCheckpointStore(client, result.run_id)
     final = store.load(6)
     for name, value in result.model_state.items():
         np.testing.assert_allclose(final.model_state[name], value, rtol=1e-6)
@@ -101,13 +102,10 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_and_exported(
     expected = np.asarray(build_trained_model(spec, result.parameters, result.model_state)(x, training=False))
     initial_stats = np.asarray(build_trained_model(spec, result.parameters)(x, training=False))
     assert not np.allclose(initial_stats, expected, atol=1e-3)  # the comparison below means something
-    model_uri = MlflowClient(uri).get_run(result.run_id).data.tags["towerflow.model_uri"]
-    mlflow.set_tracking_uri(uri)
-    try:
+    model_uri = client.get_run(result.run_id).data.tags["towerflow.model_uri"]
+    with mlflow_uri(uri):
         served = mlflow.pyfunc.load_model(model_uri)
         np.testing.assert_allclose(np.asarray(served.predict(x)), expected, atol=1e-5)
-    finally:
-        mlflow.set_tracking_uri(None)
 
     # Resume: the workers start from the checkpoint's statistics. With no step left to train, the
     # run ends on exactly what it restored (a fresh start would report BatchNormalization's zeros).

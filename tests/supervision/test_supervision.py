@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 from sample_hooks import RecordingHook
-from support import blob_spec
+from support import blob_spec, mlflow_uri
 
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import SpecError, TrainingError
@@ -223,12 +223,9 @@ def test_export_on_demand_uses_the_latest_checkpoint(first_run, blob_data):
     latest = store.load(store.list()[-1][0])
     x = np.random.default_rng(3).normal(size=(5, 8)).astype(np.float32)
     expected = np.asarray(build_trained_model(spec, [latest.variables[n] for n in latest.names])(x))
-    mlflow.set_tracking_uri(uri)
-    try:
+    with mlflow_uri(uri):
         served = mlflow.pyfunc.load_model(exported.model_uri)
         np.testing.assert_allclose(np.asarray(served.predict(x)), expected, atol=1e-5)
-    finally:
-        mlflow.set_tracking_uri(None)
 
 
 def test_checkpoints_every_n_seconds_and_retention(ray_cluster, blob_data, tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from mlflow.tracking import MlflowClient
-from support import blob_spec, blobs, tracked_spec
+from support import blob_spec, blobs, mlflow_uri, tracked_spec
 
 from towerflow.errors import SpecError
 from towerflow.launch import train
@@ -60,19 +60,6 @@ def test_weights_of_another_model_are_refused(exported_run):
     wrong = [np.zeros((3, 3), np.float32)] + list(result.parameters[1:])
     with pytest.raises(ExportError, match="has shape"):
         build_trained_model(spec, wrong)
-
-
-class mlflow_uri:
-    """Point MLflow's global tracking URI at a test store for a block."""
-
-    def __init__(self, uri: str) -> None:
-        self.uri = uri
-
-    def __enter__(self) -> None:
-        mlflow.set_tracking_uri(self.uri)
-
-    def __exit__(self, *exc) -> None:
-        mlflow.set_tracking_uri(None)
 
 
 def test_the_run_keeps_its_spec_for_later_exports(exported_run):

@@ -68,6 +68,7 @@ class Driver:
         self._runs: list[Any] = []
         self._evaluator: Any = None
         self._shard_buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
+        self._model_has_state: bool | None = None  # known from the first answer of the workers
         self.aggregator = StepAggregator(
             replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1,
             first_step=self.session.start_step + 1,
@@ -352,14 +353,16 @@ class Driver:
         Read as the workers are now, not at the shards' cut: they are running averages, which the
         replicas update each on its own data, and never part of the gradient step.
         """
-        if not self.workers:
-            return {}
+        if not self.workers or self._model_has_state is False:
+            return {}  # most models have none: no round trip to every worker at each checkpoint
         refs = [w.model_state.remote() for w in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
         states = []
         for ref in ready:
             with contextlib.suppress(ray.exceptions.RayError):  # a lost worker: average the others
                 states.append(ray.get(ref))
+        if states:
+            self._model_has_state = bool(states[0])
         return average_model_states(states)
 
     def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:

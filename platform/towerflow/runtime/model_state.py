@@ -45,10 +45,14 @@ def load_model_state(model: Any, state: dict[str, np.ndarray]) -> int:
 
 
 def average_model_states(states: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The workers' states averaged, variable by variable, in the dtype they came in."""
+    """The workers' states averaged, variable by variable, in the dtype they came in.
+
+    Matched by position, as `load_model_state` does, and named as the first state names them.
+    """
     if not states:
         return {}
+    columns = zip(*(s.values() for s in states), strict=True)
     return {
-        name: np.mean(np.stack([s[name] for s in states]), axis=0).astype(first.dtype)
-        for name, first in states[0].items()
+        name: np.mean(np.stack(values), axis=0).astype(values[0].dtype)
+        for name, values in zip(states[0], columns, strict=True)
     }

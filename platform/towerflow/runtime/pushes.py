@@ -22,6 +22,10 @@ class PushPlan:
     placement: Placement
     buckets: list[list[int]]  # per shard, per piece: the bucket its gradient is pushed in
 
+    def __post_init__(self) -> None:
+        # Per shard, the bucket whose push completes its step: that reply carries the next version.
+        self.last_buckets = [max(buckets) for buckets in self.buckets]
+
     @property
     def bucket_variables(self) -> list[list[int]]:
         """Per bucket, in push order, the indices of the variables whose gradients it carries."""
@@ -30,10 +34,6 @@ class PushPlan:
             for (variable, *_), bucket in zip(pieces, buckets, strict=True):
                 found.setdefault(bucket, set()).add(variable)
         return [sorted(found[b]) for b in sorted(found)]
-
-    def last_bucket(self, shard: int) -> int:
-        """The bucket whose push completes the shard's step: its reply carries the next version."""
-        return max(self.buckets[shard])
 
     def send(
         self, bucket: int, gradients: dict[int, np.ndarray], versions: list[int], worker: int
@@ -60,7 +60,11 @@ class StepPushes:
     """What one training step pushed, filled in from the tower graph's push hooks."""
 
     versions: list[int]  # per shard, the version the gradients were computed against
-    global_step: int  # the step this gradient is meant for (versions[0] + 1)
     sent: list[tuple[int, int, Any]] = field(default_factory=list)  # (shard, bucket, reply ref)
     nonfinite: bool = False  # the loss was NaN or infinite: nothing was pushed
     error: BaseException | None = None  # raised by a hook; re-raised by the worker after the step
+
+    @property
+    def global_step(self) -> int:
+        """The step this gradient is meant for."""
+        return self.versions[0] + 1

@@ -125,7 +125,7 @@ class TowerWorker:
         return model_state_of(self.model)
 
     def load_model_state(self, state: dict[str, np.ndarray]) -> int:
-        """Assign the non-trainable variables named in `state`; returns how many were assigned."""
+        """Assign `state` to the non-trainable variables, in model order; returns how many."""
         return load_model_state(self.model, state)
 
     def devices_used(self) -> list[str]:
@@ -272,7 +272,7 @@ class TowerWorker:
                 t1 = time.perf_counter()
                 self._assign(ray.get(param_refs), placement, staging)
                 t2 = time.perf_counter()
-                self._step = step = StepPushes(versions, versions[0] + 1)
+                self._step = step = StepPushes(versions)
                 try:
                     loss, metrics, _ = self.towers(inputs, labels)  # pushes each bucket as it is ready
                 finally:
@@ -303,7 +303,7 @@ class TowerWorker:
                 last = {
                     shard: reply
                     for (shard, bucket, _), reply in zip(step.sent, every)
-                    if bucket == self._plan.last_bucket(shard)
+                    if bucket == self._plan.last_buckets[shard]
                 }
                 replies = [last[shard] for shard in range(len(shards))]
                 lead = replies[0]

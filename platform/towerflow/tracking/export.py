@@ -70,7 +70,7 @@ def build_trained_model(
     spec: Any, weights: Sequence[np.ndarray], model_state: dict[str, np.ndarray] | None = None
 ) -> Any:
     """The spec's model with `weights` assigned to its trainable variables, in order, and
-    `model_state` (non-trainable variables by path: batch-norm statistics) to the others."""
+    `model_state` (non-trainable variables: batch-norm statistics) to the others, in order too."""
     from towerflow.imports import import_ref
 
     model = import_ref(spec.model.ref)(**spec.model.params)
