@@ -48,6 +48,38 @@ def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_ap
     ray.kill(shard)
 
 
+def test_a_stopping_workers_last_push_and_retire_leave_every_shard_at_one_version(ray_cluster):
+    # How a stop drains: a worker's last push and its retire reach two shards in different orders.
+    # Whichever comes first, each shard takes exactly one more step, so the final state is a cut.
+    def make_shard(i):
+        return shard_actor(0.1).remote(
+            i,
+            [f"w{i}"],
+            [np.zeros(2, np.float32)],
+            {"name": "sgd", "learning_rate": 1.0},
+            SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2),
+            None,
+        )
+
+    shards = [make_shard(0), make_shard(1)]
+    grad = {w: np.full(2, w + 1.0, np.float32) for w in range(2)}
+    a0, a1 = (s.push.remote([grad[0]], 0, 0) for s in shards)
+    # Shard 0 gets worker 1's push, then its retire: both gradients make the step.
+    b0 = shards[0].push.remote([grad[1]], 0, 1)
+    assert ray.get(a0).verdict == ray.get(b0).verdict == "applied"
+    ray.get(shards[0].retire.remote(1))
+    # Shard 1 gets the retire first: worker 0's gradient is applied alone, worker 1's comes too late.
+    ray.get(shards[1].retire.remote(1))
+    assert ray.get(a1).verdict == "applied"
+    assert ray.get(shards[1].push.remote([grad[1]], 0, 1)).verdict == "stale"
+
+    assert [ray.get(s.ping.remote()) for s in shards] == [1, 1]
+    np.testing.assert_allclose(ray.get(ray.get(shards[0].pull.remote(1)).params)[0], -1.5)
+    np.testing.assert_allclose(ray.get(ray.get(shards[1].pull.remote(1)).params)[0], -1.0)
+    for shard in shards:
+        ray.kill(shard)
+
+
 def _wait_until(condition, timeout_s: float = 30.0) -> None:
     """An async actor runs concurrent calls in no set order: wait for one to land before the next."""
     deadline = time.monotonic() + timeout_s

@@ -200,3 +200,5 @@ def test_hooks_can_stop_the_job(ray_cluster, blob_data):
 
     result = train(spec, hooks=[StopAt3()], track=False)
     assert 3 <= result.global_step < 500
+    # The stop drains: every shard ends at the same version (the final checkpoint's cut).
+    assert {s["version"] for s in result.shards} == {result.global_step}

@@ -253,10 +253,13 @@ class Driver:
                 summaries[runs[ref]] = ray.get(ref)  # raises the worker's error, if any
             self._report(self._drain())
             if self.context.stop_requested and not stopping:
+                # Workers end their current step and retire, and sync shards aggregate over those
+                # still running, so every shard ends at the same version. Finishing the shards here
+                # instead would race the pushes in flight: one shard could take a step that another
+                # (finished first) refuses, and the final state would not be a consistent cut.
                 stopping = True
                 for worker in self.workers:
                     worker.request_stop.remote()
-                ray.get([s.finish.remote() for s in self.shards])
         ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
         self._report(self.aggregator.flush())
         return [summaries[i] for i in sorted(summaries)]
