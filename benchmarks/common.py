@@ -10,6 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from towerflow.runtime.cluster import keep_embedded_ray_local
+
+keep_embedded_ray_local()  # the Ray a benchmark starts listens on 127.0.0.1 only, as the CLI's does
+
 
 def make_log(name: str) -> Callable[[str], None]:
     def log(message: str) -> None:

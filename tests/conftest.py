@@ -23,6 +23,10 @@ for entry in (str(REPO), str(REPO / "tests")):
     if entry not in sys.path:
         sys.path.insert(0, entry)
 
+from towerflow.runtime.cluster import keep_embedded_ray_local  # noqa: E402
+
+keep_embedded_ray_local()  # the session's Ray listens on 127.0.0.1 only, as the CLI's does
+
 import tensorflow as tf  # noqa: E402
 
 _cpu = tf.config.list_physical_devices("CPU")[0]

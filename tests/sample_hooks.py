@@ -42,3 +42,25 @@ class FailsAtEndHook(Hook):
 
     def end(self, session, outcome) -> None:
         raise OSError("the bucket refused the upload")
+
+
+class ListeningAddressesHook(Hook):
+    """Writes, once the cluster is up, the addresses that this driver's Ray processes listen on."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def after_create_session(self, session) -> None:
+        import json
+
+        import psutil
+
+        # The embedded Ray's GCS and raylet are this process's children; its workers, theirs.
+        family = {p.pid: p.name() for p in psutil.Process().children(recursive=True)}
+        listening = [
+            {"process": family[c.pid], "address": c.laddr.ip, "port": c.laddr.port}
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in family
+        ]
+        with open(self.out, "w") as f:
+            json.dump(listening, f)

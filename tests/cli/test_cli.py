@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import yaml
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import blob_spec
+
+from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
 
 
 def _run(args, *, env=None, timeout=300, console_script=False):
@@ -87,6 +90,37 @@ def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path
     runs = client.search_runs([client.get_experiment_by_name("blobs-test").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
     assert "matches no files" in runs[0].data.tags["towerflow.error"]
+
+
+def test_embedded_ray_listens_on_loopback_only(blob_data, tmp_path):
+    # No RAY_ADDRESS: the command starts its own Ray, which must not listen on the network.
+    record = tmp_path / "listening.json"
+    hook = {"ref": "sample_hooks:ListeningAddressesHook", "params": {"out": str(record)}}
+    spec = blob_spec(
+        blob_data,
+        cluster={"workers": 1, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5},
+        training={"mode": "async", "max_steps": 2},
+        tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        supervision={"hooks": [hook]},
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_MACHINE_SWITCH)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-m", "towerflow", "train", str(path), "--no-progress"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    listening = json.loads(record.read_text())
+    assert {"gcs_server", "raylet"} <= {entry["process"] for entry in listening}, listening
+    exposed = [e for e in listening if e["address"] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    assert exposed == [], f"listening beyond loopback: {exposed}"
+    assert "warning: the embedded Ray listens" not in out.stderr
 
 
 def test_train_end_to_end(cluster_env, blob_data, tmp_path):

@@ -11,10 +11,12 @@ import traceback
 from pathlib import Path
 
 from towerflow.errors import TowerflowError
+from towerflow.runtime.cluster import keep_embedded_ray_local
 
 
 def main(argv: list[str] | None = None) -> int:
     _working_directory_importable()
+    keep_embedded_ray_local()  # before any subcommand imports Ray
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

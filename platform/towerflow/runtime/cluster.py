@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 from towerflow.errors import ClusterError
+
+# Ray's switch for clusters of one machine: off, a Ray started here takes 127.0.0.1 as its node
+# address, and then every one of its servers (GCS, raylet, workers) listens on 127.0.0.1 only.
+SINGLE_MACHINE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,17 @@ def budget_for(cluster) -> ResourceBudget:
         data_cpus=cluster.data_cpus,
         gpus=cluster.workers * cluster.gpus_per_worker,
     )
+
+
+def keep_embedded_ray_local() -> None:
+    """Make the Ray that this process may start listen on 127.0.0.1 only.
+
+    Ray reads the switch when it is imported, so call this before anything imports Ray (the CLI
+    does, first thing). It does nothing when RAY_ADDRESS names a cluster to join: joining needs this
+    node's real address. A user's own setting of the switch wins.
+    """
+    if not os.environ.get("RAY_ADDRESS") and "ray" not in sys.modules:
+        os.environ.setdefault(SINGLE_MACHINE_SWITCH, "0")
 
 
 def ensure_ray(budget: ResourceBudget) -> str:
@@ -63,6 +80,14 @@ def ensure_ray(budget: ResourceBudget) -> str:
             logging_level="WARNING",
         )
         how = "embedded"
+        host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+        if host not in _LOOPBACK:
+            print(
+                f"towerflow: warning: the embedded Ray listens on {host}, not only 127.0.0.1 (token "
+                f"authentication is still on). Ray was imported before towerflow could keep it local: "
+                f"set {SINGLE_MACHINE_SWITCH}=0 in the environment, or use the towerflow command.",
+                file=sys.stderr,
+            )
     check_capacity(budget, ray.cluster_resources())
     return how
 
