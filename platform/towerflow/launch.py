@@ -87,7 +87,10 @@ def train(
         all_hooks.insert(1 if tracker else 0, skipped)
 
     def make_data(num_workers: int):
-        data = build_training_data(spec, num_workers)
+        position = initial_state.data_position if initial_state is not None else None
+        data = build_training_data(spec, num_workers, position)
+        if data.resume_note:
+            print(f"towerflow: {data.resume_note}")
         if skipped is not None:
             skipped.ledger = data.ledger
         return data.splits, data.feature_scales

@@ -13,7 +13,7 @@ from sample_hooks import RecordingHook
 from support import blob_spec, mlflow_uri
 
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
-from towerflow.errors import SpecError, TrainingError
+from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
 from towerflow.spec import validate_spec
 
@@ -139,6 +139,25 @@ def test_resume_onto_fewer_shards_continues_the_same_run(first_run):
     steps = [m.step for m in client.get_metric_history(result.run_id, "loss")]
     assert steps[:8] == list(range(1, 9)) and steps[-1] == 11 and all(s > 8 for s in steps[8:])
     assert [s for s, _ in MlflowCheckpointStore(client, result.run_id).list()][-1] == 11
+
+
+def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, blob_data, tmp_path, capsys):
+    # An epoch is 16 steps of 2 workers x 32 (1,024 examples in 4 files of 256). Stopped at step 12,
+    # the resumed run reads only the last file: 4 more steps to the end of the epoch, not 16.
+    run_dir = tmp_path / "run"
+    first = train(
+        validate_spec(blob_spec(blob_data, data={"epochs": 1}, training={"max_steps": 12})),
+        track=False,
+        output_dir=run_dir,
+    )
+    assert first.global_step == 12 and first.examples_seen == 768
+    longer = validate_spec(blob_spec(blob_data, data={"epochs": 1}, training={"max_steps": 100}))
+    resumed = train(longer, track=False, resume=str(run_dir), output_dir=run_dir)
+    assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in capsys.readouterr().out
+    assert resumed.global_step == 16 and resumed.examples_seen == 1024
+    assert LocalCheckpointStore(run_dir / "checkpoints").load(16).data_position["examples_seen"] == 1024
+    with pytest.raises(DataError, match="nothing left to read"):
+        train(longer, track=False, resume=str(run_dir), output_dir=run_dir)
 
 
 def test_resume_of_an_unknown_run_is_a_clear_error(first_run):

@@ -17,6 +17,12 @@ What an epoch means, and the remainder rule:
   worker waits for another. An epoch is then a pass over the data by all workers together: its
   examples are spread across workers by their speed, and the epochs overlap at their boundaries.
 - `data.epochs` and `training.max_steps` both bound the run; whichever is reached first ends it.
+
+A resumed run picks the stream up where its checkpoint left it (`resume_point`): the epochs
+already trained, then the whole files of the current epoch that its examples seen account for,
+are not read again. The cut is exact with `data.deterministic` (blocks in file order); otherwise
+it is right to within the blocks that were in flight. Without a manifest giving each file's
+example count, the position is unknown and the stream starts over.
 """
 
 from __future__ import annotations
@@ -30,13 +36,23 @@ from towerflow.data.bad_records import BadRecords, make_ledger
 from towerflow.data.csv import CsvLayout, read_csv_file
 from towerflow.data.features import ColumnPlan, expand_groups
 from towerflow.data.infer import resolve_features
-from towerflow.data.sources import example_count, read_manifest, resolve_files
+from towerflow.data.sources import examples_per_file, read_manifest, resolve_files
 from towerflow.data.tfrecord import read_tfrecord_file
 from towerflow.errors import DataError
 from towerflow.runtime.batches import StreamOptions, WorkerStream
 
 UNBOUNDED_EPOCHS = 1000  # data.epochs: null with an unknown data set size
 MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run's stream starts: after `epoch` whole epochs and `files` whole files of
+    the next one, which hold `examples` examples in all."""
+
+    epoch: int = 0
+    files: int = 0
+    examples: int = 0
 
 
 @dataclass
@@ -50,6 +66,7 @@ class TrainingData:
     groups: dict[str, list[str]] = field(default_factory=dict)
     ledger: Any = None  # SkippedRecordsLedger actor in on_bad_record: skip
     dataset: Any = None  # the Ray Data dataset before the split (stats, tests)
+    resume_note: str | None = None  # where a resumed run's stream starts, for the user
 
 
 @dataclass
@@ -114,7 +131,10 @@ def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: A
     return PreparedSplit(files, manifest, features, groups, reader)
 
 
-def build_training_data(spec: Any, num_workers: int) -> TrainingData:
+def build_training_data(
+    spec: Any, num_workers: int, data_position: dict[str, Any] | None = None
+) -> TrainingData:
+    """The workers' streams; `data_position` (a checkpoint's) makes them start where it left off."""
     import ray
 
     from towerflow.data.pacing import pace_scheduling_loop
@@ -124,9 +144,30 @@ def build_training_data(spec: Any, num_workers: int) -> TrainingData:
     split = prepare_split(source, "data.train", data.on_bad_record, ledger)
     files, features, groups, reader = split.files, split.features, split.groups, split.reader
 
-    per_epoch = example_count(files, split.manifest)
+    counts = examples_per_file(files, split.manifest)
+    per_epoch = None if counts is None else sum(counts.values())
     epochs = data.epochs or _epochs_for_steps(spec, per_epoch, num_workers)
-    ordered = epoch_file_order(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
+    orders = epoch_file_orders(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
+    resume_note = None
+    seen = int((data_position or {}).get("examples_seen") or 0)
+    if seen and counts is None:
+        resume_note = "the data position is unknown (no manifest with per-file example counts): the stream starts over"
+    elif seen:
+        start = resume_point(orders, counts, seen)
+        orders = orders[start.epoch :]
+        if orders:
+            orders[0] = orders[0][start.files :]
+        resume_note = (
+            f"data resumes in epoch {start.epoch + 1} of {epochs}, after {start.files} file(s) of it "
+            f"({start.examples:,} of {seen:,} examples seen skipped)"
+        )
+    ordered = [path for order in orders for path in order]
+    if not ordered:
+        bound = "data.epochs" if data.epochs else "training.max_steps (data.epochs is unset)"
+        raise DataError(
+            f"data.train: nothing left to read: the resumed run already trained on all {epochs} "
+            f"epoch(s) ({seen:,} examples). Raise {bound} to train further."
+        )
     task_cpus = min(1.0, spec.cluster.data_cpus)
     ds = ray.data.from_items([{"path": p} for p in ordered], override_num_blocks=len(ordered))
     ds = ds.map_batches(read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus)
@@ -151,6 +192,7 @@ def build_training_data(spec: Any, num_workers: int) -> TrainingData:
         groups,
         ledger,
         ds,
+        resume_note,
     )
 
 
@@ -183,14 +225,32 @@ def csv_layout(source: Any, manifest: dict[str, Any] | None) -> CsvLayout:
     return CsvLayout(header=header, delimiter=delimiter, columns=tuple(columns) if columns else None)
 
 
-def epoch_file_order(files: list[str], epochs: int, *, shuffle: bool, seed: int) -> list[str]:
-    order: list[str] = []
+def epoch_file_orders(files: list[str], epochs: int, *, shuffle: bool, seed: int) -> list[list[str]]:
+    """Each epoch's file order; an epoch's shuffle depends on its number only, so a resumed run
+    reads its remaining epochs in the order the first run would have."""
+    orders = []
     for epoch in range(epochs):
         files_this_epoch = list(files)
         if shuffle:
             random.Random(seed * 100_003 + epoch).shuffle(files_this_epoch)
-        order.extend(files_this_epoch)
-    return order
+        orders.append(files_this_epoch)
+    return orders
+
+
+def resume_point(orders: list[list[str]], counts: dict[str, int], examples_seen: int) -> ResumePoint:
+    """The whole epochs, then the whole files of the next epoch in its order, that `examples_seen`
+    covers. A file only partly trained on is read again (at least once, never skipped)."""
+    per_epoch = sum(counts.values())
+    epoch, within = divmod(examples_seen, per_epoch) if per_epoch else (0, 0)
+    if epoch >= len(orders):
+        return ResumePoint(len(orders), 0, len(orders) * per_epoch)
+    files = 0
+    for path in orders[epoch]:
+        if counts[path] > within:
+            break
+        within -= counts[path]
+        files += 1
+    return ResumePoint(epoch, files, examples_seen - within)
 
 
 def _grouped(groups: dict[str, list[str]]) -> set[str]:

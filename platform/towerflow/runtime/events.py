@@ -23,7 +23,12 @@ class StepAggregator:
     """
 
     def __init__(
-        self, replicas_per_step: int, first_step: int = 1, window_s: float = 5.0, grace_s: float = 5.0
+        self,
+        replicas_per_step: int,
+        first_step: int = 1,
+        window_s: float = 5.0,
+        grace_s: float = 5.0,
+        examples_seen: int = 0,
     ) -> None:
         self.replicas_per_step = replicas_per_step
         self._pending: dict[int, list[StepRecord]] = collections.defaultdict(list)
@@ -34,7 +39,7 @@ class StepAggregator:
         self._start = time.time()
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._window_s = window_s
-        self.examples_seen = 0
+        self.examples_seen = examples_seen  # a resumed run counts on from its checkpoint's position
         self.first_step_at: float | None = None  # wall time the first update was heard of
         self.examples_after_first = 0
         self.dropped_total = 0
