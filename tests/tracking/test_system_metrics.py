@@ -52,13 +52,20 @@ def test_run_has_host_metrics_of_each_ray_node(ray_cluster, blob_data, tmp_path)
     assert {f"system/{label}/{m}" for m in HOST_METRICS} <= names
     if NO_NVML:
         assert not any("/gpu_" in name for name in names)
-    history = client.get_metric_history(run_id, f"system/{label}/cpu_utilization_percentage")
+    key = f"system/{label}/cpu_utilization_percentage"
+    history = client.get_metric_history(run_id, key)
     assert [m.step for m in history] == list(range(len(history))) and history
     # the samplers end with the run (the GCS's actor table; ray.util.state would need the dashboard)
     from ray._private.state import actors
 
     samplers = [a for a in actors().values() if a["ActorClassName"].endswith("NodeSamplerActor")]
     assert samplers and all(a["State"] == "DEAD" for a in samplers)
+
+    # A resumed run's samples follow the first run's: no sample number twice.
+    longer = spec.model_copy(update={"training": spec.training.model_copy(update={"max_steps": 12})})
+    train(longer, resume=run_id)
+    steps = [m.step for m in client.get_metric_history(run_id, key)]
+    assert len(steps) > len(history) and steps == list(range(len(steps)))
 
 
 def test_system_metrics_can_be_turned_off(ray_cluster, blob_data, tmp_path):

@@ -217,13 +217,13 @@ class MLflowTracker(Hook):
     def _start_system_metrics(self) -> None:
         import ray
 
-        from towerflow.tracking.system_metrics import ClusterSystemMetrics
+        from towerflow.tracking.system_metrics import ClusterSystemMetrics, next_sample_steps
 
         if not ray.is_initialized():
             return
         system = ClusterSystemMetrics(self.spec.tracking.system_metrics_interval_s)
         try:
-            system.start()
+            system.start(next_sample_steps(self.client, self.run_id) if self.resume_run_id else None)
         except Exception as exc:  # monitoring must never stop training
             print(f"towerflow: system metrics are off for this run: {exc}")
             return

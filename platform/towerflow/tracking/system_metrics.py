@@ -100,7 +100,8 @@ class ClusterSystemMetrics:
         self._pending: dict[Any, str] = {}  # drain ref -> label
         self._last_poll = 0.0
 
-    def start(self) -> None:
+    def start(self, first_steps: dict[str, int] | None = None) -> None:
+        """`first_steps`: per node label, the sample number to go on from (a resumed run's)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -109,7 +110,7 @@ class ClusterSystemMetrics:
             self.samplers[label] = NodeSamplerActor.options(scheduling_strategy=strategy).remote(
                 self.interval_s
             )
-            self._steps[label] = 0
+            self._steps[label] = (first_steps or {}).get(label, 0)
         self._last_poll = time.monotonic()
 
     def poll(self, now_ms: int) -> list[Any]:
@@ -154,3 +155,18 @@ class ClusterSystemMetrics:
         if timeout:  # at stop: a node that did not answer in time is not waited for again
             self._pending.clear()
         return metrics
+
+
+def next_sample_steps(client: Any, run_id: str) -> dict[str, int]:
+    """Per node label, one past the last sample number the run already has: a resumed run's
+    samples then follow its earlier ones instead of overwriting their steps."""
+    latest = client.get_run(run_id).data.metrics
+    one_per_label: dict[str, str] = {}
+    for key in sorted(latest):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == PREFIX:
+            one_per_label.setdefault(parts[1], key)
+    return {
+        label: max(m.step for m in client.get_metric_history(run_id, key)) + 1
+        for label, key in one_per_label.items()
+    }
