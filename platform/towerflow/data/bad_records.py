@@ -40,14 +40,16 @@ class BadRecords:
 
 
 class SkippedRecordsLedger:
-    """Ray actor: skipped records per file, across all parse tasks of a job."""
+    """Ray actor: the bad records of each file that parse tasks skipped, across a job's tasks."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self.reasons: dict[str, str] = {}
 
     def add(self, path: str, count: int, reason: str) -> None:
-        self.counts[path] = self.counts.get(path, 0) + count
+        # Every whole read of a file finds the same bad records: again in each epoch, and again
+        # when Ray Data retries a task. Keep the file's count, not a sum over its reads.
+        self.counts[path] = max(self.counts.get(path, 0), count)
         self.reasons.setdefault(path, reason)
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, str]]:
