@@ -15,6 +15,7 @@ from support import blob_spec, mlflow_uri
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
+from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
 
 
@@ -229,6 +230,32 @@ def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_pa
     assert first_by_worker_1 > 4
     assert all(e.workers == [0] for e in events if e.global_step <= 4)
     assert not math.isnan(events[-1].loss)
+
+
+class _StopAtStep3(Hook):
+    def after_run(self, context, event):
+        if event.global_step >= 3:
+            context.request_stop("enough")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("ends_by", ["stop", "end of data"])
+def test_a_worker_still_waiting_to_start_does_not_hold_the_end(ray_cluster, blob_data, tmp_path, ends_by):
+    # Worker 1 may start only at step 1,000, which the run never reaches: when worker 0 is done
+    # (stopped by a hook, or out of data), worker 1 must be let go instead of waiting forever.
+    spec = _spec(
+        blob_data,
+        None,
+        training={"mode": "async", "max_steps": 1000},
+        supervision={"worker_start_delay_steps": 1000},
+    )
+    spec.data.epochs = 1 if ends_by == "end of data" else 5
+    result = train(
+        spec, hooks=[_StopAtStep3()] if ends_by == "stop" else [], track=False, output_dir=tmp_path
+    )
+    assert 3 <= result.global_step < 1000
+    assert [w["steps"] for w in result.workers][1] == 0
+    assert {s["version"] for s in result.shards} == {result.global_step}
 
 
 def test_export_on_demand_uses_the_latest_checkpoint(first_run, blob_data):

@@ -66,6 +66,7 @@ class Driver:
         self.session._metric_listeners = self.hooks
         self.context = RunContext(self.session)
         self._runs: list[Any] = []
+        self._start_steps: list[int] = []  # per worker, the global step it waits for before its first
         self._evaluator: Any = None
         self._shard_buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self._model_has_state: bool | None = None  # known from the first answer of the workers
@@ -134,7 +135,9 @@ class Driver:
     def _create_actors(self) -> None:
         spec, cluster = self.spec, self.spec.cluster
         worker_cls = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
-        self.workers = [worker_cls.remote(self._worker_config(i)) for i in range(cluster.workers)]
+        configs = [self._worker_config(i) for i in range(cluster.workers)]
+        self._start_steps = [c.start_at_step for c in configs]
+        self.workers = [worker_cls.remote(c) for c in configs]
         infos, values = ray.get(self.workers[0].describe.remote())
         pieces = cut_variables(infos, cluster.ps, cluster.min_slice_bytes)
         assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
@@ -263,9 +266,19 @@ class Driver:
                 stopping = True
                 for worker in self.workers:
                     worker.request_stop.remote()
+            if pending and self._all_waiting_to_start([runs[ref] for ref in pending]):
+                # Those left wait for a global step that no worker will push (GlobalStepWaiter after
+                # a stop or the end of the data): nothing is in flight, so end the shards to let them go.
+                ray.get([s.finish.remote() for s in self.shards])
         ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
         self._report(self.aggregator.flush())
         return [summaries[i] for i in sorted(summaries)]
+
+    def _all_waiting_to_start(self, workers: list[int]) -> bool:
+        if not all(self._start_steps[w] > self.session.start_step for w in workers):
+            return False  # some worker has been training from the start (worker 0 always has)
+        version = ray.get(self.shards[0].ping.remote())
+        return all(self._start_steps[w] > version for w in workers)
 
     def _placement(self) -> list[list[tuple[int, int, int, bool]]]:
         """Per shard, its pieces as (variable, start row, stop row, whole variable?) for the workers."""
