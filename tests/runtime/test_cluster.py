@@ -1,0 +1,43 @@
+"""Connecting to Ray or starting it: an embedded Ray stays on 127.0.0.1 (the CLI's own run of it is
+tested in tests/cli), and a caller that imported Ray too early is told so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
+
+_SHOW_SWITCH = (
+    "import os; from towerflow.runtime.cluster import keep_embedded_ray_local as keep; keep(); "
+    f"print(os.environ.get({SINGLE_MACHINE_SWITCH!r}))"
+)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_MACHINE_SWITCH)}
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=240
+    )
+
+
+def test_the_switch_is_set_for_an_embedded_ray_only():
+    assert _python(_SHOW_SWITCH).stdout.strip() == "0"
+    # Joining a cluster needs this node's real address: leave Ray's default alone.
+    assert _python(_SHOW_SWITCH, RAY_ADDRESS="10.0.0.1:6379").stdout.strip() == "None"
+    # Too late once Ray is imported (it read the switch then): leave it alone too.
+    assert _python("import ray; " + _SHOW_SWITCH).stdout.strip() == "None"
+
+
+def test_an_embedded_ray_started_after_ray_was_imported_warns():
+    out = _python(
+        "import ray\n"
+        "from towerflow.runtime.cluster import ResourceBudget, ensure_ray\n"
+        "print(ensure_ray(ResourceBudget(0, 0, 0, 0)))\n"
+        "ray.shutdown()\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "embedded"
+    assert "towerflow: warning: the embedded Ray listens on" in out.stderr
+    assert f"set {SINGLE_MACHINE_SWITCH}=0" in out.stderr
