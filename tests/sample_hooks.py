@@ -44,6 +44,17 @@ class FailsAtEndHook(Hook):
         raise OSError("the bucket refused the upload")
 
 
+class StopAtStepHook(Hook):
+    """Asks the run to stop once it has heard of global step `step` (a user hook stopping a job)."""
+
+    def __init__(self, step: int = 3) -> None:
+        self.step = step
+
+    def after_run(self, context, event) -> None:
+        if event.global_step >= self.step:
+            context.request_stop(f"reached step {self.step}")
+
+
 class ListeningAddressesHook(Hook):
     """Writes, once the cluster is up, the addresses that this driver's Ray processes listen on."""
 

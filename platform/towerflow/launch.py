@@ -87,8 +87,8 @@ def train(
         all_hooks.insert(1 if tracker else 0, skipped)
 
     def make_data(num_workers: int):
-        position = initial_state.data_position if initial_state is not None else None
-        data = build_training_data(spec, num_workers, position)
+        seen = initial_state.examples_seen if initial_state is not None else 0
+        data = build_training_data(spec, num_workers, examples_seen=seen)
         if data.resume_note:
             print(f"towerflow: {data.resume_note}")
         if skipped is not None:

@@ -210,7 +210,7 @@ def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     spec = _spec(str(tmp_path / "train-*"), workers=2, epochs=2, shuffle_files=False, drop_remainder=False)
     seen = sum(SIZES) + SIZES[0] + 50
-    data = build_training_data(spec, 2, {"examples_seen": seen})
+    data = build_training_data(spec, 2, examples_seen=seen)
     assert "epoch 2 of 2, after 1 file(s)" in data.resume_note and f"{sum(SIZES) + SIZES[0]} of {seen}" in data.resume_note
     per_worker = _consume_all(ray_cluster, data.splits, batch_size=16, drop_last=False)
     read = sorted(i for ids in per_worker for i in ids)
@@ -220,4 +220,4 @@ def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
 
     done = sum(SIZES) * 2
     with pytest.raises(DataError, match=r"nothing left to read.*all 2 epoch\(s\).*Raise data.epochs"):
-        build_training_data(spec, 2, {"examples_seen": done})
+        build_training_data(spec, 2, examples_seen=done)

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from sample_hooks import StopAtStepHook
 from support import blob_spec, blobs
 
 from models import mlp
@@ -190,15 +191,10 @@ def test_towers_inside_workers(ray_cluster, blob_data):
 
 
 def test_hooks_can_stop_the_job(ray_cluster, blob_data):
-    class StopAt3(Hook):
-        def after_run(self, context, event):
-            if event.global_step >= 3:
-                context.request_stop("enough")
-
     spec = validate_spec(blob_spec(blob_data, data={"epochs": 5}, training={"max_steps": 500}))
     from towerflow.launch import train
 
-    result = train(spec, hooks=[StopAt3()], track=False)
+    result = train(spec, hooks=[StopAtStepHook(3)], track=False)
     assert 3 <= result.global_step < 500
     # The stop drains: every shard ends at the same version (the final checkpoint's cut).
     assert {s["version"] for s in result.shards} == {result.global_step}

@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from sample_hooks import RecordingHook
+from sample_hooks import RecordingHook, StopAtStepHook
 from support import blob_spec, mlflow_uri
 
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
-from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
 
 
@@ -232,12 +231,6 @@ def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_pa
     assert not math.isnan(events[-1].loss)
 
 
-class _StopAtStep3(Hook):
-    def after_run(self, context, event):
-        if event.global_step >= 3:
-            context.request_stop("enough")
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("ends_by", ["stop", "end of data"])
 def test_a_worker_still_waiting_to_start_does_not_hold_the_end(ray_cluster, blob_data, tmp_path, ends_by):
@@ -251,7 +244,7 @@ def test_a_worker_still_waiting_to_start_does_not_hold_the_end(ray_cluster, blob
     )
     spec.data.epochs = 1 if ends_by == "end of data" else 5
     result = train(
-        spec, hooks=[_StopAtStep3()] if ends_by == "stop" else [], track=False, output_dir=tmp_path
+        spec, hooks=[StopAtStepHook(3)] if ends_by == "stop" else [], track=False, output_dir=tmp_path
     )
     assert 3 <= result.global_step < 1000
     assert [w["steps"] for w in result.workers][1] == 0

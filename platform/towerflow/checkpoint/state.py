@@ -23,6 +23,11 @@ class TrainingState:
     # Non-trainable model variables by path (batch-norm moving statistics), averaged over workers.
     model_state: dict[str, np.ndarray] = field(default_factory=dict)
 
+    @property
+    def examples_seen(self) -> int:
+        """Examples trained on up to this state: where a resumed run's data and counts go on from."""
+        return int(self.data_position.get("examples_seen") or 0)
+
     def all_finite(self) -> bool:
         arrays = list(self.variables.values()) + [a for s in self.slots.values() for a in s.values()]
         arrays += list(self.model_state.values())

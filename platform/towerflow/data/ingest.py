@@ -131,10 +131,8 @@ def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: A
     return PreparedSplit(files, manifest, features, groups, reader)
 
 
-def build_training_data(
-    spec: Any, num_workers: int, data_position: dict[str, Any] | None = None
-) -> TrainingData:
-    """The workers' streams; `data_position` (a checkpoint's) makes them start where it left off."""
+def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) -> TrainingData:
+    """The workers' streams; `examples_seen` (a resumed checkpoint's) makes them start after those."""
     import ray
 
     from towerflow.data.pacing import pace_scheduling_loop
@@ -149,24 +147,23 @@ def build_training_data(
     epochs = data.epochs or _epochs_for_steps(spec, per_epoch, num_workers)
     orders = epoch_file_orders(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
     resume_note = None
-    seen = int((data_position or {}).get("examples_seen") or 0)
-    if seen and counts is None:
+    if examples_seen and counts is None:
         resume_note = "the data position is unknown (no manifest with per-file example counts): the stream starts over"
-    elif seen:
-        start = resume_point(orders, counts, seen)
+    elif examples_seen:
+        start = resume_point(orders, counts, examples_seen)
         orders = orders[start.epoch :]
         if orders:
             orders[0] = orders[0][start.files :]
         resume_note = (
             f"data resumes in epoch {start.epoch + 1} of {epochs}, after {start.files} file(s) of it "
-            f"({start.examples:,} of {seen:,} examples seen skipped)"
+            f"({start.examples:,} of {examples_seen:,} examples seen skipped)"
         )
     ordered = [path for order in orders for path in order]
     if not ordered:
         bound = "data.epochs" if data.epochs else "training.max_steps (data.epochs is unset)"
         raise DataError(
             f"data.train: nothing left to read: the resumed run already trained on all {epochs} "
-            f"epoch(s) ({seen:,} examples). Raise {bound} to train further."
+            f"epoch(s) ({examples_seen:,} examples). Raise {bound} to train further."
         )
     task_cpus = min(1.0, spec.cluster.data_cpus)
     ds = ray.data.from_items([{"path": p} for p in ordered], override_num_blocks=len(ordered))

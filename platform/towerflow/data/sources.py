@@ -123,7 +123,3 @@ def examples_per_file(files: list[str], manifest: dict[str, Any] | None) -> dict
     return {f: per_file[n] for f, n in names.items()}
 
 
-def example_count(files: list[str], manifest: dict[str, Any] | None) -> int | None:
-    """Total examples of these files, from their manifest (`read_manifest`), when it covers all of them."""
-    counts = examples_per_file(files, manifest)
-    return None if counts is None else sum(counts.values())

@@ -73,9 +73,7 @@ class Driver:
         self.aggregator = StepAggregator(
             replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1,
             first_step=self.session.start_step + 1,
-            examples_seen=int((initial_state.data_position or {}).get("examples_seen") or 0)
-            if initial_state is not None
-            else 0,
+            examples_seen=initial_state.examples_seen if initial_state is not None else 0,
         )
 
     def run(self) -> TrainResult:
