@@ -7,15 +7,19 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import pandas as pd
 import pytest
 import tensorflow as tf
+from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import blob_spec, blobs, mlflow_uri, tracked_spec
 
 from towerflow.errors import SpecError
+from towerflow.imports import import_ref
 from towerflow.launch import train
-from towerflow.spec import validate_spec
+from towerflow.spec import load_spec, validate_spec
 from towerflow.tracking.export import ExportError, build_trained_model, export_model, load_run_spec
+from towerflow.tracking.store import ensure_experiment
 
 
 def test_registered_model_predicts_like_the_trained_weights(exported_run):
@@ -87,3 +91,34 @@ def test_registered_names_mlflow_refuses_are_spec_errors(blob_data):
         validate_spec(blob_spec(blob_data, export={"saved_model": True, "register_as": "team/model"}))
     with pytest.raises(SpecError, match="export.alias"):
         validate_spec(blob_spec(blob_data, export={"alias": "best model"}))
+
+
+def test_a_model_with_several_named_inputs_serves_dicts_and_dataframes(tmp_path):
+    """MLflow's TensorFlow flavor takes one input tensor; the tabular model takes `x` and `category`."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = load_spec(REPO / "pipelines" / "tabular_csv.yaml", [f"tracking.tracking_uri={uri}"])
+    model = import_ref(spec.model.ref)(**spec.model.params)
+    weights = [v.numpy() for v in model.trainable_variables]
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.normal(size=(5, 30)).astype(np.float32), "category": np.array([0, 3, 7, 1, 2])}
+    expected = model(inputs, training=False).numpy()
+
+    client = MlflowClient(uri)
+    run = client.create_run(ensure_experiment(client, "tabular", uri))  # artifacts beside the store
+    exported = export_model(spec, weights, run.info.run_id, tracking_uri=uri)
+    assert exported.registry_uri == "models:/tabular-mlp@champion"
+
+    with mlflow_uri(uri):
+        served = mlflow.pyfunc.load_model(exported.registry_uri)
+        assert {i.name for i in served.metadata.get_input_schema().inputs} == {"x", "category"}
+        np.testing.assert_allclose(served.predict(inputs), expected, atol=1e-5)
+        frame = pd.DataFrame({"x": list(inputs["x"]), "category": inputs["category"]})
+        np.testing.assert_allclose(served.predict(frame), expected, atol=1e-5)
+        with pytest.raises(mlflow.exceptions.MlflowException, match="category"):
+            served.predict({"x": inputs["x"]})
+        local = Path(mlflow.artifacts.download_artifacts(exported.registry_uri))
+    saved = tf.saved_model.load(str(local / "artifacts" / "saved_model"))
+    outputs = saved.signatures["serving_default"](
+        x=tf.constant(inputs["x"]), category=tf.constant(inputs["category"])
+    )
+    np.testing.assert_allclose(outputs["logits"].numpy(), expected, atol=1e-5)

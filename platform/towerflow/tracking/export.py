@@ -6,12 +6,15 @@ The model is rebuilt from the spec's import string and given the trained weights
 - `serving_default`: named inputs (the model's `keras.Input` names) -> `{output name: tensor}`,
   what TF Serving and `tf.saved_model.load(...).signatures["serving_default"]` use;
 - `__call__`: one input tensor -> the output tensor, what MLflow's pyfunc wrapper calls.
-MLflow logs it as a TensorFlow model ("tf2-module" flavor) with a tensor signature and an input example.
+A model with one input is logged as a TensorFlow model ("tf2-module" flavor); one with several named
+inputs as a pyfunc model around the same SavedModel (`named_inputs_model.py`), since MLflow's
+TensorFlow flavor serves one input tensor only. Both carry a tensor signature and an input example.
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,14 +200,15 @@ def export_model(
                 params=dict(run.data.params),
                 tags={"towerflow.job": spec.name},
             )
-            info = mlflow.tensorflow.log_model(
+            info = _log_saved_model(
                 module,
+                signatures,
+                single_input=len(model.inputs) == 1,
                 name=MODEL_NAME,
                 model_id=logged.model_id,
                 run_id=run_id,
                 signature=mlflow_signature(model),
                 input_example=example,
-                saved_model_kwargs={"signatures": signatures},
                 # Listing the requirements skips MLflow's inference, which re-imports the model in a
                 # subprocess (seconds of TensorFlow start-up for nothing).
                 pip_requirements=[f"tensorflow=={tf.__version__}"],
@@ -223,6 +227,34 @@ def export_model(
                 ) from exc
             exported.registered_name, exported.version, exported.alias = register_as, version, alias
     return exported
+
+
+def _log_saved_model(
+    module: Any, signatures: dict[str, Any], *, single_input: bool, **log_kwargs: Any
+) -> Any:
+    """Log `module` as a SavedModel: in MLflow's TensorFlow flavor when the model has one input,
+    else as a pyfunc model from code that serves the SavedModel's named signature."""
+    import mlflow
+    import tensorflow as tf
+
+    if single_input:
+        return mlflow.tensorflow.log_model(
+            module, saved_model_kwargs={"signatures": signatures}, **log_kwargs
+        )
+    from towerflow.tracking import named_inputs_model
+
+    with tempfile.TemporaryDirectory(prefix="towerflow-export-") as scratch:
+        folder = str(Path(scratch) / named_inputs_model.SAVED_MODEL_ARTIFACT)  # MLflow keeps the name
+        tf.saved_model.save(module, folder, signatures=signatures)
+        # Model.log, as pyfunc.log_model does, but with the run to log to (pyfunc.log_model takes
+        # only the active run, and starting the run here would end it on the way out).
+        return mlflow.models.Model.log(
+            artifact_path=None,
+            flavor=mlflow.pyfunc,
+            python_model=named_inputs_model.__file__,
+            artifacts={named_inputs_model.SAVED_MODEL_ARTIFACT: folder},
+            **log_kwargs,
+        )
 
 
 @contextlib.contextmanager
