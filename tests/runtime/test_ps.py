@@ -11,14 +11,16 @@ from towerflow.runtime.ps import shard_actor
 
 def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_applied(ray_cluster):
     # Piece "a" is pushed in bucket 1 (after backprop is done), piece "b" in bucket 0 (early).
-    shard = shard_actor(0.1).remote(
-        0,
-        ["a", "b"],
-        [np.zeros(2, np.float32), np.zeros(3, np.float32)],
-        {"name": "sgd", "learning_rate": 1.0},
-        SyncProtocol(replicas_to_aggregate=2, total_num_replicas=3),  # one backup worker
-        None,
-        buckets=[1, 0],
+    shard = shard_actor(0.1).remote(0)
+    ray.get(
+        shard.load.remote(
+            ["a", "b"],
+            [np.zeros(2, np.float32), np.zeros(3, np.float32)],
+            {"name": "sgd", "learning_rate": 1.0},
+            SyncProtocol(replicas_to_aggregate=2, total_num_replicas=3),  # one backup worker
+            None,
+            buckets=[1, 0],
+        )
     )
     grad = {w: (np.full(2, w + 1.0, np.float32), np.full(3, 10.0 * (w + 1), np.float32)) for w in range(3)}
 
@@ -52,14 +54,11 @@ def test_a_stopping_workers_last_push_and_retire_leave_every_shard_at_one_versio
     # How a stop drains: a worker's last push and its retire reach two shards in different orders.
     # Whichever comes first, each shard takes exactly one more step, so the final state is a cut.
     def make_shard(i):
-        return shard_actor(0.1).remote(
-            i,
-            [f"w{i}"],
-            [np.zeros(2, np.float32)],
-            {"name": "sgd", "learning_rate": 1.0},
-            SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2),
-            None,
-        )
+        shard = shard_actor(0.1).remote(i)
+        sgd = {"name": "sgd", "learning_rate": 1.0}
+        protocol = SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)
+        ray.get(shard.load.remote([f"w{i}"], [np.zeros(2, np.float32)], sgd, protocol, None))
+        return shard
 
     shards = [make_shard(0), make_shard(1)]
     grad = {w: np.full(2, w + 1.0, np.float32) for w in range(2)}

@@ -136,6 +136,13 @@ class Driver:
         configs = [self._worker_config(i) for i in range(cluster.workers)]
         self._start_steps = [c.start_at_step for c in configs]
         self.workers = [worker_cls.remote(c) for c in configs]
+        # The shards start (import TensorFlow) while worker 0 builds the model; they get their
+        # pieces once its variables are known.
+        shard_cls = shard_actor(cluster.cpus_per_ps)
+        self.shards = [
+            shard_cls.remote(shard, cluster.cpus_per_ps, apply_threads=self._apply_threads())
+            for shard in range(cluster.ps)
+        ]
         infos, values = ray.get(self.workers[0].describe.remote())
         pieces = cut_variables(infos, cluster.ps, cluster.min_slice_bytes)
         assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
@@ -156,10 +163,8 @@ class Driver:
                 ([pieces[i].of(values[pieces[i].variable]) for i in indices], None) for indices in assignment
             ]
         bounds = [b for b in (spec.training.max_steps, self.session.last_step) if b is not None]
-        shard_cls = shard_actor(cluster.cpus_per_ps)
-        self.shards = [
-            shard_cls.remote(
-                shard,
+        loaded = [
+            self.shards[shard].load.remote(
                 [pieces[i].name for i in indices],
                 shard_values,
                 optimizer,
@@ -170,17 +175,16 @@ class Driver:
                     max_staleness=spec.training.max_staleness,
                 ),
                 min(bounds) if bounds else None,
-                cluster.cpus_per_ps,
                 initial_slots=shard_slots,
                 initial_version=self.session.start_step,
-                apply_threads=self._apply_threads(),
                 snapshot_every=self.session.snapshot_every,
                 buckets=self._shard_buckets[shard],
             )
             for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
         ]
-        # Wait until every actor has started (TensorFlow imported, model built) before the clock runs.
-        ray.get([s.ping.remote() for s in self.shards] + [w.devices_used.remote() for w in self.workers])
+        # Wait until every actor has started (TensorFlow imported, model built, pieces loaded)
+        # before the clock runs.
+        ray.get(loaded + [w.devices_used.remote() for w in self.workers])
         if self.initial_state is not None and self.initial_state.model_state:
             ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
 

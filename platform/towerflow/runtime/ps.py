@@ -59,33 +59,41 @@ _REPLICA_COUNTS_KEPT = 256  # recent steps whose replica count a woken sync push
 
 
 class ParameterShard:
-    """One shard. Run as an async Ray actor so that sync pushes can wait for their step cheaply."""
+    """One shard. Run as an async Ray actor so that sync pushes can wait for their step cheaply.
 
-    def __init__(
+    It starts in two steps: the actor itself (its process imports TensorFlow, seconds of CPU), which
+    the driver creates at the same time as the workers, then `load` with its pieces, once the
+    driver knows the model's variables from a worker. The job starts in the longer of the two
+    start-ups instead of their sum.
+    """
+
+    def __init__(self, shard_id: int, cpus: float = 0.5, *, apply_threads: int | None = None) -> None:
+        # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
+        configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0)))
+        import tensorflow as tf
+
+        self.shard_id = shard_id
+        self._tf = tf
+
+    def load(
         self,
-        shard_id: int,
         names: list[str],
         initial_values: list[np.ndarray],
         optimizer: dict[str, Any],
         protocol: UpdateProtocol,
         max_steps: int | None,
-        cpus: float = 0.5,
         *,
         initial_slots: dict[str, list[np.ndarray]] | None = None,
         initial_version: int = 0,
-        apply_threads: int | None = None,
         snapshot_every: int | None = None,
         buckets: list[int] | None = None,
     ) -> None:
-        # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
-        configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0)))
-        import tensorflow as tf
-
+        """Take this shard's pieces, their optimizer and update protocol; publish the first version.
+        Called once, before any worker pulls or pushes."""
         from towerflow.runtime.optimizers import build_optimizer
 
-        self.shard_id = shard_id
+        tf, shard_id = self._tf, self.shard_id
         self._names = names
-        self._tf = tf
         self._optimizer = build_optimizer(optimizer)
         self._variables = [
             tf.Variable(np.asarray(v), name=f"shard{shard_id}_{i}") for i, v in enumerate(initial_values)
