@@ -2,6 +2,7 @@
 
 import math
 
+import keras
 import numpy as np
 import pytest
 
@@ -34,6 +35,10 @@ def test_multiclass_accuracy_and_macro_precision_recall():
     assert result["recall"] == pytest.approx(recall)
     assert result["loss"] == pytest.approx(0.5) and 0.5 < result["auc"] <= 1.0
     assert result["examples"] == 50
+    # Batches of 7 (the last of 1) give the AUC of the whole set at once, as Keras computes it.
+    whole = keras.metrics.AUC(num_thresholds=200, multi_label=True, num_labels=3)
+    whole.update_state(np.eye(3)[labels], keras.ops.softmax(logits))
+    assert result["auc"] == pytest.approx(float(whole.result()), abs=1e-6)
 
 
 def test_regression_errors_and_perplexity():
