@@ -57,7 +57,7 @@ def resolve_files(patterns: list[str], *, key: str = "data.train.paths") -> list
                 if not matched:
                     raise DataError(
                         f"{key}: {pattern!r} matches no files (working directory {os.getcwd()}). "
-                        "Generate data with `towerflow data synth mnist --out data/mnist` or fix the path."
+                        "Fix the path, or generate a synthetic set: `towerflow data synth {mnist,ptb,tabular} --out DIR`."
                     )
                 files.extend(_public(fs, m) for m in matched)
             elif fs.isfile(stripped):

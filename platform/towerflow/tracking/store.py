@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 
 DEFAULT_DB = "mlflow.db"
+# Set by Ray for the entrypoint of a job (`ray job submit`): the job runs in a working directory of
+# Ray's, which Ray deletes once no job uses it.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def default_tracking_uri(spec_uri: str | None = None, workdir: str | Path | None = None) -> str:
@@ -35,3 +38,16 @@ def ensure_experiment(client, name: str, tracking_uri: str) -> str:
     if experiment is not None:
         return experiment.experiment_id
     return client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+
+
+def job_store_warning(spec_uri: str | None = None) -> str | None:
+    """A warning when a Ray job would keep its runs in the default store, inside Ray's temporary
+    working directory of the job (where no one would find them, and which Ray deletes); else None."""
+    if spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or not os.environ.get(RAY_JOB_ENV):
+        return None
+    return (
+        f"this Ray job would keep its MLflow runs in {default_tracking_uri()}, inside the job's "
+        "temporary working directory, which Ray deletes: point MLFLOW_TRACKING_URI at a tracking "
+        "server or shared store (ray job submit --runtime-env-json "
+        '\'{"env_vars": {"MLFLOW_TRACKING_URI": "..."}}\'), or set tracking.tracking_uri'
+    )

@@ -1,0 +1,189 @@
+"""`ray job submit`, as the README tells a user to run it, against a real Ray head of its own.
+
+The head runs as `ray start --head --block` with token authentication on and every server on
+127.0.0.1; the job ships the repository as its working directory and runs `python -m towerflow train`
+there. This is the only test with a second Ray: jobs need the dashboard's job server, which the
+session's Ray does without.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from conftest import REPO
+from mlflow.tracking import MlflowClient
+from support import mlflow_uri
+
+from towerflow.data.synth import synth_tabular
+from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """(dashboard address, environment of a user who holds the cluster's token) of a fresh head."""
+    gcs, dashboard, agent, agent_grpc, client = _free_ports(5)
+    workers = (
+        23000 + secrets.randbelow(20) * 100
+    )  # a worker port range of its own, apart from the session's Ray
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),  # `python` is this one
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(16),
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # stop at once, not after draining for up to 30 s
+        **{SINGLE_MACHINE_SWITCH: "0"},  # every server on 127.0.0.1
+    )
+    # Ray's socket paths live under its temp dir: keep it short (Unix sockets allow 107 bytes).
+    temp_dir = tempfile.mkdtemp(prefix="tfjob", dir="/tmp")
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--ray-client-server-port={client}",
+            f"--min-worker-port={workers}",
+            f"--max-worker-port={workers + 99}",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        _wait_for_job_server(address, env["RAY_AUTH_TOKEN"], head)
+        yield address, env
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops everything it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+def _wait_for_job_server(address: str, token: str, head: subprocess.Popen, timeout: float = 120) -> None:
+    request = urllib.request.Request(f"{address}/api/version", headers={"Authorization": f"Bearer {token}"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head.returncode}: {head.stderr.read()}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the job server at {address} did not answer within {timeout:.0f} s")
+
+
+def _submit(address: str, env: dict, runtime_env: str, *train_args: str) -> subprocess.CompletedProcess:
+    """`ray job submit --working-dir . -- python -m towerflow train ...`, from the repository root."""
+    return subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "job",
+            "submit",
+            f"--address={address}",
+            "--working-dir=.",
+            f"--runtime-env-json={runtime_env}",
+            "--",
+            "python",
+            "-m",
+            "towerflow",
+            "train",
+            *train_args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_a_submitted_job_trains_tracks_and_registers_its_model(ray_head, tmp_path):
+    address, env = ray_head
+    synth_tabular(tmp_path / "data", shards=2, examples=1_000, eval_examples=100, seed=2, fmt="csv")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a store both this test and the job can reach
+    settings = [
+        f"data.train.paths={tmp_path}/data/train-*.csv",
+        f"data.eval.paths={tmp_path}/data/eval-*.csv",
+        "data.batch_size=64",
+        "cluster.workers=1",
+        "training.max_steps=6",
+    ]
+    out = _submit(
+        address,
+        env,
+        f'{{"env_vars": {{"MLFLOW_TRACKING_URI": "{store}"}}}}',
+        "pipelines/tabular_csv.yaml",
+        *[a for s in settings for a in ("--set", s)],
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs
+    summary = [line for line in logs.splitlines() if line.startswith("towerflow: run ")]
+    assert len(summary) == 1 and "finished steps=6" in summary[0], logs
+    assert "towerflow: warning" not in logs  # the store is the one the job was given
+    run_id = summary[0].split()[2]
+
+    client = MlflowClient(store)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 6
+    assert run.data.tags["towerflow.registered_model"] == "models:/tabular-mlp@champion"
+    with mlflow_uri(store):
+        served = mlflow.pyfunc.load_model("models:/tabular-mlp@champion")
+        logits = served.predict({"x": np.zeros((3, 30), np.float32), "category": np.array([0, 1, 2])})
+    assert logits.shape == (3, 2) and np.isfinite(logits).all()
+
+
+def test_a_submitted_job_with_missing_data_fails_with_the_pattern_named(ray_head, tmp_path):
+    # No MLFLOW_TRACKING_URI: the job is warned that its default store would be lost with Ray's
+    # working directory of the job.
+    address, env = ray_head
+    missing = f"{tmp_path}/nowhere/train-*.csv"
+    settings = [f"data.train.paths={missing}", f"data.eval.paths={missing}"]
+    out = _submit(
+        address, env, "{}", "pipelines/tabular_csv.yaml", *[a for s in settings for a in ("--set", s)]
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode != 0, logs
+    assert f"paths: '{missing}' matches no files" in logs, logs
+    assert "towerflow: warning: this Ray job would keep its MLflow runs in" in logs
+    assert "Traceback" not in logs
