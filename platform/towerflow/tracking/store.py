@@ -5,6 +5,7 @@ The embedded default is the same store that `mlflow ui` started in the working d
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def ensure_experiment(client, name: str, tracking_uri: str) -> str:
 def job_store_warning(spec_uri: str | None = None) -> str | None:
     """A warning when a Ray job would keep its runs in the default store, inside Ray's temporary
     working directory of the job (where no one would find them, and which Ray deletes); else None."""
-    if spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or not os.environ.get(RAY_JOB_ENV):
+    if spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or not _in_job_working_dir():
         return None
     return (
         f"this Ray job would keep its MLflow runs in {default_tracking_uri()}, inside the job's "
@@ -51,3 +52,12 @@ def job_store_warning(spec_uri: str | None = None) -> str | None:
         "server or shared store (ray job submit --runtime-env-json "
         '\'{"env_vars": {"MLFLOW_TRACKING_URI": "..."}}\'), or set tracking.tracking_uri'
     )
+
+
+def _in_job_working_dir() -> bool:
+    """Whether this is a Ray job's entrypoint running in the working directory Ray unpacked for it."""
+    try:
+        config = json.loads(os.environ.get(RAY_JOB_ENV) or "{}")
+    except ValueError:
+        return False
+    return bool((config.get("runtime_env") or {}).get("working_dir"))
