@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,3 +176,12 @@ def mlflow_uri(uri: str) -> Iterator[None]:
         yield
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def free_ports(count: int = 1) -> list[int]:
+    """`count` distinct free TCP ports on 127.0.0.1 (all held open until every one is chosen)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,28 +24,19 @@ import numpy as np
 import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import mlflow_uri
+from support import free_ports, mlflow_uri
 
 from towerflow.data.synth import synth_tabular
 from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+RAY_CLI = str(Path(sys.executable).parent / "ray")  # the `ray` command of this environment
 
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """(dashboard address, environment of a user who holds the cluster's token) of a fresh head."""
-    gcs, dashboard, agent, agent_grpc, client = _free_ports(5)
+    gcs, dashboard, agent, agent_grpc, client = free_ports(5)
     workers = (
         23000 + secrets.randbelow(20) * 100
     )  # a worker port range of its own, apart from the session's Ray
@@ -62,7 +52,7 @@ def ray_head(tmp_path_factory):
     temp_dir = tempfile.mkdtemp(prefix="tfjob", dir="/tmp")
     head = subprocess.Popen(
         [
-            str(Path(sys.executable).parent / "ray"),
+            RAY_CLI,
             "start",
             "--head",
             "--block",
@@ -117,7 +107,7 @@ def _submit(address: str, env: dict, runtime_env: str, *train_args: str) -> subp
     """`ray job submit --working-dir . -- python -m towerflow train ...`, from the repository root."""
     return subprocess.run(
         [
-            str(Path(sys.executable).parent / "ray"),
+            RAY_CLI,
             "job",
             "submit",
             f"--address={address}",

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
+from support import free_ports
 
 from towerflow.tracking.system_metrics import node_labels
 from towerflow.tracking.ui import start_ui, stop_ui
@@ -82,12 +82,6 @@ def browser(chromium):
     driver.quit()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _page_text_when(driver, ready, timeout_s: float = 90) -> str:
     """The page's text once `ready(text)` holds (the UI is a React app that renders after fetching)."""
     body = lambda d: d.find_element(By.TAG_NAME, "body").text  # noqa: E731
@@ -105,7 +99,7 @@ def _logged_models(text: str) -> int:
 
 def test_run_page_shows_metrics_and_logged_model(exported_run, browser):
     spec, uri, result = exported_run
-    port = _free_port()
+    port = free_ports()[0]
     server = start_ui(uri, port=port)
     try:
         from mlflow.tracking import MlflowClient
@@ -140,7 +134,7 @@ def _listening(port: int) -> list[str]:
 
 def test_towerflow_ui_command_serves_the_store_on_loopback(exported_run):
     _, uri, _ = exported_run
-    port = _free_port()
+    port = free_ports()[0]
     command = [sys.executable, "-m", "towerflow", "ui", "--port", str(port), "--store", uri]
     cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -26,9 +26,8 @@ class NamedInputsSavedModel(mlflow.pyfunc.PythonModel):
         import tensorflow as tf
 
         self._tf = tf
-        self._saved = tf.saved_model.load(
-            context.artifacts[SAVED_MODEL_ARTIFACT]
-        )  # keeps the variables alive
+        # Held, not only its signature: a concrete function keeps only weak references to the variables.
+        self._saved = tf.saved_model.load(context.artifacts[SAVED_MODEL_ARTIFACT])
         self._serve = self._saved.signatures["serving_default"]
         self._inputs = self._serve.structured_input_signature[1]  # input name -> tf.TensorSpec
 
