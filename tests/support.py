@@ -48,6 +48,11 @@ def blobs(n: int, dim: int = 8, classes: int = 2, seed: int = 0) -> dict[str, np
     }
 
 
+# The smallest cluster: one worker and one shard, for tests whose subject is not how many there are.
+# Each actor's process imports TensorFlow (seconds of CPU on 2 cores), so every actor counts.
+ONE_OF_EACH = {"workers": 1, "ps": 1}
+
+
 def blob_spec(folder: Path, **sections) -> dict:
     """A small valid raw spec over blob_data; keyword sections replace or extend the defaults."""
     spec = {

@@ -11,25 +11,18 @@ import pytest
 import yaml
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import blob_spec
+from support import ONE_OF_EACH, blob_spec
 
 from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
 
+# `python -m towerflow` puts the working directory on sys.path; the console script (what `make
+# example` runs) does not, so both are exercised.
+_CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "towerflow")
 
-def _run(args, *, env=None, timeout=300, console_script=False):
-    # `python -m` puts the working directory on sys.path; the console script (what `make example`
-    # runs) does not, so both are exercised.
-    command = (
-        [os.path.join(os.path.dirname(sys.executable), "towerflow")]
-        if console_script
-        else [
-            sys.executable,
-            "-m",
-            "towerflow",
-        ]
-    )
+
+def _run(args, *, env=None, timeout=300):
     return subprocess.run(
-        [*command, *args],
+        [sys.executable, "-m", "towerflow", *args],
         cwd=REPO,
         env={**os.environ, **(env or {})},
         capture_output=True,
@@ -92,23 +85,21 @@ def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path
     assert "matches no files" in runs[0].data.tags["towerflow.error"]
 
 
-def test_embedded_ray_listens_on_loopback_only(blob_data, tmp_path):
-    # No RAY_ADDRESS: the command starts its own Ray, which must not listen on the network.
+def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
+    # As `make example` runs it: the console script, no RAY_ADDRESS (so the command starts its own Ray,
+    # which must not listen on the network), and an export, for which the driver itself imports
+    # models.mlp from the working directory. A hook records every address Ray's processes listen on.
     record = tmp_path / "listening.json"
     hook = {"ref": "sample_hooks:ListeningAddressesHook", "params": {"out": str(record)}}
-    spec = blob_spec(
-        blob_data,
-        cluster={"workers": 1, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5},
-        training={"mode": "async", "max_steps": 2},
-        tracking={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
-        supervision={"hooks": [hook]},
-    )
+    spec = blob_spec(blob_data, cluster=ONE_OF_EACH, supervision={"hooks": [hook]})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_MACHINE_SWITCH)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env |= {"PYTHONPATH": str(REPO / "tests"), "MLFLOW_TRACKING_URI": store}  # tests/ for the hook only
+    settings = ["training.max_steps=6", "training.mode=async", "export.saved_model=true"]
     out = subprocess.run(
-        [sys.executable, "-m", "towerflow", "train", str(path), "--no-progress"],
+        [_CONSOLE_SCRIPT, "train", str(path), *[a for s in settings for a in ("--set", s)]],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -116,33 +107,21 @@ def test_embedded_ray_listens_on_loopback_only(blob_data, tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
+
+    summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
+    assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]
+    assert "mlflow ui" in out.stdout
+    run_id = summary[0].split()[2]
+    run = MlflowClient(store).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["training.mode"] == "async" and run.data.params["cluster.workers"] == "1"
+    assert run.data.tags["mode"] == "async"
+    assert {"loss", "global_step", "examples_per_sec"} <= set(run.data.metrics)
+    assert run.data.metrics["global_step"] == 6
+    assert run.data.tags["towerflow.model_uri"].startswith("models:/")
+
     listening = json.loads(record.read_text())
     assert {"gcs_server", "raylet"} <= {entry["process"] for entry in listening}, listening
     exposed = [e for e in listening if e["address"] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     assert exposed == [], f"listening beyond loopback: {exposed}"
     assert "warning: the embedded Ray listens" not in out.stderr
-
-
-def test_train_end_to_end(cluster_env, blob_data, tmp_path):
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(blob_spec(blob_data)))
-    # Through the console script, with an export: the driver itself imports models.mlp from the
-    # working directory to build the SavedModel.
-    settings = ["training.max_steps=6", "training.mode=async", "export.saved_model=true"]
-    out = _run(
-        ["train", str(path), *[a for s in settings for a in ("--set", s)]],
-        env=cluster_env,
-        console_script=True,
-    )
-    assert out.returncode == 0, out.stderr
-    summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
-    assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]
-    assert "mlflow ui" in out.stdout
-    run_id = summary[0].split()[2]
-    run = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"]).get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.params["training.mode"] == "async" and run.data.params["cluster.workers"] == "2"
-    assert run.data.tags["mode"] == "async"
-    assert {"loss", "global_step", "examples_per_sec"} <= set(run.data.metrics)
-    assert run.data.metrics["global_step"] == 6
-    assert run.data.tags["towerflow.model_uri"].startswith("models:/")

@@ -80,6 +80,7 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_and_exported(
         blob_data,
         "model-state",
         model={"params": {"input_dim": 8, "num_classes": 2, "hidden": [16], "seed": 1, "batch_norm": True}},
+        cluster={"workers": 2, "ps": 1},  # two workers' statistics are averaged
         data={"epochs": None},
         training={"max_steps": 6, "optimizer": {"name": "sgd", "learning_rate": 0.1}},
         supervision={"checkpoint": {"every_steps": 3}},

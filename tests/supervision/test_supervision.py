@@ -10,16 +10,12 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 from sample_hooks import RecordingHook, StopAtStepHook
-from support import blob_spec, mlflow_uri
+from support import ONE_OF_EACH, blob_spec, mlflow_uri
 
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
 from towerflow.spec import validate_spec
-
-# For tests whose subject is the driver's supervision, not the protocol between several actors: one
-# worker and one shard start in half the time of two each (every actor imports TensorFlow).
-ONE_OF_EACH = {"workers": 1, "ps": 1}
 
 
 def _spec(blob_data, uri: str | None, **sections):
@@ -36,12 +32,14 @@ def _spec(blob_data, uri: str | None, **sections):
 
 @pytest.fixture(scope="module")
 def first_run(ray_cluster, blob_data, tmp_path_factory):
-    """8 steps: checkpoints every 3, evaluation every 4, profile of steps [2, 4) on worker 0, a user hook."""
+    """8 steps on 2 shards (the resumes below change their number): checkpoints every 3, evaluation
+    every 4, profile of steps [2, 4) on worker 0, a user hook."""
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     RecordingHook.instances.clear()
     spec = _spec(
         blob_data,
         uri,
+        cluster={"workers": 1, "ps": 2},
         training={"max_steps": 8},
         supervision={
             "log_every_steps": 1,
@@ -149,13 +147,16 @@ def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, 
     # An epoch is 16 steps of 2 workers x 32 (1,024 examples in 4 files of 256). Stopped at step 12,
     # the resumed run reads only the last file: 4 more steps to the end of the epoch, not 16.
     run_dir = tmp_path / "run"
-    first = train(
-        validate_spec(blob_spec(blob_data, data={"epochs": 1}, training={"max_steps": 12})),
-        track=False,
-        output_dir=run_dir,
-    )
+    two_workers = {"workers": 2, "ps": 1}  # the data position is the workers' together
+
+    def spec(max_steps):
+        return validate_spec(
+            blob_spec(blob_data, cluster=two_workers, data={"epochs": 1}, training={"max_steps": max_steps})
+        )
+
+    first = train(spec(12), track=False, output_dir=run_dir)
     assert first.global_step == 12 and first.examples_seen == 768
-    longer = validate_spec(blob_spec(blob_data, data={"epochs": 1}, training={"max_steps": 100}))
+    longer = spec(100)
     resumed = train(longer, track=False, resume=str(run_dir), output_dir=run_dir)
     assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in capsys.readouterr().out
     assert resumed.global_step == 16 and resumed.examples_seen == 1024

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from support import tracked_spec
+from support import ONE_OF_EACH, tracked_spec
 
 from towerflow.launch import train
 
@@ -15,6 +15,7 @@ def exported_run(ray_cluster, blob_data, tmp_path_factory):
         tmp_path_factory.mktemp("export"),
         blob_data,
         "export",
+        cluster=ONE_OF_EACH,
         training={"max_steps": 6},
         export={"saved_model": True, "register_as": "blobs-mlp"},
     )

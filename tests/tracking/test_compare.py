@@ -22,6 +22,7 @@ def test_both_modes_become_child_runs_with_plots_in_the_parent(ray_cluster, blob
         tmp_path,
         blob_data,
         "cmp",
+        cluster={"workers": 2, "ps": 1},  # two workers, so that sync and async differ
         training={"max_steps": 5},
         supervision={"log_every_steps": 1},  # a point per step for the plots
     )

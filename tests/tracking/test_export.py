@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import blob_spec, blobs, mlflow_uri, tracked_spec
+from support import ONE_OF_EACH, blob_spec, blobs, mlflow_uri, tracked_spec
 
 from towerflow.errors import SpecError
 from towerflow.imports import import_ref
@@ -76,6 +76,7 @@ def test_a_failed_export_fails_the_run(ray_cluster, blob_data, tmp_path):
         tmp_path,
         blob_data,
         "bad-export",
+        cluster=ONE_OF_EACH,
         training={"max_steps": 2},
         export={"saved_model": True, "register_as": "blobs-bad", "alias": "latest"},  # reserved by MLflow
     )

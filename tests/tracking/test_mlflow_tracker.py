@@ -9,7 +9,7 @@ import pytest
 import ray
 import tensorflow as tf
 from mlflow.tracking import MlflowClient
-from support import blob_spec, tracked_spec
+from support import ONE_OF_EACH, blob_spec, tracked_spec
 
 from towerflow.errors import DataError
 from towerflow.launch import train
@@ -28,7 +28,12 @@ def test_default_store_is_in_the_working_directory(tmp_path, monkeypatch):
 
 def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
     spec, uri = tracked_spec(
-        tmp_path, blob_data, "t", training={"max_steps": 8}, supervision={"log_every_steps": 3}
+        tmp_path,
+        blob_data,
+        "t",
+        cluster=ONE_OF_EACH,
+        training={"max_steps": 8},
+        supervision={"log_every_steps": 3},
     )
     result = train(spec)
     client = MlflowClient(uri)
@@ -46,7 +51,8 @@ def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
 
 
 def test_run_records_versions_cluster_shape_and_git_commit(ray_cluster, blob_data, tmp_path):
-    spec, uri = tracked_spec(tmp_path, blob_data, "meta", training={"max_steps": 2})
+    cluster = {"workers": 1, "ps": 2}  # two different numbers, so neither can stand for the other
+    spec, uri = tracked_spec(tmp_path, blob_data, "meta", cluster=cluster, training={"max_steps": 2})
     run = MlflowClient(uri).get_run(train(spec).run_id)
     params, tags = run.data.params, run.data.tags
     assert params["versions.tensorflow"] == tags["tensorflow.version"] == tf.__version__
@@ -60,7 +66,7 @@ def test_run_records_versions_cluster_shape_and_git_commit(ray_cluster, blob_dat
         and params["cluster.gpus"] == f"{resources.get('GPU', 0):g}"
     )
     assert params["cluster.nodes"] == str(len([n for n in ray.nodes() if n["Alive"]]))
-    assert params["cluster.workers"] == "2" and params["cluster.ps_shards"] == "2"
+    assert params["cluster.workers"] == "1" and params["cluster.ps_shards"] == "2"
     # The tests run from the repository root, a git work tree: the run names its commit.
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert tags["mlflow.source.git.commit"] == tags["towerflow.git.commit"] == head

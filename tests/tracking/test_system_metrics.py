@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
-from support import tracked_spec
+from support import ONE_OF_EACH, tracked_spec
 
 from towerflow.launch import train
 from towerflow.tracking.cluster_gpus import NodeGpus, format_table, probe_cluster
@@ -43,7 +44,12 @@ def test_without_nvml_there_are_no_gpus_and_no_error():
 
 def test_run_has_host_metrics_of_each_ray_node(ray_cluster, blob_data, tmp_path):
     spec, uri = tracked_spec(
-        tmp_path, blob_data, "sys", tracking={"system_metrics_interval_s": 0.2}, training={"max_steps": 8}
+        tmp_path,
+        blob_data,
+        "sys",
+        cluster=ONE_OF_EACH,
+        tracking={"system_metrics_interval_s": 0.2},
+        training={"max_steps": 8},
     )
     run_id = train(spec).run_id
     client = MlflowClient(uri)
@@ -70,7 +76,12 @@ def test_run_has_host_metrics_of_each_ray_node(ray_cluster, blob_data, tmp_path)
 
 def test_system_metrics_can_be_turned_off(ray_cluster, blob_data, tmp_path):
     spec, uri = tracked_spec(
-        tmp_path, blob_data, "nosys", tracking={"system_metrics": False}, training={"max_steps": 2}
+        tmp_path,
+        blob_data,
+        "nosys",
+        cluster=ONE_OF_EACH,
+        tracking={"system_metrics": False},
+        training={"max_steps": 2},
     )
     names = MlflowClient(uri).get_run(train(spec).run_id).data.metrics
     assert "loss" in names and not any(n.startswith("system/") for n in names)
@@ -119,9 +130,15 @@ def test_gpu_table_layout():
     assert "cpu-node" not in table
 
 
-def test_gpus_command_without_gpus_exits_zero():
+def test_gpus_command_without_gpus_exits_zero(ray_cluster):
+    # Against this session's cluster, as a user asks about theirs (token authentication on).
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": "token",
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "towerflow", "gpus"], capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "towerflow", "gpus"], capture_output=True, text=True, timeout=180, env=env
     )
     assert done.returncode == 0, done.stderr
     if NO_NVML:

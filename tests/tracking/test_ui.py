@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -25,7 +24,6 @@ from selenium.webdriver.support.ui import WebDriverWait
 from support import free_ports
 
 from towerflow.tracking.system_metrics import node_labels
-from towerflow.tracking.ui import start_ui, stop_ui
 
 
 def _chromium() -> tuple[str, str] | None:
@@ -97,54 +95,23 @@ def _logged_models(text: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def test_run_page_shows_metrics_and_logged_model(exported_run, browser):
-    spec, uri, result = exported_run
-    port = free_ports()[0]
-    server = start_ui(uri, port=port)
-    try:
-        from mlflow.tracking import MlflowClient
-
-        experiment_id = MlflowClient(uri).get_run(result.run_id).info.experiment_id
-        browser.get(f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs/{result.run_id}")
-        metrics = ["loss", "examples_per_sec", "time_compute_s", "train_accuracy"]
-        # the exported model: the one of the run's end at least (test_export may have added another)
-        text = _page_text_when(
-            browser, lambda t: all(m in t for m in metrics) and "blobs-mlp" in t and _logged_models(t) >= 1
-        )
-        assert result.run_id in text and "Finished" in text
-        # each Ray node's host metrics, under MLflow's own System metrics tab
-        browser.find_element(By.XPATH, "//*[normalize-space(text())='System metrics']").click()
-        nodes = [n for n in ray.nodes() if n["Alive"]]
-        # the tab groups its charts per node: a "system/<node> (<chart count>)" header, then the charts
-        headers = [
-            re.compile(rf"system/{re.escape(label)}\s*\(\d+\)") for label in node_labels(nodes).values()
-        ]
-        _page_text_when(
-            browser, lambda t: all(h.search(t) for h in headers) and "cpu_utilization_percentage" in t
-        )
-    finally:
-        stop_ui(server)
-
-
 def _listening(port: int) -> list[str]:
     return [
         c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port
     ]
 
 
-def test_towerflow_ui_command_serves_the_store_on_loopback(exported_run):
-    _, uri, _ = exported_run
+def test_towerflow_ui_serves_the_run_page_on_loopback_until_ctrl_c(exported_run, browser):
+    # As a user does it: start `towerflow ui`, open the run in a browser, press Ctrl-C.
+    _, uri, result = exported_run
     port = free_ports()[0]
     command = [sys.executable, "-m", "towerflow", "ui", "--port", str(port), "--store", uri]
     cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = cli.stdout.readline()  # printed once the server answers
         assert f"at http://127.0.0.1:{port}" in line, line
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=5"
-        ) as r:
-            assert b'"export"' in r.read()
         assert set(_listening(port)) == {"127.0.0.1"}
+        _shows_the_run(browser, f"http://127.0.0.1:{port}", uri, result.run_id)
     finally:
         cli.send_signal(signal.SIGINT)
         try:
@@ -157,3 +124,25 @@ def test_towerflow_ui_command_serves_the_store_on_loopback(exported_run):
     while _listening(port) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _listening(port) == []
+
+
+def _shows_the_run(browser, base_url: str, uri: str, run_id: str) -> None:
+    """The run page shows the run's metrics, its logged model and each Ray node's host metrics."""
+    from mlflow.tracking import MlflowClient
+
+    experiment_id = MlflowClient(uri).get_run(run_id).info.experiment_id
+    browser.get(f"{base_url}/#/experiments/{experiment_id}/runs/{run_id}")
+    metrics = ["loss", "examples_per_sec", "time_compute_s", "train_accuracy"]
+    # the exported model: the one of the run's end at least (test_export may have added another)
+    text = _page_text_when(
+        browser, lambda t: all(m in t for m in metrics) and "blobs-mlp" in t and _logged_models(t) >= 1
+    )
+    assert run_id in text and "Finished" in text
+    # each Ray node's host metrics, under MLflow's own System metrics tab
+    browser.find_element(By.XPATH, "//*[normalize-space(text())='System metrics']").click()
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    # the tab groups its charts per node: a "system/<node> (<chart count>)" header, then the charts
+    headers = [re.compile(rf"system/{re.escape(label)}\s*\(\d+\)") for label in node_labels(nodes).values()]
+    _page_text_when(
+        browser, lambda t: all(h.search(t) for h in headers) and "cpu_utilization_percentage" in t
+    )
