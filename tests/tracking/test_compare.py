@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +11,14 @@ from pathlib import Path
 import matplotlib.image
 import mlflow
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 from support import blob_spec, tracked_spec
 
 from towerflow.errors import DataError, SpecError
 from towerflow.spec import validate_spec
 from towerflow.tracking.compare import compare_modes, parse_modes, spec_for_mode
+from towerflow.tracking.store import RAY_JOB_ENV
 
 
 def test_both_modes_become_child_runs_with_plots_in_the_parent(ray_cluster, blob_data, tmp_path):
@@ -78,6 +82,33 @@ def test_cli_rejects_unknown_modes_with_one_paragraph(tmp_path):
     )
     assert done.returncode == 2
     assert "--modes 'sync,downpour'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_compare_job_on_the_default_store_is_warned_that_it_loses_its_runs(ray_cluster, tmp_path):
+    # A Ray job runs in a copy of its working directory (here tmp_path), so the default store would go
+    # with it. The data is missing too, so the job ends early, as a user would see it.
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(blob_spec(tmp_path / "nowhere")))
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env |= {
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": "token",
+        RAY_JOB_ENV: json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0.zip"}}),
+        "PYTHONPATH": str(repo),  # models/, as the job's working directory would hold it
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "towerflow", "compare", str(spec), "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 2, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("towerflow: warning:")]
+    assert len(warnings) == 1 and f"{tmp_path / 'mlflow.db'}" in warnings[0], done.stderr
+    assert "matches no files" in done.stderr
 
 
 def test_a_failed_child_fails_the_parent(ray_cluster, blob_data, tmp_path):

@@ -149,11 +149,8 @@ def _train(args: argparse.Namespace) -> int:
     from towerflow.cli.progress import ProgressHook
     from towerflow.launch import train
     from towerflow.spec import load_spec
-    from towerflow.tracking.store import job_store_warning
 
     spec = load_spec(args.spec, args.overrides)
-    if warning := job_store_warning(spec.tracking.tracking_uri):
-        print(f"towerflow: warning: {warning}", file=sys.stderr)
     hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
     result = train(spec, hooks=hooks, resume=args.resume)
     print(f"towerflow: {result.summary_line()}")

@@ -19,7 +19,7 @@ from towerflow.runtime.hooks import Hook
 from towerflow.spec import JobSpec, apply_override, load_spec, validate_spec
 from towerflow.tracking.plots import line_plot
 from towerflow.tracking.run_metadata import run_tags
-from towerflow.tracking.store import default_tracking_uri, ensure_experiment
+from towerflow.tracking.store import ensure_experiment, run_store_uri
 
 MODES = ("sync", "async")
 PLOTS = {  # file name: (x metric, x label)
@@ -85,7 +85,7 @@ def compare_modes(
     overrides = list(overrides)
     specs = {mode: spec_for_mode(spec, mode, overrides) for mode in modes}
     first = next(iter(specs.values()))
-    uri = default_tracking_uri(first.tracking.tracking_uri)
+    uri = run_store_uri(first.tracking.tracking_uri)
     client = MlflowClient(uri)
     experiment_id = ensure_experiment(client, first.experiment, uri)
     tags = {

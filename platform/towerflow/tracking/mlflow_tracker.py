@@ -14,7 +14,7 @@ from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, S
 from towerflow.spec import flatten_spec
 from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.step_metrics import StepWindow
-from towerflow.tracking.store import default_tracking_uri, ensure_experiment
+from towerflow.tracking.store import ensure_experiment, run_store_uri
 
 SPEC_ARTIFACT = "spec.yaml"
 
@@ -37,7 +37,7 @@ class MLflowTracker(Hook):
         parent_run_id: str | None = None,
     ) -> None:
         self.spec = spec
-        self.tracking_uri = default_tracking_uri(tracking_uri or spec.tracking.tracking_uri)
+        self.tracking_uri = run_store_uri(tracking_uri or spec.tracking.tracking_uri)
         self.flush_every_s = flush_every_s
         self.log_every_steps = spec.supervision.log_every_steps
         self.resume_run_id = resume_run_id

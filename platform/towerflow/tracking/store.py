@@ -5,8 +5,10 @@ The embedded default is the same store that `mlflow ui` started in the working d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 from pathlib import Path
 
 DEFAULT_DB = "mlflow.db"
@@ -22,6 +24,19 @@ def default_tracking_uri(spec_uri: str | None = None, workdir: str | Path | None
         return os.environ["MLFLOW_TRACKING_URI"]
     base = Path(workdir or os.getcwd()).resolve()
     return f"sqlite:///{base / DEFAULT_DB}"
+
+
+def run_store_uri(spec_uri: str | None = None) -> str:
+    """The store a new run goes to (default_tracking_uri()). Where that store would be lost with a
+    Ray job's working directory, says so on stderr, once per process."""
+    if warning := job_store_warning(spec_uri):
+        _warn_once(warning)
+    return default_tracking_uri(spec_uri)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    print(f"towerflow: warning: {message}", file=sys.stderr)
 
 
 def artifact_location(tracking_uri: str) -> str | None:
