@@ -215,8 +215,9 @@ _configured = False
 def _tensorflow():
     """Import TensorFlow once per Ray Data worker process, with one thread (tasks run side by side)."""
     global _configured
-    import tensorflow as tf
+    from towerflow.runtime.tf_setup import import_tensorflow
 
+    tf = import_tensorflow()
     if not _configured:
         try:
             tf.config.threading.set_intra_op_parallelism_threads(1)
