@@ -37,7 +37,11 @@ def train(
     makes the run a child of that MLflow run. A failed export (`export.saved_model`) is raised
     after the run is closed.
     """
+    from towerflow.runtime.tf_setup import import_tensorflow
+
+    import_tensorflow()  # before anything else imports it: the driver reads records and builds models too
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
+    from towerflow.data.bad_records import SkippedRecordsHook
     from towerflow.data.ingest import build_training_data
     from towerflow.runtime.cluster import budget_for, ensure_ray
     from towerflow.runtime.driver import Driver
@@ -73,18 +77,12 @@ def train(
             return LocalArtifactSink(local_root)
 
     ensure_ray(budget_for(spec.cluster))
-    all_hooks: list[Hook] = [tracker] if tracker else []
+    skipped = SkippedRecordsHook() if spec.data.on_bad_record == "skip" else None
+    # Hooks end in reverse order: the skipped-records hook comes right after the tracker, so that its
+    # last counts reach the tracker before the tracker closes the run.
+    all_hooks: list[Hook] = [hook for hook in (tracker, skipped) if hook is not None]
     all_hooks += build_supervision_hooks(spec, checkpoint_store=checkpoint_store, artifact_sink=artifact_sink)
     all_hooks.extend(hooks)
-
-    skipped = None
-    if spec.data.on_bad_record == "skip":
-        from towerflow.data.bad_records import SkippedRecordsHook
-
-        skipped = SkippedRecordsHook()
-        # Right after the tracker: hooks end in reverse order, so this one's last counts reach the
-        # tracker before it closes the run.
-        all_hooks.insert(1 if tracker else 0, skipped)
 
     def make_data(num_workers: int):
         seen = initial_state.examples_seen if initial_state is not None else 0
