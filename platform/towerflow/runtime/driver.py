@@ -254,7 +254,7 @@ class Driver:
         summaries: dict[int, dict[str, Any]] = {}
         pending = list(runs)
         self._runs = list(runs)
-        stopping = False
+        stopping = released = False
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
             for ref in ready:
@@ -268,10 +268,11 @@ class Driver:
                 stopping = True
                 for worker in self.workers:
                     worker.request_stop.remote()
-            if pending and self._all_waiting_to_start([runs[ref] for ref in pending]):
+            if pending and not released and self._all_waiting_to_start([runs[ref] for ref in pending]):
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
                 # a stop or the end of the data): nothing is in flight, so end the shards to let them go.
                 ray.get([s.finish.remote() for s in self.shards])
+                released = True
         ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
         self._report(self.aggregator.flush())
         return [summaries[i] for i in sorted(summaries)]
