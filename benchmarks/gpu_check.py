@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     print(f"# towerflow GPU check, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}")
 
+    from towerflow.runtime.tf_import import import_tensorflow
     from towerflow.tracking.gpu import read_gpus
 
+    import_tensorflow(gpus=False)  # as towerflow's driver does (the data generation imports it first)
     readings = read_gpus()
     print(f"\nNVML: {len(readings)} GPU(s)")
     for r in readings:
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\ntowerflow gpus:")
     print(format_table(probe_cluster()))
+    # The driver wrote checkpoints with TensorFlow while the workers trained: on no GPU (tf_import).
+    on_gpus = {p.pid for reading in read_gpus() for p in reading.processes}
+    if gpus and os.getpid() in on_gpus:
+        failures.append(f"the driver (pid {os.getpid()}) holds GPU memory")
 
     if gpus:
         log(f"job under tf_config.memory_limit_mb={args.memory_limit_mb}")

@@ -215,9 +215,9 @@ _configured = False
 def _tensorflow():
     """Import TensorFlow once per Ray Data worker process, with one thread (tasks run side by side)."""
     global _configured
-    from towerflow.runtime.tf_setup import import_tensorflow
+    from towerflow.runtime.tf_import import import_tensorflow
 
-    tf = import_tensorflow()
+    tf = import_tensorflow(gpus=False)
     if not _configured:
         try:
             tf.config.threading.set_intra_op_parallelism_threads(1)

@@ -6,20 +6,10 @@ All of it must run before TensorFlow creates its context (the first op), so acto
 
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
 import math
-import os
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
-from types import ModuleType
 
-# Keras imports scikit-learn and matplotlib where they are installed (MLflow installs both), for its
-# scikit-learn wrappers and plotting helpers, and does without them where they are not. No actor
-# uses either, and they are a third of TensorFlow's import here (1.1 of 3.4 s of CPU), which every
-# actor pays as it starts. They stay importable once TensorFlow is loaded.
-UNUSED_WHILE_TENSORFLOW_LOADS = ("sklearn", "matplotlib")
+from towerflow.runtime.tf_import import import_tensorflow
 
 
 @dataclass(frozen=True)
@@ -34,40 +24,9 @@ class TFProcessConfig:
     inter_op_threads: int | None = None  # default: 1, or 2 from 2 CPUs on
 
 
-def import_tensorflow() -> ModuleType:
-    """TensorFlow, imported (if it is not yet) without Keras's optional scikit-learn and matplotlib."""
-    if "tensorflow" not in sys.modules:
-        with _refused(UNUSED_WHILE_TENSORFLOW_LOADS):
-            import tensorflow  # noqa: F401
-    return sys.modules["tensorflow"]
-
-
-class _Refuse(importlib.abc.MetaPathFinder):
-    """Makes importing any module of these packages fail as if they were not installed."""
-
-    def __init__(self, packages: tuple[str, ...]) -> None:
-        self.packages = packages
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in self.packages:
-            raise ModuleNotFoundError(f"No module named {name!r} (not loaded with TensorFlow)", name=name)
-        return None
-
-
-@contextlib.contextmanager
-def _refused(packages: tuple[str, ...]) -> Iterator[None]:
-    finder = _Refuse(packages)
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        sys.meta_path.remove(finder)
-
-
 def configure_tensorflow(config: TFProcessConfig) -> list[str]:
     """Set threads and devices; return the device names, one per tower."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    tf = import_tensorflow()
+    tf = import_tensorflow(gpus=config.gpus > 0)
 
     threads = max(1, math.floor(config.cpus))
     tf.config.threading.set_intra_op_parallelism_threads(threads)
