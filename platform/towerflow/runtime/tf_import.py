@@ -77,9 +77,14 @@ def _early_log_filtered(gpus: bool) -> Iterator[None]:
         min_level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
     except ValueError:
         min_level = 0
+    try:
+        captured = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with block below)
+    except OSError:  # no writable temporary folder: let the lines through rather than fail
+        yield
+        return
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
+    with captured:
         os.dup2(captured.fileno(), 2)
         try:
             yield
