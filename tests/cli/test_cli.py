@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,7 +111,9 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
 
     summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]
-    assert "mlflow ui" in out.stdout
+    (browse,) = [line for line in out.stdout.splitlines() if "browse it with: " in line]
+    mlflow_command, ui = browse.split("browse it with: ")[1].split()[:2]
+    assert ui == "ui" and shutil.which(mlflow_command, path=env["PATH"]), browse  # runs as printed
     run_id = summary[0].split()[2]
     run = MlflowClient(store).get_run(run_id)
     assert run.info.status == "FINISHED"

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import inspect
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -159,9 +160,21 @@ def _train(args: argparse.Namespace) -> int:
 
         uri = default_tracking_uri(spec.tracking.tracking_uri)
         print(
-            f"towerflow: browse it with: mlflow ui --backend-store-uri {uri}  (then open http://127.0.0.1:5000)"
+            f"towerflow: browse it with: {_mlflow_command()} ui --backend-store-uri {uri}  "
+            "(then open http://127.0.0.1:5000)"
         )
     return 0
+
+
+def _mlflow_command() -> str:
+    """`mlflow` as this shell can run it: by name where it is on PATH, else by its path in this
+    Python's environment (relative where it lies below the working directory, as .venv/bin/mlflow)."""
+    if shutil.which("mlflow"):
+        return "mlflow"
+    beside = Path(sys.executable).parent / "mlflow"
+    with contextlib.suppress(ValueError):
+        return os.fspath(beside.relative_to(Path.cwd()))
+    return os.fspath(beside)
 
 
 _SYNTH_OPTIONS = {
