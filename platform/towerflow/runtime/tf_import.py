@@ -77,14 +77,16 @@ def _early_log_filtered(gpus: bool) -> Iterator[None]:
         min_level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
     except ValueError:
         min_level = 0
-    try:
-        captured = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with block below)
-    except OSError:  # no writable temporary folder: let the lines through rather than fail
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with captured:
+    with contextlib.ExitStack() as stack:
+        try:
+            captured = stack.enter_context(tempfile.TemporaryFile())
+            saved = os.dup(2)
+        except OSError:  # no writable temporary folder, or no stderr: let the lines through
+            captured = None
+        if captured is None:
+            yield
+            return
+        sys.stderr.flush()
         os.dup2(captured.fileno(), 2)
         try:
             yield
