@@ -20,6 +20,7 @@ class RecordingHook(Hook):
 
     def after_create_session(self, session) -> None:
         self.calls.append("after_create_session")
+        self.data_steps = session.data_steps
 
     def before_run(self, context, global_step) -> None:
         if "before_run" not in self.calls:

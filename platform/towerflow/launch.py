@@ -45,7 +45,7 @@ def train(
     from towerflow.data.bad_records import SkippedRecordsHook
     from towerflow.data.ingest import build_training_data
     from towerflow.runtime.cluster import budget_for, ensure_ray
-    from towerflow.runtime.driver import Driver
+    from towerflow.runtime.driver import DataFeed, Driver
     from towerflow.supervision import build_supervision_hooks
     from towerflow.supervision.artifacts import LocalArtifactSink, MlflowArtifactSink
 
@@ -92,7 +92,7 @@ def train(
             print(f"towerflow: {data.resume_note}")
         if skipped is not None:
             skipped.ledger = data.ledger
-        return data.splits, data.feature_scales
+        return DataFeed(data.splits, data.feature_scales, data.steps)
 
     driver = Driver(
         spec, all_hooks, make_data, worker_overrides=worker_overrides, initial_state=initial_state

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support import tabular_header, tabular_rows, write_csv, write_uneven_shards
 
-from towerflow.data.ingest import ResumePoint, build_training_data, resume_point
+from towerflow.data.ingest import ResumePoint, build_training_data, resume_point, steps_allowed
 from towerflow.errors import DataError
 from towerflow.spec import validate_spec
 
@@ -181,6 +181,21 @@ def test_seeded_shuffles_repeat_and_differ_per_epoch(ray_cluster, tmp_path):
     assert first == again and first != other
     assert sorted(first[:n]) != first[:n]  # shuffled
     assert first[:n] != first[n:]  # a different order in the second epoch
+
+
+def test_steps_the_data_allows():
+    def spec(mode="sync", workers=2, drop_remainder=True, **training):
+        raw = _spec("x", mode=mode, workers=workers, drop_remainder=drop_remainder)
+        return raw.model_copy(update={"training": raw.training.model_copy(update=training)})
+
+    # Sync: equal shares (1,000 / 2 = 500 each), whole batches of 16 (31 each), one update per round.
+    assert steps_allowed(spec(), 2, 1000) == 31
+    assert steps_allowed(spec(drop_remainder=False), 2, 1000) == 32  # 31 full batches and one of 4
+    # Backup workers: 3 workers x 20 batches (333 each), 2 gradients an update.
+    assert steps_allowed(spec(workers=3, replicas_to_aggregate=2), 3, 1000) == 30
+    # Async: every batch is an update; each worker's last partial batch is dropped, or one more.
+    assert steps_allowed(spec("async"), 2, 1000) == 62
+    assert steps_allowed(spec("async", drop_remainder=False), 2, 1000) == 64
 
 
 def test_resume_point_skips_whole_epochs_then_whole_files():

@@ -10,7 +10,7 @@ from sample_hooks import StopAtStepHook
 from support import blob_spec, blobs
 
 from models import mlp
-from towerflow.runtime.driver import Driver
+from towerflow.runtime.driver import DataFeed, Driver
 from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
 
@@ -49,7 +49,7 @@ def _fixed_splits(ray, columns, per_worker):
 
     def make(num_workers):
         assert num_workers == len(per_worker)
-        return [one_split(rows) for rows in per_worker], {}
+        return DataFeed([one_split(rows) for rows in per_worker], {})
 
     return make
 

@@ -154,12 +154,15 @@ def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, 
             blob_spec(blob_data, cluster=two_workers, data={"epochs": 1}, training={"max_steps": max_steps})
         )
 
-    first = train(spec(12), track=False, output_dir=run_dir)
+    hooks = [RecordingHook(), RecordingHook()]
+    first = train(spec(12), hooks=hooks[:1], track=False, output_dir=run_dir)
     assert first.global_step == 12 and first.examples_seen == 768
     longer = spec(100)
-    resumed = train(longer, track=False, resume=str(run_dir), output_dir=run_dir)
+    resumed = train(longer, hooks=hooks[1:], track=False, resume=str(run_dir), output_dir=run_dir)
     assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in capsys.readouterr().out
     assert resumed.global_step == 16 and resumed.examples_seen == 1024
+    # Both runs knew from the files' counts that the data ends at step 16 (the progress bar's total).
+    assert [hook.data_steps for hook in hooks] == [16, 16]
     assert LocalCheckpointStore(run_dir / "checkpoints").load(16).data_position["examples_seen"] == 1024
     with pytest.raises(DataError, match="nothing left to read"):
         train(longer, track=False, resume=str(run_dir), output_dir=run_dir)

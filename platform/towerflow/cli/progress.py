@@ -34,6 +34,8 @@ class ProgressHook(Hook):
             f"{session.num_workers} workers x {session.spec.cluster.towers} towers, {session.num_shards} PS"
         )
         self.console.print(f"[bold]towerflow[/]: {session.spec.name} ({session.spec.training.mode}, {shape})")
+        if session.data_steps is not None:  # the data may end the run before max_steps
+            self.total = min(self.total, session.data_steps) if self.total else session.data_steps
         if self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("step"),

@@ -67,6 +67,7 @@ class TrainingData:
     ledger: Any = None  # SkippedRecordsLedger actor in on_bad_record: skip
     dataset: Any = None  # the Ray Data dataset before the split (stats, tests)
     resume_note: str | None = None  # where a resumed run's stream starts, for the user
+    steps: int | None = None  # the most global steps these streams make (None: counts unknown)
 
 
 @dataclass
@@ -190,6 +191,7 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
         ledger,
         ds,
         resume_note,
+        None if counts is None else steps_allowed(spec, num_workers, sum(counts[p] for p in ordered)),
     )
 
 
@@ -248,6 +250,19 @@ def resume_point(orders: list[list[str]], counts: dict[str, int], examples_seen:
         within -= counts[path]
         files += 1
     return ResumePoint(epoch, files, examples_seen - within)
+
+
+def steps_allowed(spec: Any, num_workers: int, examples: int) -> int:
+    """The most global steps that `examples`, split over the workers as build_training_data splits
+    them, can make. Sync: each worker gets an equal share, and each update takes
+    replicas_to_aggregate of their batches. Async: every batch is an update."""
+    batch, whole_batches_only = spec.data.batch_size, spec.data.drop_remainder
+    if spec.training.mode == "sync":
+        share = examples // num_workers
+        batches = share // batch if whole_batches_only else -(-share // batch)
+        return num_workers * batches // spec.replicas_to_aggregate
+    # A worker's own last partial batch: dropped, or one more (smaller) update each.
+    return examples // batch + (0 if whole_batches_only else num_workers)
 
 
 def _grouped(groups: dict[str, list[str]]) -> set[str]:

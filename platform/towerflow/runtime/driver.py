@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import ray
@@ -33,12 +33,21 @@ from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.worker import WorkerConfig, worker_actor
 
 
+class DataFeed(NamedTuple):
+    """What the driver's `make_data` gives it: one stream per worker, the features' scales, and the
+    most global steps the streams make from where they start (None: unknown)."""
+
+    splits: Sequence[Any]
+    feature_scales: dict[str, float]
+    steps: int | None = None
+
+
 class Driver:
     def __init__(
         self,
         spec: Any,
         hooks: Sequence[Hook],
-        make_data: Callable[[int], tuple[Sequence[Any], dict[str, float]]],
+        make_data: Callable[[int], DataFeed],
         *,
         worker_overrides: dict[int, dict[str, Any]] | None = None,
         poll_s: float = 0.2,
@@ -84,8 +93,10 @@ class Driver:
             for hook in self.hooks:
                 hook.begin(self.session)
                 begun.append(hook)
-            splits, self.feature_scales = self.make_data(self.spec.cluster.workers)
-            self.data_splits = list(splits)
+            feed = self.make_data(self.spec.cluster.workers)
+            self.data_splits, self.feature_scales = list(feed.splits), feed.feature_scales
+            if feed.steps is not None:
+                self.session.data_steps = self.session.start_step + feed.steps
             self._create_actors()
             for hook in self.hooks:
                 hook.after_create_session(self.session)

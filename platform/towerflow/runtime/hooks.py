@@ -23,6 +23,9 @@ class SessionInfo:
     shard_assignment: list[list[int]] = field(default_factory=list)  # piece indices per shard
     tags: dict[str, str] = field(default_factory=dict)  # filled by hooks (e.g. the tracking run id)
     start_step: int = 0  # the restored global step on resume, else 0
+    # The global step at which the training data runs out, where the files' example counts tell (at
+    # most: dropped stale gradients and skipped records end it sooner); None where they do not.
+    data_steps: int | None = None
     last_step: int | None = None  # a hook may bound the run (StopAtStep); the shards stop there exactly
     snapshot_every: int | None = None  # shards keep their state every N steps for a checkpoint hook
     runtime: Any = None  # TrainingRuntime: what hooks may ask of the running cluster
