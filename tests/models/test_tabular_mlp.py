@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO
+from sample_hooks import RecordingHook
 from synth_support import read_split
 
 from models import tabular_mlp
@@ -72,7 +73,13 @@ def test_the_csv_pipeline_trains_end_to_end_async(ray_cluster, tmp_path):
         ],
     )
     assert spec.training.mode == "async" and spec.data.train.format == "csv"
-    result = train(spec, track=False, output_dir=tmp_path / "run")
+    hook = RecordingHook()
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path / "run")
     assert result.status == "FINISHED" and result.global_step == 40
-    assert result.final_loss < 0.69  # below chance (log 2) for the two balanced classes
     assert result.staleness["max"] <= 4  # the pipeline's bound held
+    # It learns: the last 10 steps' mean loss is below chance (log 2, two balanced classes) and well
+    # below the first 10 steps'. Means, not the last batch's loss alone (one batch of 64 is noisy);
+    # the whole trajectory is in the message should it ever fail (once, in CI, a last batch was 0.70).
+    losses = [round(e.loss, 3) for e in hook.events]
+    first, last = np.mean(losses[:10]), np.mean(losses[-10:])
+    assert last < min(0.69, first - 0.1), (losses, result.staleness)
