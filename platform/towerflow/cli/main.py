@@ -188,10 +188,6 @@ _SYNTH_OPTIONS = {
 def _synth(args: argparse.Namespace) -> int:
     from towerflow.data.synth import GENERATORS
     from towerflow.errors import SpecError
-    from towerflow.runtime.tf_import import import_tensorflow
-
-    if args.format == "tfrecord":
-        import_tensorflow(gpus=False)  # it writes them; see tf_import
 
     options = {
         "shards": args.shards,
@@ -256,10 +252,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from towerflow.runtime.tf_import import import_tensorflow
     from towerflow.tracking.export import export_run
-
-    import_tensorflow(gpus=False)  # builds the model and writes a SavedModel; see tf_import
 
     exported = export_run(args.run_id, args.store)
     where = exported.registry_uri or exported.model_uri

@@ -280,9 +280,13 @@ def _output_name(model: Any, index: int) -> str:
 
 
 def export_run(run_id: str, tracking_uri: str | None = None) -> ExportedModel:
-    """`towerflow export RUN_ID`: export the weights of the run's latest checkpoint, on demand."""
+    """`towerflow export RUN_ID`: export the weights of the run's latest checkpoint, on demand.
+    Imports TensorFlow with every GPU hidden, as `launch.train` does, where it is not imported yet."""
     from mlflow.tracking import MlflowClient
 
+    from towerflow.runtime.tf_import import import_tensorflow
+
+    import_tensorflow(gpus=False)  # first: reading the checkpoint makes TensorFlow variables
     from towerflow.checkpoint.resume import latest_state
     from towerflow.checkpoint.stores import MlflowCheckpointStore
     from towerflow.tracking.store import default_tracking_uri

@@ -69,7 +69,9 @@ class _TFRecordShard:
     """One TFRecord file; a single Example is reused per record (building fresh protos is the slow part)."""
 
     def __init__(self, path: Path, features: dict[str, dict[str, Any]]):
-        import tensorflow as tf  # lazily: the CLI must not pay for TensorFlow before it is needed
+        from towerflow.runtime.tf_import import import_tensorflow
+
+        tf = import_tensorflow(gpus=False)  # lazily: the CLI must not pay for TensorFlow before it is needed
 
         self._writer = tf.io.TFRecordWriter(str(path))
         self._example = tf.train.Example()
