@@ -67,10 +67,20 @@ def test_missing_spec_is_a_clear_error():
 def test_invalid_spec_names_the_key(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({**blob_spec(tmp_path), "trainig": {"mode": "sync"}}))
-    out = _run(["train", str(path), "--set", "training.mode=sometimes"])
+    # One --set may carry several overrides, and --set may repeat: all of them reach validation.
+    out = _run(
+        ["train", str(path), "--set", "training.mode=sometimes", "data.batch_size=0", "--set", "cluster.ps=0"]
+    )
     assert out.returncode == 2
     assert "trainig: unknown key" in out.stderr and "training.mode" in out.stderr
+    assert "data.batch_size" in out.stderr and "cluster.ps" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_spec_given_after_set_is_named_not_swallowed():
+    out = _run(["train", "--set", "training.max_steps=3", "pipelines/mnist_sync.yaml"])
+    assert out.returncode == 2
+    assert "--set: expected KEY=VALUE, got 'pipelines/mnist_sync.yaml'" in out.stderr
 
 
 def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path):

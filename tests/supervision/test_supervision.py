@@ -301,3 +301,14 @@ def test_checkpoints_every_n_seconds_and_retention(ray_cluster, blob_data, tmp_p
     steps = [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()]
     assert len(steps) == 2 and steps[-1] == result.global_step == 40  # the newest two kept
     assert steps[0] < 40
+
+
+def test_a_user_hook_with_a_misspelt_parameter_is_named_with_those_it_takes():
+    from towerflow.spec.schema import HookRef
+    from towerflow.supervision.factory import load_user_hooks
+
+    entry = HookRef(ref="sample_hooks:StopAtStepHook", params={"stp": 3})
+    with pytest.raises(
+        SpecError, match=r"supervision.hooks\[1\]: got an unexpected keyword argument 'stp'.*takes: step"
+    ):
+        load_user_hooks(["sample_hooks:RecordingHook", entry])

@@ -130,11 +130,25 @@ def _add_overrides_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set",
         dest="overrides",
-        action="append",
+        action=_OverridesAction,
+        nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set training.max_steps=200 (repeatable)",
+        help="override spec keys, e.g. --set training.max_steps=200 cluster.workers=4 (repeatable)",
     )
+
+
+class _OverridesAction(argparse.Action):
+    """`--set` takes one or more KEY=VALUE and may repeat. A value without '=' is most likely the spec
+    given after `--set`, which would otherwise be swallowed and reported as missing."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        for value in values:
+            if "=" not in value:
+                raise argparse.ArgumentError(
+                    self, f"expected KEY=VALUE, got {value!r} (give the spec before --set)"
+                )
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest), *values])
 
 
 def _add_store_option(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ may stop the job. Whatever happens, every hook's `end` is called and the actors 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -15,7 +16,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import ray
 
+from towerflow import errors
 from towerflow.errors import TowerflowError, TrainingError
+from towerflow.imports import UnimportableModule, check_arguments, import_ref
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
 from towerflow.runtime.model_state import average_model_states
@@ -93,6 +96,7 @@ class Driver:
             for hook in self.hooks:
                 hook.begin(self.session)
                 begun.append(hook)
+            _check_model(self.spec.model)
             feed = self.make_data(self.spec.cluster.workers)
             self.data_splits, self.feature_scales = list(feed.splits), feed.feature_scales
             if feed.steps is not None:
@@ -439,6 +443,31 @@ class Driver:
         self.workers, self.shards, self._evaluator = [], [], None
 
 
+def _check_model(model: Any) -> None:
+    """A misspelt model ref or parameter fails here, named, before any actor starts. A module this
+    process cannot import is left to the workers: Ray may ship it to them from elsewhere."""
+    try:
+        build = import_ref(model.ref)
+    except UnimportableModule:
+        return
+    check_arguments(build, model.params, key="model.params", ref=model.ref)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _actor_init_error(exc: ray.exceptions.RayActorError) -> TowerflowError:
+    """An actor's constructor failed. Ray keeps only its text: a user error raised there (a model
+    module the workers cannot import, say) is rebuilt as itself; anything else keeps Ray's traceback."""
+    text = _ANSI.sub("", str(exc)).strip()
+    _, raised_here, raised = text.rpartition("\ntowerflow.errors.")
+    name, _, message = raised.partition(": ")
+    error_class = getattr(errors, name, None) if raised_here else None
+    if isinstance(error_class, type) and issubclass(error_class, TowerflowError):
+        return error_class(message)
+    return TrainingError(f"a training actor failed to start: {text}")
+
+
 def _as_user_error(exc: BaseException) -> BaseException:
     """Find a TowerflowError inside Ray's wrappers (worker -> data task); else say which actor failed."""
     seen = exc
@@ -452,5 +481,7 @@ def _as_user_error(exc: BaseException) -> BaseException:
             break
         seen = cause
     if isinstance(exc, ray.exceptions.RayActorError):
+        if exc.actor_init_failed:
+            return _actor_init_error(exc)
         return TrainingError(f"a training actor died: {exc}")
     return exc

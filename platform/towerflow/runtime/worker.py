@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
@@ -78,8 +79,8 @@ class TowerWorker:
         build = import_ref(config.model_ref)
         self.model = build(**config.model_params)
         if not self.model.trainable_variables:
-            raise ValueError(
-                f"{config.model_ref} built a model with no trainable variables yet; start it with keras.Input(...) "
+            raise SpecError(
+                f"model.ref: {config.model_ref} built a model with no trainable variables yet; start it with keras.Input(...) "
                 "so its variables exist before training"
             )
         from towerflow.runtime.towers import TowerStep

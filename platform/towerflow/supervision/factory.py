@@ -7,7 +7,7 @@ from typing import Any
 
 from towerflow.checkpoint.stores import CheckpointStore
 from towerflow.errors import SpecError
-from towerflow.imports import import_ref
+from towerflow.imports import check_arguments, import_ref
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.supervision.artifacts import ArtifactSink
 from towerflow.supervision.checkpoints import CheckpointSaverHook
@@ -69,10 +69,8 @@ def load_user_hooks(refs: list[Any]) -> list[Hook]:
         ref, params = (entry, {}) if isinstance(entry, str) else (entry.ref, dict(entry.params))
         key = f"supervision.hooks[{position}]"
         target = import_ref(ref, key=key)
-        try:
-            hook = target(**params)
-        except TypeError as exc:
-            raise SpecError(f"{key}: {ref}({', '.join(params)}) failed: {exc}") from None
+        check_arguments(target, params, key=key, ref=ref)
+        hook = target(**params)
         if not isinstance(hook, Hook):
             raise SpecError(f"{key}: {ref} gave a {type(hook).__name__}, not a towerflow Hook")
         hooks.append(hook)
