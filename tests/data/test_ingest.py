@@ -153,7 +153,10 @@ def test_manifest_csv_settings_and_file_urls(ray_cluster, tmp_path):
         "label": "label",
         "csv": {"header": False, "delimiter": ","},
         "splits": {"train": {"files": ["train-00000-of-00001.csv"], "examples": 12, "per_file": [12]}},
-        "features": {name: {"dtype": "int64" if name in ("example_id", "label") else "float32", "shape": []} for name in header},
+        "features": {
+            name: {"dtype": "int64" if name in ("example_id", "label") else "float32", "shape": []}
+            for name in header
+        },
     }
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     spec = _spec(f"file://{tmp_path}/train-*.csv", workers=1, epochs=1, drop_remainder=False)
@@ -208,10 +211,9 @@ def test_resume_point_skips_whole_epochs_then_whole_files():
     assert resume_point(orders, counts, 70) == ResumePoint(2, 0, 70)  # every epoch done
 
 
-def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
-    # Unshuffled, with a manifest: epoch 1 (317 examples) and the first file of epoch 2 (37) were
-    # trained, and 50 of the second file's 120: the resumed stream reads that file again, then the rest.
-    write_uneven_shards(tmp_path, SIZES)
+def _write_uneven_shards_with_manifest(folder) -> None:
+    """SIZES as shards, and a manifest with their per-file counts (so the data position is known)."""
+    write_uneven_shards(folder, SIZES)
     names = [f"train-{s:05d}-of-{len(SIZES):05d}" for s in range(len(SIZES))]
     features = {"x": {"dtype": "float32", "shape": [4]}}
     features |= {k: {"dtype": "int64", "shape": []} for k in ("label", "example_id")}
@@ -222,11 +224,33 @@ def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
         "splits": {"train": {"files": names, "examples": sum(SIZES), "per_file": SIZES}},
         "features": features,
     }
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_batch_larger_than_the_data_allows_no_step_and_is_named(ray_cluster, tmp_path):
+    # 317 examples x 2 epochs over 2 workers: 317 each, less than one whole batch of 400; with 300, one
+    # batch each, which make one sync update.
+    _write_uneven_shards_with_manifest(tmp_path)
+    spec = _spec(str(tmp_path / "train-*"), workers=2, epochs=2, batch_size=400)
+    with pytest.raises(
+        DataError, match=r"data.batch_size: 400 examples per worker make no training step out of the 634 "
+    ):
+        build_training_data(spec, 2)
+    smaller = spec.model_copy(update={"data": spec.data.model_copy(update={"batch_size": 300})})
+    assert build_training_data(smaller, 2).steps == 1  # one sync step of both workers' batches
+
+
+def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
+    # Unshuffled, with a manifest: epoch 1 (317 examples) and the first file of epoch 2 (37) were
+    # trained, and 50 of the second file's 120: the resumed stream reads that file again, then the rest.
+    _write_uneven_shards_with_manifest(tmp_path)
     spec = _spec(str(tmp_path / "train-*"), workers=2, epochs=2, shuffle_files=False, drop_remainder=False)
     seen = sum(SIZES) + SIZES[0] + 50
     data = build_training_data(spec, 2, examples_seen=seen)
-    assert "epoch 2 of 2, after 1 file(s)" in data.resume_note and f"{sum(SIZES) + SIZES[0]} of {seen}" in data.resume_note
+    assert (
+        "epoch 2 of 2, after 1 file(s)" in data.resume_note
+        and f"{sum(SIZES) + SIZES[0]} of {seen}" in data.resume_note
+    )
     per_worker = _consume_all(ray_cluster, data.splits, batch_size=16, drop_last=False)
     read = sorted(i for ids in per_worker for i in ids)
     rest = list(range(SIZES[0], sum(SIZES)))  # every file of epoch 2 but the first, once

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 from mlflow.tracking import MlflowClient
-from support import ONE_OF_EACH, tracked_spec
+from support import ONE_OF_EACH, tracked_spec, write_uneven_shards
 
-from towerflow.errors import SpecError
+from towerflow.errors import DataError, SpecError
 from towerflow.launch import train
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,3 +53,17 @@ def test_a_user_error_in_a_workers_constructor_comes_back_as_itself(ray_cluster,
         model,
         r"^model\.ref: tests\.runtime\.model_fns:unbuilt built a model with no trainable",
     )
+
+
+def test_data_that_ends_before_the_first_step_fails_the_run(ray_cluster, tmp_path):
+    # No manifest, so the example count is unknown until the data ends: 40 examples, batches of 64.
+    write_uneven_shards(tmp_path / "data", [20, 20], dim=8)
+    spec, uri = tracked_spec(tmp_path, tmp_path / "data", "model-errors", cluster=ONE_OF_EACH)
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"batch_size": 64})})
+    with pytest.raises(
+        DataError, match=r"data.train: the data ended before the first training step .*batch_size 64"
+    ):
+        train(spec)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("model-errors").experiment_id])
+    assert run.info.status == "FAILED"

@@ -166,6 +166,15 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
             f"data.train: nothing left to read: the resumed run already trained on all {epochs} "
             f"epoch(s) ({examples_seen:,} examples). Raise {bound} to train further."
         )
+    to_read = None if counts is None else sum(counts[path] for path in ordered)
+    steps = None if to_read is None else steps_allowed(spec, num_workers, to_read)
+    if steps == 0:
+        raise DataError(
+            f"data.batch_size: {data.batch_size:,} examples per worker make no training step out of the "
+            f"{to_read:,} examples to read ({source.paths}, {len(orders)} epoch(s)) split over {num_workers} "
+            f"worker(s){' with drop_remainder' if data.drop_remainder else ''}. Lower data.batch_size, or "
+            "raise data.epochs."
+        )
     task_cpus = min(1.0, spec.cluster.data_cpus)
     ds = ray.data.from_items([{"path": p} for p in ordered], override_num_blocks=len(ordered))
     ds = ds.map_batches(read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus)
@@ -191,7 +200,7 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
         ledger,
         ds,
         resume_note,
-        None if counts is None else steps_allowed(spec, num_workers, sum(counts[p] for p in ordered)),
+        steps,
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from towerflow import errors
-from towerflow.errors import TowerflowError, TrainingError
+from towerflow.errors import DataError, TowerflowError, TrainingError
 from towerflow.imports import UnimportableModule, check_arguments, import_ref
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
@@ -105,6 +105,7 @@ class Driver:
             for hook in self.hooks:
                 hook.after_create_session(self.session)
             worker_summaries = self._train()
+            self._check_something_trained()
             result = self._result(worker_summaries, started)
             outcome = RunOutcome("FINISHED", result.global_step, result=result)
             return result
@@ -431,6 +432,22 @@ class Driver:
 
     def _data_position(self) -> dict[str, Any]:
         return {"examples_seen": self.aggregator.examples_seen}
+
+    def _check_something_trained(self) -> None:
+        """A job whose data ended before its first step trained nothing: fail it, so that no untrained
+        model is exported or registered as if it were a result. (A resume at max_steps is no error.)"""
+        max_steps = self.spec.training.max_steps
+        if self.aggregator.last_event is not None or self.context.stop_requested:
+            return
+        if max_steps is not None and self.session.start_step >= max_steps:
+            return
+        data = self.spec.data
+        raise DataError(
+            f"data.train: the data ended before the first training step ({data.train.paths}, "
+            f"data.batch_size {data.batch_size:,} per worker, {self.spec.cluster.workers} worker(s), "
+            f"drop_remainder {str(data.drop_remainder).lower()}): nothing was trained. Lower "
+            "data.batch_size, or give more data."
+        )
 
     def _global_step(self) -> int:
         last = self.aggregator.last_event
