@@ -1,6 +1,7 @@
-"""A model the spec gets wrong ends the job with one SpecError naming the key, the MLflow run FAILED:
-misspelt refs and parameters are caught by the driver before any actor starts, and a user error raised
-in a worker's constructor comes back as itself, not as Ray's wrapper."""
+"""A job that cannot train ends with one clear error and its MLflow run FAILED: a misspelt model ref
+or parameter is named by the driver before any actor starts; a user error raised in a worker's
+constructor comes back as itself, and any other leads with what was raised; data too small for one
+step is named instead of an untrained model exported."""
 
 from __future__ import annotations
 
@@ -8,24 +9,25 @@ import pytest
 from mlflow.tracking import MlflowClient
 from support import ONE_OF_EACH, tracked_spec, write_uneven_shards
 
-from towerflow.errors import DataError, SpecError
+from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _fails_with(tmp_path, blob_data, model: dict, pattern: str) -> None:
+def _fails_with(tmp_path, blob_data, model: dict, pattern: str, error=SpecError) -> str:
     base = tracked_spec(tmp_path, blob_data, "model-errors")[0].model.model_dump()
     spec, uri = tracked_spec(
         tmp_path, blob_data, "model-errors", model={**base, **model}, cluster=ONE_OF_EACH
     )
-    with pytest.raises(SpecError, match=pattern) as raised:
+    with pytest.raises(error, match=pattern) as raised:
         train(spec)
-    assert "ray::" not in str(raised.value) and "Traceback" not in str(raised.value)
+    assert "ray::" not in str(raised.value) and "pid=" not in str(raised.value)
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("model-errors").experiment_id])
     assert run.info.status == "FAILED"
     assert str(raised.value) in run.data.tags["towerflow.error"]
+    return str(raised.value)
 
 
 def test_a_misspelt_model_parameter_is_named_with_those_the_builder_takes(ray_cluster, blob_data, tmp_path):
@@ -53,6 +55,18 @@ def test_a_user_error_in_a_workers_constructor_comes_back_as_itself(ray_cluster,
         model,
         r"^model\.ref: tests\.runtime\.model_fns:unbuilt built a model with no trainable",
     )
+
+
+def test_an_error_in_the_model_code_leads_with_what_was_raised_and_keeps_the_traceback(
+    ray_cluster, blob_data, tmp_path
+):
+    # A value the builder's signature accepts but Keras does not: only building the model can tell.
+    model = {"params": {"input_dim": 8, "num_classes": 2, "hidden": ["wide"]}}
+    message = _fails_with(
+        tmp_path, blob_data, model, r"^TowerWorker failed to start: ValueError: ", TrainingError
+    )
+    assert "units=wide" in message.splitlines()[0]
+    assert 'models/mlp.py", line' in message  # the frame in the user's model code
 
 
 def test_data_that_ends_before_the_first_step_fails_the_run(ray_cluster, tmp_path):

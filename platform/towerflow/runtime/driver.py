@@ -482,7 +482,15 @@ def _actor_init_error(exc: ray.exceptions.RayActorError) -> TowerflowError:
     error_class = getattr(errors, name, None) if raised_here else None
     if isinstance(error_class, type) and issubclass(error_class, TowerflowError):
         return error_class(message)
-    return TrainingError(f"a training actor failed to start: {text}")
+    # Ray's text: a header naming the actor (pid, ids, repr), then the constructor's traceback. Lead
+    # with what was raised; keep the traceback, which points into the user's model code.
+    header, _, trace = text.partition("\n")
+    trace = trace[max(0, trace.find('  File "')) :]  # Ray leaves the carets of frames it dropped
+    actor = re.search(r"ray::(\w+)\.__init__", header)
+    raised_line = trace.rstrip().rsplit("\n", 1)[-1] if trace.strip() else header
+    return TrainingError(
+        f"{actor.group(1) if actor else 'a training actor'} failed to start: {raised_line}\n{trace}".rstrip()
+    )
 
 
 def _as_user_error(exc: BaseException) -> BaseException:
