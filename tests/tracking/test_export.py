@@ -14,7 +14,7 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import ONE_OF_EACH, blob_spec, blobs, mlflow_uri, tracked_spec
 
-from towerflow.errors import SpecError
+from towerflow.errors import SpecError, TowerflowError
 from towerflow.imports import import_ref
 from towerflow.launch import train
 from towerflow.spec import load_spec, validate_spec
@@ -69,6 +69,11 @@ def test_weights_of_another_model_are_refused(exported_run):
 def test_the_run_keeps_its_spec_for_later_exports(exported_run):
     spec, uri, result = exported_run
     assert load_run_spec(result.run_id, uri).model_dump() == spec.model_dump()
+    with pytest.raises(
+        TowerflowError, match="run 0123456789abcdef: no such run in the MLflow store"
+    ) as raised:
+        load_run_spec("0123456789abcdef", uri)
+    assert raised.value.exit_code == 2  # the user's input, as a misspelt --resume is
 
 
 def test_a_failed_export_fails_the_run(ray_cluster, blob_data, tmp_path):

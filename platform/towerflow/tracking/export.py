@@ -60,6 +60,12 @@ def load_run_spec(run_id: str, tracking_uri: str | None = None) -> Any:
 
     uri = default_tracking_uri(tracking_uri)
     try:
+        mlflow.MlflowClient(uri).get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise TowerflowError(
+            f"run {run_id}: no such run in the MLflow store {uri} (--store or MLFLOW_TRACKING_URI names another)"
+        ) from None
+    try:
         local = mlflow.artifacts.download_artifacts(
             run_id=run_id, artifact_path=SPEC_ARTIFACT, tracking_uri=uri
         )
