@@ -62,3 +62,13 @@ def test_bad_arguments_exit_2_with_one_message(tmp_path, args, message):
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_an_out_folder_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    out = _synth("mnist", "--out", str(tmp_path / "a-file" / "d"), "--examples", "10", "--eval-examples", "0")
+    assert out.returncode == 2
+    assert (
+        f"--out {tmp_path / 'a-file' / 'd'}: cannot write" in out.stderr and "Not a directory" in out.stderr
+    )
+    assert "Traceback" not in out.stderr

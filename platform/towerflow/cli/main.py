@@ -221,8 +221,15 @@ def _synth(args: argparse.Namespace) -> int:
     generate = GENERATORS[args.kind]
     defaults = inspect.signature(generate).parameters
     total = sum(options.get(k, defaults[k].default) for k in ("examples", "eval_examples"))
-    with _generation_bar(args.kind, total, not args.no_progress) as progress:
-        manifest = generate(args.out, progress=progress, **options)
+    try:
+        with _generation_bar(args.kind, total, not args.no_progress) as progress:
+            manifest = generate(args.out, progress=progress, **options)
+    except OSError as exc:
+        if exc.filename is None:  # not the file system refusing a path: a bug, keep the traceback
+            raise
+        raise TowerflowError(
+            f"--out {os.fspath(args.out)}: cannot write {exc.filename}: {exc.strerror}"
+        ) from None
     splits = ", ".join(
         f"{name}: {s['examples']} examples in {len(s['files'])} files"
         for name, s in manifest["splits"].items()
