@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -146,3 +147,30 @@ def _shows_the_run(browser, base_url: str, uri: str, run_id: str) -> None:
     _page_text_when(
         browser, lambda t: all(h.search(t) for h in headers) and "cpu_utilization_percentage" in t
     )
+
+
+def test_a_taken_port_is_refused_before_mlflow_starts(tmp_path):
+    # Another server on the port (an MLflow UI over another store, often) would answer our health
+    # check; the command must say the port is taken instead of pointing the user at that server.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "towerflow",
+                "ui",
+                "--port",
+                str(port),
+                "--store",
+                f"sqlite:///{tmp_path / 'm.db'}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 2
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert not (tmp_path / "m.db").exists()  # MLflow never started

@@ -5,6 +5,7 @@ It binds to 127.0.0.1 unless told otherwise, like every local server of towerflo
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,9 +19,15 @@ from towerflow.tracking.store import default_tracking_uri
 
 
 class UIError(TowerflowError):
-    """The MLflow UI did not start (port taken, bad store URI); the message has its last output."""
+    """The MLflow UI did not start (bad store URI, say); the message has its last output."""
 
     exit_code = 1
+
+
+class PortInUse(UIError):
+    """The port is taken (or the host is not this machine's): the user picks another."""
+
+    exit_code = 2
 
 
 def ui_command(store_uri: str | None = None, *, host: str = "127.0.0.1", port: int = 5000) -> list[str]:
@@ -52,6 +59,7 @@ def start_ui(
     """Start the MLflow UI and return its process once it answers on http://host:port/health.
 
     Its output goes to `log` (default: a temporary file, shown in the error if it fails to start)."""
+    _check_port_free(host, port)
     log = log or tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
     process = subprocess.Popen(
         ui_command(store_uri, host=host, port=port), stdout=log, stderr=subprocess.STDOUT
@@ -72,6 +80,20 @@ def start_ui(
         time.sleep(0.5)
     stop_ui(process)
     raise UIError(f"the MLflow UI did not answer on {url} within {timeout_s:.0f} s")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a taken port up front: another server there (an MLflow UI over another store, often)
+    would answer the health check in ours' place, and we would point the user at it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does: TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(
+                f"cannot serve on {host}:{port}: {exc.strerror}. Pass --port with a free port."
+            ) from None
 
 
 def stop_ui(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
