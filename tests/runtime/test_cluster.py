@@ -1,13 +1,18 @@
 """Connecting to Ray or starting it: an embedded Ray stays on 127.0.0.1 (the CLI's own run of it is
-tested in tests/cli), and a caller that imported Ray too early is told so."""
+tested in tests/cli), a caller that imported Ray too early is told so, and a RAY_ADDRESS where nothing
+listens fails at once."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
-from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
+import pytest
+
+from towerflow.errors import ClusterError
+from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH, check_reachable
 
 _SHOW_SWITCH = (
     "import os; from towerflow.runtime.cluster import keep_embedded_ray_local as keep; keep(); "
@@ -41,3 +46,19 @@ def test_an_embedded_ray_started_after_ray_was_imported_warns():
     assert out.stdout.strip().splitlines()[-1] == "embedded"
     assert "towerflow: warning: the embedded Ray listens on" in out.stderr
     assert f"set {SINGLE_MACHINE_SWITCH}=0" in out.stderr
+
+
+def test_an_address_where_nothing_listens_fails_at_once_naming_it():
+    # ray.init would retry it for ever; a listening port passes (what answers there is Ray's to judge).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]  # bound, not listening: refuses connections
+        with pytest.raises(
+            ClusterError, match=rf"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{port}.*refused"
+        ):
+            check_reachable(f"127.0.0.1:{port}", timeout_s=5)
+        taken.listen()
+        check_reachable(f"127.0.0.1:{port}", timeout_s=5)
+    with pytest.raises(ClusterError, match="RAY_ADDRESS=nohost.invalid:6379"):
+        check_reachable("nohost.invalid:6379", timeout_s=5)
+    check_reachable("ray://nohost.invalid:10001")  # Ray Client: left to Ray

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ def ensure_ray(budget: ResourceBudget) -> str:
     if ray.is_initialized():
         how = "connected"
     elif os.environ.get("RAY_ADDRESS"):
+        check_reachable(os.environ["RAY_ADDRESS"])
         try:
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         except Exception as exc:  # Ray raises several types here; all mean the same to the user
@@ -90,6 +92,37 @@ def ensure_ray(budget: ResourceBudget) -> str:
             )
     check_capacity(budget, ray.cluster_resources())
     return how
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast where nothing listens at a host:port RAY_ADDRESS: ray.init retries one for ever.
+    Ray Client (ray://) and auto-detection addresses are left to Ray."""
+    if "://" in address or address in ("auto", "local"):
+        return
+    from ray._private.services import canonicalize_bootstrap_address  # how ray.init reads it
+
+    try:
+        target = canonicalize_bootstrap_address(address)
+    except ValueError as exc:
+        raise ClusterError(f"RAY_ADDRESS={address} is not a host:port address: {exc}") from None
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except OSError as exc:
+        why = f"{exc.strerror or exc}"
+    hint = ""
+    if target != address:
+        hint = f" (Ray resolves it to {target}"
+        if address.rpartition(":")[0] in _LOOPBACK:
+            hint += (
+                f"; to reach a head that listens on 127.0.0.1 only, set {SINGLE_MACHINE_SWITCH}=0 here too"
+            )
+        hint += ")"
+    raise ClusterError(
+        f"no Ray cluster answers at RAY_ADDRESS={address}{hint}: {why}. Start one (`ray start --head`), "
+        "fix RAY_ADDRESS, or unset it to train on an embedded local Ray."
+    )
 
 
 def check_capacity(budget: ResourceBudget, resources: dict[str, float]) -> None:
