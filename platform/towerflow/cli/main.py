@@ -174,18 +174,18 @@ def _train(args: argparse.Namespace) -> int:
 
         uri = default_tracking_uri(spec.tracking.tracking_uri)
         print(
-            f"towerflow: browse it with: {_mlflow_command()} ui --backend-store-uri {uri}  "
+            f"towerflow: browse it with: {_runnable('mlflow')} ui --backend-store-uri {uri}  "
             "(then open http://127.0.0.1:5000)"
         )
     return 0
 
 
-def _mlflow_command() -> str:
-    """`mlflow` as this shell can run it: by name where it is on PATH, else by its path in this
+def _runnable(command: str) -> str:
+    """`command` as this shell can run it: by name where it is on PATH, else by its path in this
     Python's environment (relative where it lies below the working directory, as .venv/bin/mlflow)."""
-    if shutil.which("mlflow"):
-        return "mlflow"
-    beside = Path(sys.executable).parent / "mlflow"
+    if shutil.which(command):
+        return command
+    beside = Path(sys.executable).parent / command
     with contextlib.suppress(ValueError):
         return os.fspath(beside.relative_to(Path.cwd()))
     return os.fspath(beside)
@@ -267,7 +267,7 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"towerflow: {mode}: {result.summary_line()}")
     print(
         f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
-        f"browse it with: towerflow ui --store {comparison.tracking_uri}"
+        f"browse it with: {_runnable('towerflow')} ui --store {comparison.tracking_uri}"
     )
     return 0
 
