@@ -57,7 +57,8 @@ class StopAtStepHook(Hook):
 
 
 class ListeningAddressesHook(Hook):
-    """Writes, once the cluster is up, the addresses that this driver's Ray processes listen on."""
+    """Writes, once the cluster is up, the addresses that this driver's Ray processes listen on, and
+    whether token authentication is on."""
 
     def __init__(self, out: str) -> None:
         self.out = out
@@ -74,5 +75,11 @@ class ListeningAddressesHook(Hook):
             for c in psutil.net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN and c.pid in family
         ]
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+
+        # The mode this driver's Ray runs in, and what its GCS server was started with.
+        token_auth = get_authentication_mode() == AuthenticationMode.TOKEN
+        gcs = [p for p in psutil.Process().children(recursive=True) if p.name() == "gcs_server"]
+        gcs_auth = [p.environ().get("RAY_AUTH_MODE") for p in gcs]
         with open(self.out, "w") as f:
-            json.dump(listening, f)
+            json.dump({"listening": listening, "token_auth": token_auth, "gcs_auth_mode": gcs_auth}, f)

@@ -14,7 +14,7 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import ONE_OF_EACH, blob_spec
 
-from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
+from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH
 
 # `python -m towerflow` puts the working directory on sys.path; the console script (what `make
 # example` runs) does not, so both are exercised.
@@ -106,7 +106,7 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_MACHINE_SWITCH)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_MACHINE_SWITCH, AUTH_MODE)}
     env |= {"PYTHONPATH": str(REPO / "tests"), "MLFLOW_TRACKING_URI": store}  # tests/ for the hook only
     settings = ["training.max_steps=6", "training.mode=async", "export.saved_model=true"]
     out = subprocess.run(
@@ -133,7 +133,10 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
     assert run.data.metrics["global_step"] == 6
     assert run.data.tags["towerflow.model_uri"].startswith("models:/")
 
-    listening = json.loads(record.read_text())
+    recorded = json.loads(record.read_text())
+    assert recorded["token_auth"] and recorded["gcs_auth_mode"] == ["token"], recorded
+    assert "Set RAY_AUTH_MODE=disabled to opt out" not in out.stderr  # chosen, so Ray does not suggest it
+    listening = recorded["listening"]
     assert {"gcs_server", "raylet"} <= {entry["process"] for entry in listening}, listening
     exposed = [e for e in listening if e["address"] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     assert exposed == [], f"listening beyond loopback: {exposed}"

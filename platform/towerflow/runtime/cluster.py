@@ -20,6 +20,7 @@ from towerflow.errors import ClusterError
 # Ray's switch for clusters of one machine: off, a Ray started here takes 127.0.0.1 as its node
 # address, and then every one of its servers (GCS, raylet, workers) listens on 127.0.0.1 only.
 SINGLE_MACHINE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE = "RAY_AUTH_MODE"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -50,10 +51,13 @@ def keep_embedded_ray_local() -> None:
 
     Ray reads the switch when it is imported, so call this before anything imports Ray (the CLI
     does, first thing). It does nothing when RAY_ADDRESS names a cluster to join: joining needs this
-    node's real address. A user's own setting of the switch wins.
+    node's real address. A user's own setting of the switch (or of RAY_AUTH_MODE) wins.
     """
     if not os.environ.get("RAY_ADDRESS") and "ray" not in sys.modules:
         os.environ.setdefault(SINGLE_MACHINE_SWITCH, "0")
+        # Token authentication, Ray's default for a new local cluster, chosen explicitly: Ray then
+        # skips its start-up warning, which invites the user to opt out. (Ray reads it at import.)
+        os.environ.setdefault(AUTH_MODE, "token")
 
 
 def ensure_ray(budget: ResourceBudget) -> str:
