@@ -1,7 +1,9 @@
 """towerflow: parameter-server TensorFlow training on Ray.
 
 Public API: ``train`` runs a job spec end to end; ``load_spec`` reads and validates one;
-``Hook`` (with ``SessionInfo``, ``RunContext``, ``StepEvent``, ``RunOutcome``) is the base of user hooks.
+``Hook`` (with ``SessionInfo``, ``RunContext``, ``StepEvent``, ``RunOutcome``) is the base of user hooks;
+``keep_ray_local`` (called before Ray is imported) keeps a Ray that ``train`` starts on 127.0.0.1,
+with token authentication, as the CLI does.
 """
 
 import os
@@ -21,6 +23,7 @@ __all__ = [
     "StepEvent",
     "TowerflowError",
     "__version__",
+    "keep_ray_local",
     "load_spec",
     "train",
 ]
@@ -33,6 +36,10 @@ def __getattr__(name: str):
         from towerflow.launch import train
 
         return train
+    if name == "keep_ray_local":
+        from towerflow.runtime.cluster import keep_embedded_ray_local
+
+        return keep_embedded_ray_local
     if name == "load_spec":
         from towerflow.spec import load_spec
 
