@@ -91,7 +91,8 @@ def ensure_ray(budget: ResourceBudget) -> str:
             print(
                 f"towerflow: warning: the embedded Ray listens on {host}, not only 127.0.0.1 (token "
                 f"authentication is still on). Ray was imported before towerflow could keep it local: "
-                f"set {SINGLE_MACHINE_SWITCH}=0 in the environment, or use the towerflow command.",
+                f"call towerflow.keep_ray_local() before importing Ray, set {SINGLE_MACHINE_SWITCH}=0 in "
+                "the environment, or use the towerflow command.",
                 file=sys.stderr,
             )
     check_capacity(budget, ray.cluster_resources())
