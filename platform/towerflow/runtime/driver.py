@@ -8,7 +8,6 @@ may stop the job. Whatever happens, every hook's `end` is called and the actors 
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -16,9 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import ray
 
-from towerflow import errors
-from towerflow.errors import DataError, TowerflowError, TrainingError
-from towerflow.imports import UnimportableModule, check_arguments, import_ref
+from towerflow.errors import DataError, TrainingError
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
 from towerflow.runtime.model_state import average_model_states
@@ -33,6 +30,7 @@ from towerflow.runtime.sharding import (
     shard_variables,
 )
 from towerflow.runtime.tf_setup import TFProcessConfig
+from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import WorkerConfig, worker_actor
 
 
@@ -96,7 +94,7 @@ class Driver:
             for hook in self.hooks:
                 hook.begin(self.session)
                 begun.append(hook)
-            _check_model(self.spec.model)
+            check_model(self.spec.model)
             feed = self.make_data(self.spec.cluster.workers)
             self.data_splits, self.feature_scales = list(feed.splits), feed.feature_scales
             if feed.steps is not None:
@@ -113,7 +111,7 @@ class Driver:
             outcome = RunOutcome("KILLED", self._global_step(), exc)
             raise
         except BaseException as exc:
-            error = _as_user_error(exc)  # the run's error tag shows the user's message, not Ray's wrapper
+            error = as_user_error(exc)  # the run's error tag shows the user's message, not Ray's wrapper
             outcome = RunOutcome("FAILED", self._global_step(), error)
             raise error from exc
         finally:
@@ -458,55 +456,3 @@ class Driver:
             with contextlib.suppress(Exception):  # already dead is fine
                 ray.kill(actor)
         self.workers, self.shards, self._evaluator = [], [], None
-
-
-def _check_model(model: Any) -> None:
-    """A misspelt model ref or parameter fails here, named, before any actor starts. A module this
-    process cannot import is left to the workers: Ray may ship it to them from elsewhere."""
-    try:
-        build = import_ref(model.ref)
-    except UnimportableModule:
-        return
-    check_arguments(build, model.params, key="model.params", ref=model.ref)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _actor_init_error(exc: ray.exceptions.RayActorError) -> TowerflowError:
-    """An actor's constructor failed. Ray keeps only its text: a user error raised there (a model
-    module the workers cannot import, say) is rebuilt as itself; anything else keeps Ray's traceback."""
-    text = _ANSI.sub("", str(exc)).strip()
-    _, raised_here, raised = text.rpartition("\ntowerflow.errors.")
-    name, _, message = raised.partition(": ")
-    error_class = getattr(errors, name, None) if raised_here else None
-    if isinstance(error_class, type) and issubclass(error_class, TowerflowError):
-        return error_class(message)
-    # Ray's text: a header naming the actor (pid, ids, repr), then the constructor's traceback. Lead
-    # with what was raised; keep the traceback, which points into the user's model code.
-    header, _, trace = text.partition("\n")
-    trace = trace[max(0, trace.find('  File "')) :]  # Ray leaves the carets of frames it dropped
-    actor = re.search(r"ray::(\w+)\.__init__", header)
-    raised_line = trace.rstrip().rsplit("\n", 1)[-1] if trace.strip() else header
-    return TrainingError(
-        f"{actor.group(1) if actor else 'a training actor'} failed to start: {raised_line}\n{trace}".rstrip()
-    )
-
-
-def _as_user_error(exc: BaseException) -> BaseException:
-    """Find a TowerflowError inside Ray's wrappers (worker -> data task); else say which actor failed."""
-    seen = exc
-    for _ in range(8):
-        # Ray re-raises a remote error as a class deriving from both RayTaskError and the original;
-        # its message is Ray's traceback, so keep looking for the original underneath.
-        if isinstance(seen, TowerflowError) and not isinstance(seen, ray.exceptions.RayError):
-            return seen
-        cause = getattr(seen, "cause", None) or seen.__cause__
-        if cause is None:
-            break
-        seen = cause
-    if isinstance(exc, ray.exceptions.RayActorError):
-        if exc.actor_init_failed:
-            return _actor_init_error(exc)
-        return TrainingError(f"a training actor died: {exc}")
-    return exc

@@ -1,0 +1,65 @@
+"""How a job's failures reach the user: checks the driver makes before any actor starts, and the
+user's own error found inside Ray's wrappers (a failed actor keeps only its text)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ray
+
+from towerflow import errors
+from towerflow.errors import TowerflowError, TrainingError
+from towerflow.imports import UnimportableModule, check_arguments, import_ref
+
+
+def check_model(model: Any) -> None:
+    """A misspelt model ref or parameter fails here, named, before any actor starts. A module this
+    process cannot import is left to the workers: Ray may ship it to them from elsewhere."""
+    try:
+        build = import_ref(model.ref)
+    except UnimportableModule:
+        return
+    check_arguments(build, model.params, key="model.params", ref=model.ref)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _actor_init_error(exc: ray.exceptions.RayActorError) -> TowerflowError:
+    """An actor's constructor failed. Ray keeps only its text: a user error raised there (a model
+    module the workers cannot import, say) is rebuilt as itself; anything else keeps Ray's traceback."""
+    text = _ANSI.sub("", str(exc)).strip()
+    _, raised_here, raised = text.rpartition("\ntowerflow.errors.")
+    name, _, message = raised.partition(": ")
+    error_class = getattr(errors, name, None) if raised_here else None
+    if isinstance(error_class, type) and issubclass(error_class, TowerflowError):
+        return error_class(message)
+    # Ray's text: a header naming the actor (pid, ids, repr), then the constructor's traceback. Lead
+    # with what was raised; keep the traceback, which points into the user's model code.
+    header, _, trace = text.partition("\n")
+    trace = trace[max(0, trace.find('  File "')) :]  # Ray leaves the carets of frames it dropped
+    actor = re.search(r"ray::(\w+)\.__init__", header)
+    raised_line = trace.rstrip().rsplit("\n", 1)[-1] if trace.strip() else header
+    return TrainingError(
+        f"{actor.group(1) if actor else 'a training actor'} failed to start: {raised_line}\n{trace}".rstrip()
+    )
+
+
+def as_user_error(exc: BaseException) -> BaseException:
+    """Find a TowerflowError inside Ray's wrappers (worker -> data task); else say which actor failed."""
+    seen = exc
+    for _ in range(8):
+        # Ray re-raises a remote error as a class deriving from both RayTaskError and the original;
+        # its message is Ray's traceback, so keep looking for the original underneath.
+        if isinstance(seen, TowerflowError) and not isinstance(seen, ray.exceptions.RayError):
+            return seen
+        cause = getattr(seen, "cause", None) or seen.__cause__
+        if cause is None:
+            break
+        seen = cause
+    if isinstance(exc, ray.exceptions.RayActorError):
+        if exc.actor_init_failed:
+            return _actor_init_error(exc)
+        return TrainingError(f"a training actor died: {exc}")
+    return exc
