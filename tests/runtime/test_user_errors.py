@@ -1,7 +1,8 @@
 """A job that cannot train ends with one clear error and its MLflow run FAILED: a misspelt model ref
 or parameter is named by the driver before any actor starts; a user error raised in a worker's
-constructor comes back as itself, and any other leads with what was raised; data too small for one
-step is named instead of an untrained model exported."""
+constructor comes back as itself, and any other leads with what was raised; a loss, labels and model
+output that do not fit are named at the first step; data too small for one step is named instead of
+an untrained model exported."""
 
 from __future__ import annotations
 
@@ -67,6 +68,26 @@ def test_an_error_in_the_model_code_leads_with_what_was_raised_and_keeps_the_tra
     )
     assert "units=wide" in message.splitlines()[0]
     assert 'models/mlp.py", line' in message  # the frame in the user's model code
+
+
+@pytest.mark.parametrize(
+    "model, raised",
+    [
+        # Caught when the step is traced: a loss for one output against a model with two.
+        ({"loss": "mse"}, r"ValueError: Dimensions must be equal"),
+        # Caught when the step runs: labels 0 and 1 against a model with one class.
+        (
+            {"params": {"input_dim": 8, "num_classes": 1, "hidden": [16]}},
+            r"InvalidArgumentError: Received a label value of 1",
+        ),
+    ],
+)
+def test_a_loss_or_output_size_that_does_not_fit_the_labels_is_named(
+    ray_cluster, blob_data, tmp_path, model, raised
+):
+    pattern = rf"^model: the first training step failed \({raised}.*\)\. Check that model\.loss .* fits the model's output"
+    message = _fails_with(tmp_path, blob_data, model, pattern)
+    assert "data.train.label 'label': int64 [32]" in message
 
 
 def test_data_that_ends_before_the_first_step_fails_the_run(ray_cluster, tmp_path):

@@ -70,6 +70,9 @@ class TowerWorker:
     def __init__(self, config: WorkerConfig) -> None:
         devices = configure_tensorflow(config.tf)
         import keras
+        import tensorflow as tf
+
+        self._misfit_errors = (ValueError, TypeError, tf.errors.InvalidArgumentError)
 
         from towerflow.imports import import_ref
 
@@ -106,6 +109,22 @@ class TowerWorker:
         self._plan: PushPlan | None = None
         self._bucket_variables: list[list[int]] = []
         self._step: StepPushes | None = None  # the step in progress, as the push hooks see it
+
+    def _misfit(self, exc: Exception, labels: Any) -> SpecError:
+        """The first step failed to build or run. With a model that built, that is almost always
+        the spec's loss, labels and model output not fitting together: say so, with their shapes."""
+        lines = [line.strip() for line in str(exc).splitlines()]
+        lines = [line for line in lines if line and not line.startswith(("[[", "[Op:"))]
+        gist = lines[-1].removeprefix(f"{type(exc).__name__}: ") if lines else ""
+        gist = gist if len(gist) <= 160 else gist[:160] + " ..."
+        outputs = getattr(self.model, "output_shape", "?")
+        cfg = self.config
+        return SpecError(
+            f"model: the first training step failed ({type(exc).__name__}: {gist}). Check that model.loss "
+            f"({cfg.loss}, from_logits {str(cfg.from_logits).lower()}) fits the model's output {outputs} "
+            f"(its size is set by model.params) and the labels (data.train.label {cfg.label!r}: "
+            f"{labels.dtype.name} {list(labels.shape)})."
+        )
 
     # -- called by the driver --------------------------------------------------------------------
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
@@ -276,6 +295,10 @@ class TowerWorker:
                 self._step = step = StepPushes(versions)
                 try:
                     loss, metrics, _ = self.towers(inputs, labels)  # pushes each bucket as it is ready
+                except self._misfit_errors as exc:
+                    if steps:  # the spec fitted the data at the first step: not a mismatch
+                        raise
+                    raise self._misfit(exc, labels) from exc
                 finally:
                     self._step = None
                 if step.error is not None:
