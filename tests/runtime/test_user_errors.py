@@ -85,9 +85,13 @@ def test_an_error_in_the_model_code_leads_with_what_was_raised_and_keeps_the_tra
 def test_a_loss_or_output_size_that_does_not_fit_the_labels_is_named(
     ray_cluster, blob_data, tmp_path, model, raised
 ):
-    pattern = rf"^model: the first training step failed \({raised}.*\)\. Check that model\.loss .* fits the model's output"
+    pattern = rf"^model: the first training step failed \({raised}.*\)\. The model, its loss and the data do not fit"
     message = _fails_with(tmp_path, blob_data, model, pattern)
-    assert "data.train.label 'label': int64 [32]" in message
+    assert (
+        "the data gives the model x float32 [32, 8], and labels (data.train.label 'label') int64 [32]"
+        in message
+    )
+    assert "model.loss is" in message and "outputs (None, " in message
 
 
 def test_data_that_ends_before_the_first_step_fails_the_run(ray_cluster, tmp_path):

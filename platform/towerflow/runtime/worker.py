@@ -110,20 +110,25 @@ class TowerWorker:
         self._bucket_variables: list[list[int]] = []
         self._step: StepPushes | None = None  # the step in progress, as the push hooks see it
 
-    def _misfit(self, exc: Exception, labels: Any) -> SpecError:
+    def _misfit(self, exc: Exception, inputs: Any, labels: Any) -> SpecError:
         """The first step failed to build or run. With a model that built, that is almost always
-        the spec's loss, labels and model output not fitting together: say so, with their shapes."""
+        the model, its loss and the data not fitting together: say so, with the shapes of each."""
         lines = [line.strip() for line in str(exc).splitlines()]
         lines = [line for line in lines if line and not line.startswith(("[[", "[Op:"))]
         gist = lines[-1].removeprefix(f"{type(exc).__name__}: ") if lines else ""
         gist = gist if len(gist) <= 160 else gist[:160] + " ..."
-        outputs = getattr(self.model, "output_shape", "?")
+        only = (
+            getattr(self.model.inputs[0], "name", "input") if getattr(self.model, "inputs", None) else "input"
+        )
+        fed = inputs if isinstance(inputs, dict) else {only: inputs}
+        fed_shapes = ", ".join(f"{name} {t.dtype.name} {list(t.shape)}" for name, t in fed.items())
         cfg = self.config
         return SpecError(
-            f"model: the first training step failed ({type(exc).__name__}: {gist}). Check that model.loss "
-            f"({cfg.loss}, from_logits {str(cfg.from_logits).lower()}) fits the model's output {outputs} "
-            f"(its size is set by model.params) and the labels (data.train.label {cfg.label!r}: "
-            f"{labels.dtype.name} {list(labels.shape)})."
+            f"model: the first training step failed ({type(exc).__name__}: {gist}). The model, its loss "
+            f"and the data do not fit together: the data gives the model {fed_shapes}, and labels "
+            f"(data.train.label {cfg.label!r}) {labels.dtype.name} {list(labels.shape)}; the model "
+            f"(model.params) outputs {getattr(self.model, 'output_shape', '?')}; model.loss is {cfg.loss} "
+            f"(from_logits {str(cfg.from_logits).lower()})."
         )
 
     # -- called by the driver --------------------------------------------------------------------
@@ -298,7 +303,7 @@ class TowerWorker:
                 except self._misfit_errors as exc:
                     if steps:  # the spec fitted the data at the first step: not a mismatch
                         raise
-                    raise self._misfit(exc, labels) from exc
+                    raise self._misfit(exc, inputs, labels) from exc
                 finally:
                     self._step = None
                 if step.error is not None:
