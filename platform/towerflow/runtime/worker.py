@@ -117,17 +117,14 @@ class TowerWorker:
         lines = [line for line in lines if line and not line.startswith(("[[", "[Op:"))]
         gist = lines[-1].removeprefix(f"{type(exc).__name__}: ") if lines else ""
         gist = gist if len(gist) <= 160 else gist[:160] + " ..."
-        only = (
-            getattr(self.model.inputs[0], "name", "input") if getattr(self.model, "inputs", None) else "input"
-        )
-        fed = inputs if isinstance(inputs, dict) else {only: inputs}
+        fed = inputs if isinstance(inputs, dict) else {_input_name(self.model): inputs}
         fed_shapes = ", ".join(f"{name} {t.dtype.name} {list(t.shape)}" for name, t in fed.items())
         cfg = self.config
         return SpecError(
             f"model: the first training step failed ({type(exc).__name__}: {gist}). The model, its loss "
             f"and the data do not fit together: the data gives the model {fed_shapes}, and labels "
             f"(data.train.label {cfg.label!r}) {labels.dtype.name} {list(labels.shape)}; the model "
-            f"(model.params) outputs {getattr(self.model, 'output_shape', '?')}; model.loss is {cfg.loss} "
+            f"(model.params) outputs {_output_shape(self.model)}; model.loss is {cfg.loss} "
             f"(from_logits {str(cfg.from_logits).lower()})."
         )
 
@@ -462,3 +459,19 @@ def _loss_config(config: WorkerConfig) -> dict[str, Any]:
 def worker_actor(cpus: float, gpus: float):
     """The Ray actor class for a worker with this reservation (two threads: run, and drain/stop)."""
     return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_concurrency=3)(TowerWorker)
+
+
+def _output_shape(model: Any) -> Any:
+    """The model's output shape for a message; '?' where Keras cannot tell (a subclassed model)."""
+    try:
+        return model.output_shape
+    except Exception:  # noqa: BLE001 - only a message depends on it
+        return "?"
+
+
+def _input_name(model: Any) -> str:
+    """The name of a single-input model's input, for a message."""
+    try:
+        return model.inputs[0].name
+    except Exception:  # noqa: BLE001 - only a message depends on it
+        return "input"
