@@ -84,7 +84,17 @@ def test_learning_rate_schedule():
     }
     assert validate_spec(raw).training.optimizer.learning_rate.staircase is True
     del raw["training"]["optimizer"]["learning_rate"]["decay_rate"]
-    assert "decay_steps and decay_rate" in _error(raw)
+    assert "- training.optimizer.learning_rate: exponential_decay needs decay_steps and decay_rate" in _error(
+        raw
+    )
+
+
+def test_a_learning_rate_must_be_positive_and_only_its_own_branch_complains():
+    raw = _raw()
+    raw["training"]["optimizer"]["learning_rate"] = -0.1
+    error = _error(raw)
+    assert "- training.optimizer.learning_rate: Input should be greater than 0 (got -0.1)" in error
+    assert "dictionary" not in error and "tag:" not in error  # the schedule branch stays silent
 
 
 def test_replicas_cannot_exceed_workers_in_sync():
@@ -156,3 +166,9 @@ def test_flatten_spec_for_tracking():
     assert flat["training.optimizer.name"] == "adam"
     assert flat["cluster.workers"] == "2"
     assert flat["model.params.num_classes"] == "10"
+
+
+def test_a_batch_smaller_than_the_towers_is_named():
+    raw = _raw()
+    raw["data"]["batch_size"], raw["cluster"]["towers"] = 1, 2
+    assert "data.batch_size: 1 examples per worker cannot feed its 2 towers" in _error(raw)

@@ -90,7 +90,10 @@ def flatten_spec(spec: JobSpec) -> dict[str, str]:
 
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the member type of a union into the location ("float", "LearningRateSchedule").
-    return isinstance(part, str) and (part[:1].isupper() or part in {"float", "str", "list[str]", "int"})
+    # Discriminated unions use "tag:..." tags (schema.LearningRate).
+    return isinstance(part, str) and (
+        part[:1].isupper() or part in {"float", "str", "list[str]", "int"} or part.startswith("tag:")
+    )
 
 
 def _short(value: Any) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PositiveFloat, Tag, model_validator
 
 OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "rmsprop"]
 
@@ -176,9 +176,21 @@ class LearningRateSchedule(_Strict):
         return self
 
 
+def _rate_kind(value: Any) -> str:
+    return "tag:schedule" if isinstance(value, dict | LearningRateSchedule) else "tag:constant"
+
+
+# A number or a schedule. The discriminator makes an error show the branch the value meant,
+# rather than both branches' complaints.
+LearningRate = Annotated[
+    Annotated[PositiveFloat, Tag("tag:constant")] | Annotated[LearningRateSchedule, Tag("tag:schedule")],
+    Discriminator(_rate_kind),
+]
+
+
 class OptimizerSpec(_Strict):
     name: OptimizerName = "sgd"
-    learning_rate: float | LearningRateSchedule = 0.01
+    learning_rate: LearningRate = 0.01
     clip_global_norm: float | None = Field(None, gt=0, description="Clip each replica's whole gradient.")
     momentum: float | None = Field(None, ge=0)
     nesterov: bool | None = None
@@ -349,6 +361,12 @@ class JobSpec(_Strict):
                 raise ValueError(
                     "training.max_staleness applies to mode: async only (sync drops every stale gradient)"
                 )
+        towers = max(self.cluster.towers, int(self.cluster.gpus_per_worker))
+        if self.data.batch_size < towers:
+            raise ValueError(
+                f"data.batch_size: {self.data.batch_size} examples per worker cannot feed its {towers} towers "
+                "(each needs at least one); raise data.batch_size or lower cluster.towers"
+            )
         if self.supervision.eval is not None and self.data.eval is None:
             raise ValueError("supervision.eval needs data.eval (the evaluation data)")
         delay = self.supervision.worker_start_delay_steps
