@@ -150,6 +150,11 @@ class ClusterSpec(_Strict):
         ),
     )
 
+    @property
+    def towers_per_worker(self) -> int:
+        """The towers a worker builds: one per GPU it is given (a fraction is one GPU), else `towers`."""
+        return max(self.towers, int(self.gpus_per_worker))
+
     @model_validator(mode="after")
     def _towers_match_gpus(self) -> ClusterSpec:
         gpus = self.gpus_per_worker
@@ -361,7 +366,7 @@ class JobSpec(_Strict):
                 raise ValueError(
                     "training.max_staleness applies to mode: async only (sync drops every stale gradient)"
                 )
-        towers = max(self.cluster.towers, int(self.cluster.gpus_per_worker))
+        towers = self.cluster.towers_per_worker
         if self.data.batch_size < towers:
             raise ValueError(
                 f"data.batch_size: {self.data.batch_size} examples per worker cannot feed its {towers} towers "
