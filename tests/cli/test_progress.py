@@ -1,4 +1,4 @@
-"""The progress display's total: max_steps, or the step at which the data runs out if sooner."""
+"""The progress display: its total (max_steps, or the step at which the data runs out if sooner) and its banner."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from towerflow.runtime.hooks import SessionInfo
 from towerflow.spec import load_spec
 
 
-def _session(data_steps):
-    spec = load_spec("pipelines/mnist_sync.yaml")
+def _session(data_steps, overrides=()):
+    spec = load_spec("pipelines/mnist_sync.yaml", overrides)
     return SessionInfo(spec=spec, num_workers=2, num_shards=2, data_steps=data_steps)
 
 
@@ -26,3 +26,10 @@ def test_the_total_is_the_first_of_max_steps_and_the_end_of_the_data():
         hook = ProgressHook(max_steps, console=Console(file=io.StringIO()))
         hook.after_create_session(_session(data_steps))
         assert hook.total == total, (max_steps, data_steps)
+
+
+def test_the_banner_counts_one_tower_per_gpu():
+    out = io.StringIO()
+    hook = ProgressHook(10, console=Console(file=out))
+    hook.after_create_session(_session(None, ["cluster.gpus_per_worker=2"]))
+    assert "(sync, 2 workers x 2 towers, 2 PS)" in out.getvalue()

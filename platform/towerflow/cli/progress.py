@@ -30,9 +30,7 @@ class ProgressHook(Hook):
         self._last_log = 0.0
 
     def after_create_session(self, session: SessionInfo) -> None:
-        shape = (
-            f"{session.num_workers} workers x {session.spec.cluster.towers} towers, {session.num_shards} PS"
-        )
+        shape = f"{session.num_workers} workers x {session.spec.cluster.towers_per_worker} towers, {session.num_shards} PS"
         self.console.print(f"[bold]towerflow[/]: {session.spec.name} ({session.spec.training.mode}, {shape})")
         if session.data_steps is not None:  # the data may end the run before max_steps
             self.total = min(self.total, session.data_steps) if self.total else session.data_steps
