@@ -4,10 +4,13 @@ Same model (models.lenet, Adam 1e-3, sparse CE from logits), same synthetic MNIS
 global batch (256). Rounds interleave the three configurations in rotating order; each run times a
 fixed number of steps after a warm-up. Keras runs in a child process (the whole machine to itself);
 towerflow runs through `towerflow.launch.train` on one local Ray. A memory part then samples the
-RSS of every shard and worker process and Ray's object store during a longer 2-worker run.
+RSS of every shard and worker process and Ray's object store during a longer 2-worker run, and
+sets a shard's memory against two baselines: a bare TensorFlow actor, and a shard of a model with
+next to no variables (benchmarks/tiny_model.py), whose memory is what any shard costs.
 
     python benchmarks/throughput.py            # 3 rounds x 150 steps, 1,000-step memory run
     python benchmarks/throughput.py --quick    # smoke run
+    python benchmarks/throughput.py --skip-throughput   # the memory run alone
 
 The last line is `sync_vs_keras=<2-worker examples/sec / Keras examples/sec>` (medians).
 """
@@ -157,11 +160,11 @@ class MemorySampler(Hook):
                 self.samples[step] = sample_memory()
 
 
-def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int):
+def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int, model: str = "models.lenet:build"):
     from towerflow.spec import load_spec
 
     cpus = args.cpus_1worker if workers == 1 else 1
-    overrides = f"""name=bench-sync-{workers}w data.eval=null data.epochs=null
+    overrides = f"""name=bench-sync-{workers}w model.ref={model} data.eval=null data.epochs=null
         data.batch_size={GLOBAL_BATCH // workers} cluster.workers={workers} cluster.ps={args.ps}
         cluster.cpus_per_worker={cpus} cluster.cpus_per_ps=0.5 cluster.data_cpus=1 training.mode=sync
         training.max_steps={max_steps} training.replicas_to_aggregate={workers}
@@ -206,6 +209,23 @@ def object_store() -> tuple[int, int]:
     return int(stats.object_store_bytes_used), int(stats.num_local_objects)
 
 
+def referenced_objects() -> tuple[int, int]:
+    """(bytes, objects) that some process of the job still holds a reference to: what a leaked
+    ObjectRef would grow. The store's own use also counts objects freed but not yet deleted."""
+    import ray
+    from ray._private.internal_api import node_stats
+
+    node = next(n for n in ray.nodes() if n["Alive"])  # the benchmark's Ray has one node
+    reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=True)
+    sizes = {
+        ref.object_id: ref.object_size
+        for worker in reply.core_workers_stats
+        for ref in worker.object_refs
+        if ref.object_size > 0
+    }
+    return sum(sizes.values()), len(sizes)
+
+
 def process_memory(pid: int) -> dict[str, int]:
     """RSS and its parts from /proc, in bytes: anon is private, file is mostly shared libraries, shmem is
     object-store pages this process has touched (shared with the store)."""
@@ -221,6 +241,7 @@ def sample_memory() -> dict:
         "ps": {p: process_memory(p) for p in pids["ParameterShard"]},
         "workers": {p: process_memory(p) for p in pids["TowerWorker"]},
         "store": object_store(),
+        "referenced": referenced_objects(),
     }
 
 
@@ -246,15 +267,35 @@ def baseline_memory() -> dict[str, int]:
         ray.kill(actor)
 
 
+def tiny_shard_memory(args: argparse.Namespace) -> dict[str, int]:
+    """Memory of a shard that holds next to nothing (benchmarks/tiny_model.py), after as many steps as
+    the main run's first sample: the fixed cost of a shard, which the main shard pays too."""
+    from towerflow.launch import train
+
+    at = min(200, args.memory_steps // 2)
+    sampler = MemorySampler([at])
+    train(towerflow_spec(args, 2, at + 2, model="benchmarks.tiny_model:build"), hooks=[sampler], track=False)
+    return max(sampler.samples[at]["ps"].values(), key=lambda shard: shard["anon"])
+
+
 def run_memory(args: argparse.Namespace) -> dict:
     from towerflow.launch import train
 
     first = min(200, args.memory_steps // 2)
-    sampler = MemorySampler([first, args.memory_steps])
-    base = baseline_memory()
+    steps = sorted({*range(first, args.memory_steps, 200), args.memory_steps})
+    sampler = MemorySampler(steps)
+    base, tiny = baseline_memory(), tiny_shard_memory(args)
     result = train(towerflow_spec(args, 2, args.memory_steps + 2), hooks=[sampler], track=False)
     state = sorted((s["variable_bytes"] + s["slot_bytes"] for s in result.shards), reverse=True)
-    return {"first": first, "last": args.memory_steps, "baseline": base, "state": state, **sampler.samples}
+    return {
+        "first": first,
+        "last": args.memory_steps,
+        "steps": steps,
+        "baseline": base,
+        "tiny": tiny,
+        "state": state,
+        **sampler.samples,
+    }
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -284,6 +325,21 @@ def print_throughput(results: dict[str, list[dict]]) -> dict[str, float]:
     return medians
 
 
+def print_rss_course(mem: dict) -> None:
+    """RSS at every sample, object-store pages in brackets: whether growth levels off or keeps on."""
+    steps = mem["steps"]
+    print("rss by step, MiB (of which object-store pages)")
+    print(f"{'process':<9}" + "".join(f"{step:>15}" for step in steps))
+    last = mem[mem["last"]]
+    for kind in ("ps", "workers"):
+        for n, pid in enumerate(sorted(last[kind], key=lambda pid: -last[kind][pid]["rss"])):
+            cells = (mem[step][kind][pid] for step in steps)
+            print(
+                f"{kind[:2] + str(n):<9}"
+                + "".join(f"{c['rss'] / MIB:>8.0f} ({c['shmem'] / MIB:>4.0f})" for c in cells)
+            )
+
+
 def print_memory(mem: dict, threshold_pct: float) -> str:
     first, last, base = mem[mem["first"]], mem[mem["last"]], mem["baseline"]
     print(
@@ -305,35 +361,47 @@ def print_memory(mem: dict, threshold_pct: float) -> str:
                 f"{b['peak'] / MIB:>8.1f}{a['anon'] / MIB:>13.1f}{b['anon'] / MIB:>13.1f}{anon_pct:>9.1f}"
                 f"{b['shmem'] / MIB:>8.1f}"
             )
+    print_rss_course(mem)
     store = (last["store"][0] - first["store"][0]) / MIB
-    print(
-        f"object store: {first['store'][0] / MIB:.1f} MiB ({first['store'][1]} objects) -> "
-        f"{last['store'][0] / MIB:.1f} MiB ({last['store'][1]} objects)"
-    )
+    referenced = (last["referenced"][0] - first["referenced"][0]) / MIB
+    for name, key, what in (
+        ("object store", "store", "in use"),
+        ("of which referenced", "referenced", "held by a live ObjectRef"),
+    ):
+        print(
+            f"{name}: {first[key][0] / MIB:.1f} MiB ({first[key][1]} objects) -> "
+            f"{last[key][0] / MIB:.1f} MiB ({last[key][1]} objects), {what}"
+        )
+    tiny = mem["tiny"]
     print(
         f"bare TensorFlow actor (0.5 CPU, one variable): rss {base['rss'] / MIB:.1f} MiB, "
-        f"anon {base['anon'] / MIB:.1f} MiB"
+        f"anon {base['anon'] / MIB:.1f} MiB; shard of a 7,850-parameter model (its fixed cost): "
+        f"rss {tiny['rss'] / MIB:.1f} MiB, anon {tiny['anon'] / MIB:.1f} MiB"
     )
     print(
         f"{'shard':<9}{'state':>10}{'rss-base':>10}{'ratio':>9}{'anon-base':>14}{'ratio':>9}"
-        "   (shards matched to processes by size)"
+        f"{'anon-tiny':>14}{'ratio':>9}   (shards matched to processes by size)"
     )
-    ratios, anon = [], []
+    ratios, anon, over_tiny = [], [], []
     for n, (state, proc) in enumerate(
         zip(mem["state"], sorted(last["ps"].values(), key=lambda p: -p["rss"]))
     ):
         above = {k: proc[k] - base[k] for k in ("rss", "anon")}
         ratios.append(above["rss"] / state)
         anon.append(above["anon"] / state)
+        over_tiny.append((proc["anon"] - tiny["anon"]) / state)
         print(
             f"{'ps' + str(n):<9}{state / MIB:>10.2f}{above['rss'] / MIB:>10.1f}{ratios[-1]:>9.2f}"
             f"{above['anon'] / MIB:>14.1f}{anon[-1]:>9.2f}"
+            f"{(proc['anon'] - tiny['anon']) / MIB:>14.1f}{over_tiny[-1]:>9.2f}"
         )
     verdict = "within" if max(growth) < threshold_pct else "ABOVE"
     print(f"largest RSS growth {max(growth):.1f}% ({verdict} the {threshold_pct:g}% noise threshold)")
     return (
         f"memory: ps_state_ratio_max={max(ratios):.2f} ps_anon_state_ratio_max={max(anon):.2f} "
-        f"rss_growth_max_pct={max(growth):.1f} object_store_growth_mb={store:.1f}"
+        f"ps_anon_over_fixed_ratio_max={max(over_tiny):.2f} "
+        f"rss_growth_max_pct={max(growth):.1f} object_store_growth_mb={store:.1f} "
+        f"referenced_growth_mb={referenced:.1f}"
     )
 
 
@@ -351,6 +419,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="steps skipped before timing")
     parser.add_argument("--memory-steps", type=int, default=1000)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument(
+        "--skip-throughput", action="store_true", help="only the memory run (no sync_vs_keras line)"
+    )
     parser.add_argument("--quick", action="store_true", help="1 round, 60 steps, 300 memory steps")
     parser.add_argument("--data", type=Path, default=Path("data/bench-mnist"))
     parser.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray")
@@ -400,14 +471,19 @@ def main(argv: list[str] | None = None) -> None:
         log_to_driver=False,
         logging_level="WARNING",
     )
+    runs = (
+        "memory run only"
+        if args.skip_throughput
+        else f"{args.rounds} round(s) x {args.steps} timed steps after {args.warmup} warm-up; "
+        f"1-worker cpus_per_worker={args.cpus_1worker:g}"
+    )
     print(
-        f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {args.rounds} round(s) "
-        f"x {args.steps} timed steps after {args.warmup} warm-up; 1-worker cpus_per_worker={args.cpus_1worker:g}; "
+        f"Ray {ray.__version__}, {args.ray_cpus} logical CPUs; global batch {GLOBAL_BATCH}; {runs}; "
         f"{args.ps} PS shard(s) at 0.5 CPU"
     )
     runners = {"keras": run_keras, "tf1": lambda a: run_towerflow(a, 1), "tf2": lambda a: run_towerflow(a, 2)}
     results: dict[str, list[dict]] = {name: [] for name in runners}
-    for r in range(args.rounds):
+    for r in range(0 if args.skip_throughput else args.rounds):
         names = list(runners)[r % 3 :] + list(runners)[: r % 3]
         for name in names:
             log(f"round {r + 1}/{args.rounds}: {LABELS[name]} ...")
@@ -416,13 +492,19 @@ def main(argv: list[str] | None = None) -> None:
             log(
                 f"  {last['rate']:,.0f} ex/s over {last['span_s']:.1f} s; other processes: {last['foreign']:.2f} cores"
             )
-    medians = print_throughput(results)
+    medians = {} if args.skip_throughput else print_throughput(results)
+    memory = None
     if not args.skip_memory:
         log(f"memory run: {args.memory_steps} steps, 2 workers ...")
-        print(print_memory(run_memory(args), args.growth_threshold))
+        memory = print_memory(run_memory(args), args.growth_threshold)
+        if medians:
+            print(memory)
     print(f"\nwall time of the whole benchmark: {time.time() - started:.0f} s")
-    print(f"sync1_vs_keras={medians['tf1'] / medians['keras']:.3f}")
-    print(f"sync_vs_keras={medians['tf2'] / medians['keras']:.3f}")
+    if medians:
+        print(f"sync1_vs_keras={medians['tf1'] / medians['keras']:.3f}")
+        print(f"sync_vs_keras={medians['tf2'] / medians['keras']:.3f}")
+    elif memory:
+        print(memory)  # a memory-only run ends with its memory line
 
 
 if __name__ == "__main__":
