@@ -18,7 +18,6 @@ The last line is `sync_vs_keras=<2-worker examples/sec / Keras examples/sec>` (m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -27,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+import cpu_budget
 from common import ensure_mnist, machine, make_log
+from memory_probe import MIB, MemorySampler, baseline_memory, print_memory
 
 from towerflow.runtime.events import PHASES
 from towerflow.runtime.hooks import Hook
@@ -35,60 +36,19 @@ from towerflow.runtime.hooks import Hook
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "pipelines" / "mnist_sync.yaml"
 GLOBAL_BATCH = 256
-MIB = 1 << 20
 RAY_WORKER_NICENESS = 15
-STATUS_FIELDS = {"rss": "VmRSS", "peak": "VmHWM", "anon": "RssAnon", "file": "RssFile", "shmem": "RssShmem"}
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 log = make_log("throughput")
 
 
-def cpu_snapshot() -> tuple[float, dict[int, float]]:
-    """(CPU seconds the machine has been busy, CPU seconds of each process of this benchmark's tree).
-
-    A process counts its reaped children, so a finished Keras child is not lost; actors that Ray
-    killed meanwhile are dropped from the comparison rather than counted as foreign.
-    """
-    import psutil
-
-    t = psutil.cpu_times()  # guest time is already inside user time
-    busy = (
-        t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
-    )
-    mine = {}
-    me = psutil.Process()
-    for proc in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            mine[proc.pid] = sum(proc.cpu_times()[:4])  # user, system, children_user, children_system
-    return busy, mine
-
-
-def foreign_cores(before: tuple[float, dict[int, float]], seconds: float) -> float:
-    """Cores that processes outside this benchmark used since `before`, on average."""
-    busy, mine = cpu_snapshot()
-    ours = sum(cpu - before[1].get(pid, 0.0) for pid, cpu in mine.items())
-    return max(0.0, busy - before[0] - ours) / seconds
-
-
-def wait_for_quiet(limit_s: float, cores: float = 0.2) -> float:
-    """Wait (up to limit_s) until other processes use under `cores` CPUs over 3 s; return their load."""
-    deadline = time.time() + limit_s
-    while True:
-        before = cpu_snapshot()
-        time.sleep(3)
-        load = foreign_cores(before, 3)
-        if load < cores or time.time() > deadline:
-            return load
-        log(f"  other processes use {load:.2f} cores; waiting for a quiet machine")
-
-
 def measured(runner, args: argparse.Namespace) -> dict:
     """One run, with the CPU other processes used meanwhile (cores, averaged over the run)."""
-    wait_for_quiet(args.quiet_wait)
-    before, started = cpu_snapshot(), time.time()
+    cpu_budget.wait_for_quiet(args.quiet_wait, log)
+    before, started = cpu_budget.benchmark_snapshot(), time.time()
     result = runner(args)
-    result["foreign"] = foreign_cores(before, time.time() - started)
+    result["foreign"] = cpu_budget.foreign_cores(before, time.time() - started)
     return result
 
 
@@ -119,12 +79,19 @@ def keras_child(data: Path, warmup: int, steps: int) -> None:
         metrics=["accuracy"],
     )
     marks: list[float] = []
-    timer = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter())
-    )
+    cpu: dict[int, dict[str, float]] = {}
+
+    def mark(batch: int, logs) -> None:
+        marks.append(time.perf_counter())
+        if batch + 1 in (warmup, warmup + steps):
+            cpu[batch + 1] = cpu_budget.snapshot(trainer_pid=os.getpid())
+
+    timer = keras.callbacks.LambdaCallback(on_train_batch_end=mark)
     model.fit(ds, steps_per_epoch=warmup + steps, epochs=1, verbose=0, callbacks=[timer])
     span = marks[warmup + steps - 1] - marks[warmup - 1]
-    print(json.dumps({"rate": steps * GLOBAL_BATCH / span, "span_s": span, "jit_compile": model.jit_compile}))
+    result = {"rate": steps * GLOBAL_BATCH / span, "span_s": span, "jit_compile": model.jit_compile}
+    result["cpu"] = cpu_budget.per_step(cpu[warmup], cpu[warmup + steps], steps)
+    print(json.dumps(result))
 
 
 def run_keras(args: argparse.Namespace) -> dict:
@@ -139,25 +106,22 @@ def run_keras(args: argparse.Namespace) -> dict:
 
 # -- towerflow ------------------------------------------------------------------------------------
 class Recorder(Hook):
-    """Keeps (step, elapsed_s, examples_seen, time_split) of every step event."""
+    """Keeps (step, elapsed_s, examples_seen, time_split) of every step event, and the machine's CPU
+    by role at the first and last step of the timed window."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: tuple[int, int]) -> None:
         self.events: list[tuple[int, float, int, dict[str, float]]] = []
+        self.window, self.cpu = window, {}
 
     def after_run(self, context, event) -> None:
         self.events.append((event.global_step, event.elapsed_s, event.examples_seen, dict(event.time_split)))
+        for edge in self.window:
+            if event.global_step >= edge and edge not in self.cpu:
+                self.cpu[edge] = (event.global_step, cpu_budget.snapshot())
 
-
-class MemorySampler(Hook):
-    """Samples shard and worker processes and the object store at the given global steps."""
-
-    def __init__(self, at: list[int]) -> None:
-        self.at, self.samples = at, {}
-
-    def after_run(self, context, event) -> None:
-        for step in self.at:
-            if event.global_step >= step and step not in self.samples:
-                self.samples[step] = sample_memory()
+    def cpu_per_step(self) -> dict[str, float]:
+        (first, before), (last, after) = (self.cpu[edge] for edge in self.window)
+        return cpu_budget.per_step(before, after, last - first)
 
 
 def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int, model: str = "models.lenet:build"):
@@ -176,97 +140,23 @@ def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int, model
 def run_towerflow(args: argparse.Namespace, workers: int) -> dict:
     from towerflow.launch import train
 
-    recorder = Recorder()
     end = args.warmup + args.steps
+    recorder = Recorder((args.warmup, end))
     train(towerflow_spec(args, workers, end + 2), hooks=[recorder], track=False)
     window = [e for e in recorder.events if args.warmup <= e[0] <= end]
     (_, t0, seen0, _), (_, t1, seen1, _) = window[0], window[-1]
     steady = window[1:]
     split = {p: statistics.median(e[3][p] for e in steady) for p in PHASES}
     split["step"] = statistics.median(b[1] - a[1] for a, b in zip(window, window[1:]))
-    return {"rate": (seen1 - seen0) / (t1 - t0), "span_s": t1 - t0, "split": split}
+    return {
+        "rate": (seen1 - seen0) / (t1 - t0),
+        "span_s": t1 - t0,
+        "split": split,
+        "cpu": recorder.cpu_per_step(),
+    }
 
 
 # -- memory ---------------------------------------------------------------------------------------
-def actor_pids() -> dict[str, list[int]]:
-    """Live shard and worker PIDs from the GCS actor table (ray.util.state needs the dashboard)."""
-    import ray
-
-    pids: dict[str, list[int]] = {"ParameterShard": [], "TowerWorker": []}
-    for actor in ray._private.state.actors().values():
-        if actor["State"] == "ALIVE" and actor["ActorClassName"] in pids:
-            pids[actor["ActorClassName"]].append(actor["Pid"])
-    return pids
-
-
-def object_store() -> tuple[int, int]:
-    """(bytes used, objects) of the local Ray object store, from the raylet's store stats."""
-    import ray
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
-    state = get_state_from_address(ray.get_runtime_context().gcs_address)  # ours, not another job's Ray
-    stats = get_memory_info_reply(state).store_stats
-    return int(stats.object_store_bytes_used), int(stats.num_local_objects)
-
-
-def referenced_objects() -> tuple[int, int]:
-    """(bytes, objects) that some process of the job still holds a reference to: what a leaked
-    ObjectRef would grow. The store's own use also counts objects freed but not yet deleted."""
-    import ray
-    from ray._private.internal_api import node_stats
-
-    node = next(n for n in ray.nodes() if n["Alive"])  # the benchmark's Ray has one node
-    reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=True)
-    sizes = {
-        ref.object_id: ref.object_size
-        for worker in reply.core_workers_stats
-        for ref in worker.object_refs
-        if ref.object_size > 0
-    }
-    return sum(sizes.values()), len(sizes)
-
-
-def process_memory(pid: int) -> dict[str, int]:
-    """RSS and its parts from /proc, in bytes: anon is private, file is mostly shared libraries, shmem is
-    object-store pages this process has touched (shared with the store)."""
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
-    )
-    return {key: int(fields[name].split()[0]) * 1024 for key, name in STATUS_FIELDS.items()}
-
-
-def sample_memory() -> dict:
-    pids = actor_pids()
-    return {
-        "ps": {p: process_memory(p) for p in pids["ParameterShard"]},
-        "workers": {p: process_memory(p) for p in pids["TowerWorker"]},
-        "store": object_store(),
-        "referenced": referenced_objects(),
-    }
-
-
-def baseline_memory() -> dict[str, int]:
-    """RSS of a Ray actor with a shard's CPU share that imports TensorFlow and makes one variable."""
-    import ray
-
-    @ray.remote(num_cpus=0.5)
-    class Baseline:
-        def rss(self) -> int:
-            from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
-
-            configure_tensorflow(TFProcessConfig(cpus=0.5))
-            import tensorflow as tf
-
-            tf.Variable(tf.zeros([4])).assign_add(tf.ones([4]))
-            return process_memory(os.getpid())
-
-    actor = Baseline.remote()
-    try:
-        return ray.get(actor.rss.remote())
-    finally:
-        ray.kill(actor)
-
-
 def tiny_shard_memory(args: argparse.Namespace) -> dict[str, int]:
     """Memory of a shard that holds next to nothing (benchmarks/tiny_model.py), after as many steps as
     the main run's first sample: the fixed cost of a shard, which the main shard pays too."""
@@ -322,87 +212,20 @@ def print_throughput(results: dict[str, list[dict]]) -> dict[str, float]:
     for name in ("tf1", "tf2"):
         row = [statistics.median(r["split"][p] for r in results[name]) * 1000 for p in (*PHASES, "step")]
         print(f"{LABELS[name]:<30}" + "".join(f"{v:>9.1f}" for v in row))
+    print_cpu_budget(results)
     return medians
 
 
-def print_rss_course(mem: dict) -> None:
-    """RSS at every sample, object-store pages in brackets: whether growth levels off or keeps on."""
-    steps = mem["steps"]
-    print("rss by step, MiB (of which object-store pages)")
-    print(f"{'process':<9}" + "".join(f"{step:>15}" for step in steps))
-    last = mem[mem["last"]]
-    for kind in ("ps", "workers"):
-        for n, pid in enumerate(sorted(last[kind], key=lambda pid: -last[kind][pid]["rss"])):
-            cells = (mem[step][kind][pid] for step in steps)
-            print(
-                f"{kind[:2] + str(n):<9}"
-                + "".join(f"{c['rss'] / MIB:>8.0f} ({c['shmem'] / MIB:>4.0f})" for c in cells)
-            )
-
-
-def print_memory(mem: dict, threshold_pct: float) -> str:
-    first, last, base = mem[mem["first"]], mem[mem["last"]], mem["baseline"]
+def print_cpu_budget(results: dict[str, list[dict]]) -> None:
+    columns = (*cpu_budget.ROLES, "available")
     print(
-        f"\nmemory: towerflow sync 2 workers, {mem['last']} steps; MiB at steps {mem['first']} and {mem['last']} "
-        "(anon = private pages; shmem = object-store pages the process touched)"
+        "\nCPU per step, core-ms (medians of runs; trainer = the Keras process or the towerflow workers; "
+        "available = cores x step time)"
     )
-    print(
-        f"{'process':<9}{'rss@' + str(mem['first']):>10}{'rss@' + str(mem['last']):>10}{'growth%':>9}{'peak':>8}"
-        f"{'anon@' + str(mem['first']):>13}{'anon@' + str(mem['last']):>13}{'growth%':>9}{'shmem':>8}"
-    )
-    growth = []
-    for kind in ("ps", "workers"):
-        for n, pid in enumerate(sorted(last[kind], key=lambda pid: -last[kind][pid]["rss"])):
-            a, b = first[kind][pid], last[kind][pid]
-            rss_pct, anon_pct = (100 * (b[k] - a[k]) / a[k] for k in ("rss", "anon"))
-            growth.append(rss_pct)
-            print(
-                f"{kind[:2] + str(n):<9}{a['rss'] / MIB:>10.1f}{b['rss'] / MIB:>10.1f}{rss_pct:>9.1f}"
-                f"{b['peak'] / MIB:>8.1f}{a['anon'] / MIB:>13.1f}{b['anon'] / MIB:>13.1f}{anon_pct:>9.1f}"
-                f"{b['shmem'] / MIB:>8.1f}"
-            )
-    print_rss_course(mem)
-    store = (last["store"][0] - first["store"][0]) / MIB
-    referenced = (last["referenced"][0] - first["referenced"][0]) / MIB
-    for name, key, what in (
-        ("object store", "store", "in use"),
-        ("of which referenced", "referenced", "held by a live ObjectRef"),
-    ):
-        print(
-            f"{name}: {first[key][0] / MIB:.1f} MiB ({first[key][1]} objects) -> "
-            f"{last[key][0] / MIB:.1f} MiB ({last[key][1]} objects), {what}"
-        )
-    tiny = mem["tiny"]
-    print(
-        f"bare TensorFlow actor (0.5 CPU, one variable): rss {base['rss'] / MIB:.1f} MiB, "
-        f"anon {base['anon'] / MIB:.1f} MiB; shard of a 7,850-parameter model (its fixed cost): "
-        f"rss {tiny['rss'] / MIB:.1f} MiB, anon {tiny['anon'] / MIB:.1f} MiB"
-    )
-    print(
-        f"{'shard':<9}{'state':>10}{'rss-base':>10}{'ratio':>9}{'anon-base':>14}{'ratio':>9}"
-        f"{'anon-tiny':>14}{'ratio':>9}   (shards matched to processes by size)"
-    )
-    ratios, anon, over_tiny = [], [], []
-    for n, (state, proc) in enumerate(
-        zip(mem["state"], sorted(last["ps"].values(), key=lambda p: -p["rss"]))
-    ):
-        above = {k: proc[k] - base[k] for k in ("rss", "anon")}
-        ratios.append(above["rss"] / state)
-        anon.append(above["anon"] / state)
-        over_tiny.append((proc["anon"] - tiny["anon"]) / state)
-        print(
-            f"{'ps' + str(n):<9}{state / MIB:>10.2f}{above['rss'] / MIB:>10.1f}{ratios[-1]:>9.2f}"
-            f"{above['anon'] / MIB:>14.1f}{anon[-1]:>9.2f}"
-            f"{(proc['anon'] - tiny['anon']) / MIB:>14.1f}{over_tiny[-1]:>9.2f}"
-        )
-    verdict = "within" if max(growth) < threshold_pct else "ABOVE"
-    print(f"largest RSS growth {max(growth):.1f}% ({verdict} the {threshold_pct:g}% noise threshold)")
-    return (
-        f"memory: ps_state_ratio_max={max(ratios):.2f} ps_anon_state_ratio_max={max(anon):.2f} "
-        f"ps_anon_over_fixed_ratio_max={max(over_tiny):.2f} "
-        f"rss_growth_max_pct={max(growth):.1f} object_store_growth_mb={store:.1f} "
-        f"referenced_growth_mb={referenced:.1f}"
-    )
+    print(f"{'configuration':<30}" + "".join(f"{c:>10}" for c in columns))
+    for name, runs in results.items():
+        row = (statistics.median(r["cpu"][c] for r in runs) for c in columns)
+        print(f"{LABELS[name]:<30}" + "".join(f"{v:>10.1f}" for v in row))
 
 
 LABELS = {
