@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from support import ONE_OF_EACH, blob_spec, mlflow_uri
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
+from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
 
 
@@ -192,6 +194,44 @@ def test_nan_guard_fails_the_run_and_keeps_the_last_good_checkpoint(ray_cluster,
     store = MlflowCheckpointStore(client, run.info.run_id)
     assert [s for s, _ in store.list()] == [2, 4]
     assert store.load(4).all_finite()
+
+
+class _SlowChief(Hook):
+    """Holds the driver once, as a slow MLflow store or a busy chief would: the shards run ahead."""
+
+    def __init__(self, at_step: int, seconds: float) -> None:
+        self.at_step, self.seconds, self.done = at_step, seconds, False
+
+    def after_run(self, context, event) -> None:
+        if event.global_step >= self.at_step and not self.done:
+            self.done = True
+            time.sleep(self.seconds)
+
+
+def test_checkpoints_of_steps_the_shards_no_longer_hold_are_cut_at_a_later_one(
+    ray_cluster, blob_data, tmp_path
+):
+    # A shard keeps the last few steps the checkpoint hook asked for; past them it answered with its
+    # state now, and two shards at different versions failed the run ("not a consistent cut").
+    spec = _spec(
+        blob_data,
+        None,
+        cluster={"workers": 2, "ps": 2},
+        training={"max_steps": 400},
+        supervision={"checkpoint": {"every_steps": 1, "max_to_keep": 1000}},
+    )
+    result = train(spec, hooks=[_SlowChief(at_step=3, seconds=1.0)], track=False, output_dir=tmp_path)
+    assert result.global_step == 400
+    store = LocalCheckpointStore(tmp_path / "checkpoints")
+    steps = [step for step, _ in store.list()]
+    assert len(steps) < 400  # steps the shards had dropped were skipped, not saved out of order
+    for step in steps:
+        state = store.load(step)
+        assert state.global_step == step and state.all_finite()
+        # The data position belongs to the saved state: it never says more examples were trained on
+        # than the state holds (a resume would skip unseen data), nor names another step.
+        assert state.data_position.get("global_step", step) == step, state.data_position
+        assert state.examples_seen <= step * 2 * 32
 
 
 def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):

@@ -372,6 +372,11 @@ class Driver:
                 # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
                 ray.get([s.finish.remote() for s in self.shards])
         snapshots = ray.get(refs)
+        if version is not None and any(s.version != version for s in snapshots):
+            # A shard no longer held `version` (it keeps the last few, and the chief heard of that
+            # step too late) or ended before it; it answered with its state now, which may not match
+            # the others' or the position given for `version`. Cut again, at the next common version.
+            return self.capture_state()
         state = assemble_state(
             snapshots,
             self.session.variables,
