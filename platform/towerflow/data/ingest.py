@@ -42,6 +42,10 @@ from towerflow.errors import DataError
 from towerflow.runtime.batches import StreamOptions, WorkerStream
 
 UNBOUNDED_EPOCHS = 1000  # data.epochs: null with an unknown data set size
+# One Ray Data block (one read task) per file to read, up to this many; beyond it, blocks of several
+# files in a row. Ray Data spends about a millisecond a block before the first batch, so a long run
+# over many epochs (data.epochs: null, a large max_steps) would otherwise wait minutes to start.
+MAX_READ_BLOCKS = 1024
 MIB = 1 << 20
 
 
@@ -176,7 +180,8 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
             "raise data.epochs."
         )
     task_cpus = min(1.0, spec.cluster.data_cpus)
-    ds = ray.data.from_items([{"path": p} for p in ordered], override_num_blocks=len(ordered))
+    blocks = min(len(ordered), MAX_READ_BLOCKS)
+    ds = ray.data.from_items([{"path": p} for p in ordered], override_num_blocks=blocks)
     ds = ds.map_batches(read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus)
     bound_readahead(ds.context, spec.cluster.data_cpus, data.readahead_mb * MIB, data.deterministic)
     pace_scheduling_loop(ds.context, data.executor_step_ms / 1000)
