@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import yaml
@@ -94,6 +97,47 @@ def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path
     runs = client.search_runs([client.get_experiment_by_name("blobs-test").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
     assert "matches no files" in runs[0].data.tags["towerflow.error"]
+
+
+def test_sigterm_stops_the_run_killed_and_says_how_to_resume(cluster_env, blob_data, tmp_path):
+    # As `ray job stop` or Kubernetes stop a driver. Ray's own handler used to exit at once, after a
+    # C++ stack dump, leaving the run FAILED with the error "1". The run is long and its data
+    # repeats (data.epochs: null): its 250,000 file reads once made a Ray Data block each, and the
+    # job waited minutes to start; checkpoints every 5 steps of a fast model once broke the cut.
+    path = tmp_path / "job.yaml"
+    spec = blob_spec(
+        blob_data,
+        data={"epochs": None},
+        training={"max_steps": 1_000_000},
+        supervision={"checkpoint": {"every_steps": 5}},
+    )
+    path.write_text(yaml.safe_dump(spec))
+    command = [sys.executable, "-m", "towerflow", "train", str(path), "--set", "training.max_steps=999999"]
+    cli = subprocess.Popen(
+        command, cwd=REPO, env={**os.environ, **cluster_env}, stderr=subprocess.PIPE, text=True
+    )
+    watchdog = threading.Timer(180, cli.kill)  # a hang fails the test instead of holding the suite
+    watchdog.start()
+    try:
+        before = []
+        for line in cli.stderr:  # the first progress line: the actors are up and training
+            before.append(line)
+            if line.startswith("step "):
+                break
+        time.sleep(3)
+        cli.send_signal(signal.SIGTERM)
+        after = cli.stderr.read()
+        code = cli.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+    assert code == 143, "".join(before) + after
+    client = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs([client.get_experiment_by_name("blobs-test").experiment_id])
+    assert run.info.status == "KILLED"
+    assert run.data.metrics["global_step"] > 0
+    assert f"--set training.max_steps=999999 --resume {run.info.run_id}" in after, after
+    assert after.rstrip().endswith("towerflow: terminated (SIGTERM)"), after
+    assert "SIGTERM received" not in after and "Traceback" not in after, after
 
 
 def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):

@@ -6,13 +6,16 @@ import argparse
 import contextlib
 import inspect
 import os
+import shlex
 import shutil
 import sys
 import traceback
 from pathlib import Path
 
 from towerflow.errors import TowerflowError
+from towerflow.runtime import signals
 from towerflow.runtime.cluster import keep_embedded_ray_local
+from towerflow.runtime.hooks import Hook, SessionInfo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"towerflow: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        if signals.received_sigterm():
+            print("towerflow: terminated (SIGTERM)", file=sys.stderr)
+            return signals.EXIT_CODE
         print("towerflow: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug, not a user error: keep the traceback, say what to do
@@ -166,8 +172,24 @@ def _train(args: argparse.Namespace) -> int:
     from towerflow.spec import load_spec
 
     spec = load_spec(args.spec, args.overrides)
-    hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
-    result = train(spec, hooks=hooks, resume=args.resume)
+    run = _RunIdHook()
+    hooks = [run] if args.no_progress else [run, ProgressHook(spec.training.max_steps)]
+    try:
+        result = train(spec, hooks=hooks, resume=args.resume)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run ended KILLED; say how to go on with it
+        if run.run_id:
+            again = [
+                "towerflow",
+                "train",
+                str(args.spec),
+                *(["--set", *args.overrides] if args.overrides else []),
+            ]
+            print(
+                f"towerflow: run {run.run_id} stopped (KILLED in MLflow); to go on from its latest "
+                f"checkpoint: {shlex.join([*again, '--resume', run.run_id])}",
+                file=sys.stderr,
+            )
+        raise
     print(f"towerflow: {result.summary_line()}")
     if result.run_id:
         from towerflow.tracking import default_tracking_uri
@@ -178,6 +200,15 @@ def _train(args: argparse.Namespace) -> int:
             "(then open http://127.0.0.1:5000)"
         )
     return 0
+
+
+class _RunIdHook(Hook):
+    """Keeps the MLflow run id that the tracker (the first hook) put in the session's tags."""
+
+    run_id: str | None = None
+
+    def begin(self, session: SessionInfo) -> None:
+        self.run_id = session.tags.get("run_id")
 
 
 def _runnable(command: str) -> str:
