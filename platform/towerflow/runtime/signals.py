@@ -20,14 +20,16 @@ _received = False
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     global _received
     _received = True
-    # A second SIGTERM must not break off the clean-up that the first one started; SIGKILL still can.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The first SIGTERM asks for a clean stop; a second one ends the process at once, clean-up or not.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise KeyboardInterrupt("SIGTERM")
 
 
 def stop_on_sigterm() -> None:
     """Make SIGTERM interrupt the main thread (Python delivers signals there only)."""
+    global _received
     if threading.current_thread() is threading.main_thread():
+        _received = False
         signal.signal(signal.SIGTERM, _interrupt)
 
 
