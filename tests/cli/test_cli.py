@@ -99,11 +99,22 @@ def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path
     assert "matches no files" in runs[0].data.tags["towerflow.error"]
 
 
-def test_sigterm_stops_the_run_killed_and_says_how_to_resume(cluster_env, blob_data, tmp_path):
-    # As `ray job stop` or Kubernetes stop a driver. Ray's own handler used to exit at once, after a
-    # C++ stack dump, leaving the run FAILED with the error "1". The run is long and its data
-    # repeats (data.epochs: null): its 250,000 file reads once made a Ray Data block each, and the
-    # job waited minutes to start; checkpoints every 5 steps of a fast model once broke the cut.
+@pytest.mark.parametrize(
+    ("signum", "code", "last_line"),
+    [
+        (signal.SIGTERM, 143, "towerflow: terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "towerflow: interrupted"),
+    ],
+    ids=["SIGTERM", "Ctrl-C"],
+)
+def test_a_stop_signal_ends_the_run_killed_and_says_how_to_resume(
+    cluster_env, blob_data, tmp_path, signum, code, last_line
+):
+    # SIGTERM as `ray job stop` or Kubernetes send it; SIGINT as Ctrl-C. Ray's own SIGTERM handler
+    # exited after a C++ stack dump and left the run FAILED with the error "1"; an interrupt raised
+    # inside an MLflow write left the SQLite store locked and the run RUNNING. The run is long and
+    # its data repeats (data.epochs: null): its 250,000 file reads once made a Ray Data block each,
+    # and the job waited minutes to start; checkpoints every 5 steps once broke the cut.
     path = tmp_path / "job.yaml"
     spec = blob_spec(
         blob_data,
@@ -125,18 +136,18 @@ def test_sigterm_stops_the_run_killed_and_says_how_to_resume(cluster_env, blob_d
             if line.startswith("step "):
                 break
         time.sleep(3)
-        cli.send_signal(signal.SIGTERM)
+        cli.send_signal(signum)
         after = cli.stderr.read()
-        code = cli.wait(timeout=60)
+        exit_code = cli.wait(timeout=60)
     finally:
         watchdog.cancel()
-    assert code == 143, "".join(before) + after
+    assert exit_code == code, "".join(before) + after
     client = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([client.get_experiment_by_name("blobs-test").experiment_id])
     assert run.info.status == "KILLED"
     assert run.data.metrics["global_step"] > 0
     assert f"--set training.max_steps=999999 --resume {run.info.run_id}" in after, after
-    assert after.rstrip().endswith("towerflow: terminated (SIGTERM)"), after
+    assert after.rstrip().endswith(last_line), after
     assert "SIGTERM received" not in after and "Traceback" not in after, after
 
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"towerflow: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        if signals.received_sigterm():
+        if signals.stopped_by_sigterm():
             print("towerflow: terminated (SIGTERM)", file=sys.stderr)
             return signals.EXIT_CODE
         print("towerflow: interrupted", file=sys.stderr)

@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass
 
 from towerflow.errors import ClusterError
-from towerflow.runtime.signals import stop_on_sigterm
 
 # Ray's switch for clusters of one machine: off, a Ray started here takes 127.0.0.1 as its node
 # address, and then every one of its servers (GCS, raylet, workers) listens on 127.0.0.1 only.
@@ -62,10 +61,7 @@ def keep_embedded_ray_local() -> None:
 
 
 def ensure_ray(budget: ResourceBudget) -> str:
-    """Connect or start Ray; check it can hold the job. Returns 'connected' or 'embedded'.
-
-    Where towerflow calls ray.init, SIGTERM then stops the run as Ctrl-C does (runtime/signals.py);
-    a Ray that the caller started keeps the caller's handlers."""
+    """Connect or start Ray; check it can hold the job. Returns 'connected' or 'embedded'."""
     import ray
 
     if ray.is_initialized():
@@ -80,7 +76,6 @@ def ensure_ray(budget: ResourceBudget) -> str:
                 "Check the address and, with token authentication, RAY_AUTH_MODE=token and the token."
             ) from None
         how = "connected"
-        stop_on_sigterm()  # after ray.init, which installs its own handler
     else:
         cpus = max(os.cpu_count() or 1, math.ceil(budget.cpus))
         ray.init(
@@ -91,7 +86,6 @@ def ensure_ray(budget: ResourceBudget) -> str:
             logging_level="WARNING",
         )
         how = "embedded"
-        stop_on_sigterm()
         host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
         if host not in _LOOPBACK:
             print(

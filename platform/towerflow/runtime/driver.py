@@ -29,6 +29,7 @@ from towerflow.runtime.sharding import (
     make_sharding,
     shard_variables,
 )
+from towerflow.runtime.signals import StopSignals
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import WorkerConfig, worker_actor
@@ -75,6 +76,7 @@ class Driver:
         )
         self.session._metric_listeners = self.hooks
         self.context = RunContext(self.session)
+        self.stop_signals = StopSignals()
         self._runs: list[Any] = []
         self._start_steps: list[int] = []  # per worker, the global step it waits for before its first
         self._evaluator: Any = None
@@ -87,6 +89,10 @@ class Driver:
         )
 
     def run(self) -> TrainResult:
+        with self.stop_signals:  # SIGTERM and Ctrl-C stop the run where it checks, between steps
+            return self._run()
+
+    def _run(self) -> TrainResult:
         started = time.time()
         begun: list[Hook] = []
         outcome = RunOutcome("FAILED", 0)
@@ -94,6 +100,7 @@ class Driver:
             for hook in self.hooks:
                 hook.begin(self.session)
                 begun.append(hook)
+            self.stop_signals.check()
             check_model(self.spec.model)
             feed = self.make_data(self.spec.cluster.workers)
             self.data_splits, self.feature_scales = list(feed.splits), feed.feature_scales
@@ -274,6 +281,7 @@ class Driver:
             for ref in ready:
                 summaries[runs[ref]] = ray.get(ref)  # raises the worker's error, if any
             self._report(self._drain())
+            self.stop_signals.check()
             if self.context.stop_requested and not stopping:
                 # Workers end their current step and retire, and sync shards aggregate over those
                 # still running, so every shard ends at the same version. Finishing the shards here

@@ -1,39 +1,62 @@
-"""SIGTERM stops a run as Ctrl-C does.
+"""SIGTERM and Ctrl-C stop a run at the next step, not in the middle of whatever the driver does.
 
-`ray job stop`, Kubernetes and `kill` stop a driver with SIGTERM. `ray.init` installs a handler
-that exits at once, and Ray's C++ side prints a stack dump first; the run then ended FAILED with
-the error "1". After towerflow starts or connects to Ray, SIGTERM raises KeyboardInterrupt in the
-main thread instead: the run ends KILLED, its hooks end (the tracker closes the MLflow run,
-checkpoints already written stay), the actors are released, and the command exits 143.
+`ray job stop`, Kubernetes and `kill` stop a driver with SIGTERM; a user at a terminal presses
+Ctrl-C. Raised at once, the interrupt can land inside an MLflow write and leave the SQLite store
+locked, so that the run could not even be marked as ended; Ray's own SIGTERM handler also exited
+after a C++ stack dump and left the run FAILED. While a run trains, `StopSignals` only notes the
+signal, and the driver raises KeyboardInterrupt where it checks, between steps: the run ends KILLED,
+its hooks end (the tracker closes the MLflow run; checkpoints already written stay), the actors are
+released. A second signal interrupts at once.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from types import FrameType
+from types import FrameType, TracebackType
+from typing import Any
 
 EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
-_received = False
+_last: int | None = None  # the signal that stopped the last run in this process
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    global _received
-    _received = True
-    # The first SIGTERM asks for a clean stop; a second one ends the process at once, clean-up or not.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt("SIGTERM")
+class StopSignals:
+    """A context in which SIGTERM and SIGINT are noted for `check()` (main thread only; a signal
+    that the process ignores stays ignored, as SIGINT does for a job started in the background)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        global _last
+        _last = None
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous = signal.getsignal(signum)
+                if previous is not signal.SIG_IGN:
+                    self._previous[signum] = previous
+                    signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        global _last
+        _last = signum
+        if self.received is not None:  # asked twice: stop now, wherever the driver is
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        self.received = signum
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a stop signal came: call where an interrupt is safe."""
+        if self.received is not None:
+            raise KeyboardInterrupt(signal.Signals(self.received).name)
 
 
-def stop_on_sigterm() -> None:
-    """Make SIGTERM interrupt the main thread (Python delivers signals there only)."""
-    global _received
-    if threading.current_thread() is threading.main_thread():
-        _received = False
-        signal.signal(signal.SIGTERM, _interrupt)
-
-
-def received_sigterm() -> bool:
-    """Whether an interrupt came from SIGTERM. Ray re-raises an interrupt that reaches it inside a
-    wait as a new, plain KeyboardInterrupt, so the exception itself cannot tell."""
-    return _received
+def stopped_by_sigterm() -> bool:
+    """Whether the last run in this process was stopped by SIGTERM (else by Ctrl-C, or not at all).
+    The exception cannot tell: Ray re-raises an interrupt inside its waits as a new, plain one."""
+    return _last == signal.SIGTERM
