@@ -33,8 +33,8 @@ class StopSignals:
         _last = None
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
-                previous = signal.getsignal(signum)
-                if previous is not signal.SIG_IGN:
+                previous = signal.getsignal(signum)  # None: set outside Python, so not restorable
+                if previous is not None and previous is not signal.SIG_IGN:
                     self._previous[signum] = previous
                     signal.signal(signum, self._note)
         return self
