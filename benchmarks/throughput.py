@@ -157,12 +157,11 @@ def run_towerflow(args: argparse.Namespace, workers: int) -> dict:
 
 
 # -- memory ---------------------------------------------------------------------------------------
-def tiny_shard_memory(args: argparse.Namespace) -> dict[str, int]:
-    """Memory of a shard that holds next to nothing (benchmarks/tiny_model.py), after as many steps as
-    the main run's first sample: the fixed cost of a shard, which the main shard pays too."""
+def tiny_shard_memory(args: argparse.Namespace, at: int) -> dict[str, int]:
+    """Memory of a shard that holds next to nothing (benchmarks/tiny_model.py) at step `at` (the main
+    run's first sample): the fixed cost of a shard, which the main shard pays too."""
     from towerflow.launch import train
 
-    at = min(200, args.memory_steps // 2)
     sampler = MemorySampler([at])
     train(towerflow_spec(args, 2, at + 2, model="benchmarks.tiny_model:build"), hooks=[sampler], track=False)
     return max(sampler.samples[at]["ps"].values(), key=lambda shard: shard["anon"])
@@ -174,7 +173,7 @@ def run_memory(args: argparse.Namespace) -> dict:
     first = min(200, args.memory_steps // 2)
     steps = sorted({*range(first, args.memory_steps, 200), args.memory_steps})
     sampler = MemorySampler(steps)
-    base, tiny = baseline_memory(), tiny_shard_memory(args)
+    base, tiny = baseline_memory(), tiny_shard_memory(args, first)
     result = train(towerflow_spec(args, 2, args.memory_steps + 2), hooks=[sampler], track=False)
     state = sorted((s["variable_bytes"] + s["slot_bytes"] for s in result.shards), reverse=True)
     return {

@@ -58,5 +58,6 @@ class StopSignals:
 
 def stopped_by_sigterm() -> bool:
     """Whether the last run in this process was stopped by SIGTERM (else by Ctrl-C, or not at all).
-    The exception cannot tell: Ray re-raises an interrupt inside its waits as a new, plain one."""
+    The exception cannot always tell: a second signal interrupts wherever the driver is, and Ray
+    re-raises an interrupt inside its waits as a new, plain KeyboardInterrupt."""
     return _last == signal.SIGTERM

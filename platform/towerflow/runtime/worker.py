@@ -117,7 +117,7 @@ class TowerWorker:
         lines = [line for line in lines if line and not line.startswith(("[[", "[Op:"))]
         gist = lines[-1].removeprefix(f"{type(exc).__name__}: ") if lines else ""
         gist = gist if len(gist) <= 160 else gist[:160] + " ..."
-        fed = inputs if isinstance(inputs, dict) else {_input_name(self.model): inputs}
+        fed = inputs if isinstance(inputs, dict) else {self.adapter.input_names[0]: inputs}
         fed_shapes = ", ".join(f"{name} {t.dtype.name} {list(t.shape)}" for name, t in fed.items())
         cfg = self.config
         return SpecError(
@@ -467,11 +467,3 @@ def _output_shape(model: Any) -> Any:
         return model.output_shape
     except Exception:  # noqa: BLE001 - only a message depends on it
         return "?"
-
-
-def _input_name(model: Any) -> str:
-    """The name of a single-input model's input, for a message."""
-    try:
-        return model.inputs[0].name
-    except Exception:  # noqa: BLE001 - only a message depends on it
-        return "input"
