@@ -17,6 +17,7 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import ONE_OF_EACH, blob_spec
 
+from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH
 
 # `python -m towerflow` puts the working directory on sys.path; the console script (what `make
@@ -114,13 +115,14 @@ def test_a_stop_signal_ends_the_run_killed_and_says_how_to_resume(
     # exited after a C++ stack dump and left the run FAILED with the error "1"; an interrupt raised
     # inside an MLflow write left the SQLite store locked and the run RUNNING. The run is long and
     # its data repeats (data.epochs: null): its 250,000 file reads once made a Ray Data block each,
-    # and the job waited minutes to start; checkpoints every 5 steps once broke the cut.
+    # and the job waited minutes to start. The periodic checkpoints are far apart, so only the one
+    # saved on the signal keeps the steps trained.
     path = tmp_path / "job.yaml"
     spec = blob_spec(
         blob_data,
         data={"epochs": None},
         training={"max_steps": 1_000_000},
-        supervision={"checkpoint": {"every_steps": 5}},
+        supervision={"checkpoint": {"every_steps": 100_000}},
     )
     path.write_text(yaml.safe_dump(spec))
     command = [sys.executable, "-m", "towerflow", "train", str(path), "--set", "training.max_steps=999999"]
@@ -145,7 +147,10 @@ def test_a_stop_signal_ends_the_run_killed_and_says_how_to_resume(
     client = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([client.get_experiment_by_name("blobs-test").experiment_id])
     assert run.info.status == "KILLED"
-    assert run.data.metrics["global_step"] > 0
+    final_step = int(run.data.metrics["global_step"])
+    assert final_step > 0
+    assert [step for step, _ in MlflowCheckpointStore(client, run.info.run_id).list()] == [final_step]
+    assert f"saved a checkpoint of step {final_step} before stopping" in after, after
     assert f"--set training.max_steps=999999 --resume {run.info.run_id}" in after, after
     assert after.rstrip().endswith(last_line), after
     assert "SIGTERM received" not in after and "Traceback" not in after, after

@@ -26,6 +26,7 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import free_ports, mlflow_uri
 
+from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.data.synth import synth_tabular
 from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
 
@@ -179,3 +180,61 @@ def test_a_submitted_job_with_missing_data_fails_with_the_pattern_named(ray_head
     assert f"paths: '{missing}' matches no files" in logs, logs
     assert "towerflow: warning: this Ray job would keep its MLflow runs in" in logs
     assert "Traceback" not in logs
+
+
+def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray_head, tmp_path):
+    # `ray job stop` sends SIGTERM and, 3 s later (RAY_JOB_STOP_WAIT_TIME_S), SIGKILL. The run
+    # stops after its steps in flight and saves them; its periodic checkpoints are far apart.
+    address, env = ray_head
+    synth_tabular(tmp_path / "data", shards=2, examples=1_000, eval_examples=100, seed=2, fmt="csv")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    settings = [
+        f"data.train.paths={tmp_path}/data/train-*.csv",
+        f"data.eval.paths={tmp_path}/data/eval-*.csv",
+        "data.batch_size=64",
+        "data.epochs=null",
+        "cluster.workers=1",
+        "training.max_steps=1000000",
+        "supervision.checkpoint.every_steps=100000",
+        "export.saved_model=false",
+    ]
+    job_id = f"towerflow-stop-{secrets.token_hex(4)}"
+    submitted = subprocess.run(
+        [RAY_CLI, "job", "submit", f"--address={address}", f"--submission-id={job_id}", "--no-wait"]
+        + ["--working-dir=.", f'--runtime-env-json={{"env_vars": {{"MLFLOW_TRACKING_URI": "{store}"}}}}']
+        + ["--", "python", "-m", "towerflow", "train", "pipelines/tabular_csv.yaml"]
+        + [a for s in settings for a in ("--set", s)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+
+    def logs() -> str:
+        out = subprocess.run(
+            [RAY_CLI, "job", "logs", f"--address={address}", job_id], env=env, capture_output=True, text=True
+        )
+        return out.stdout
+
+    deadline = time.monotonic() + 180
+    while not any(line.startswith("step ") for line in logs().splitlines()):  # training, and logged
+        assert time.monotonic() < deadline, logs()
+        time.sleep(1)
+    stopped = subprocess.run(
+        [RAY_CLI, "job", "stop", f"--address={address}", job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    text = logs()
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("tabular").experiment_id])
+    assert run.info.status == "KILLED", text
+    final_step = int(run.data.metrics["global_step"])
+    assert [step for step, _ in MlflowCheckpointStore(client, run.info.run_id).list()] == [final_step], text
+    assert f"saved a checkpoint of step {final_step} before stopping" in text, text
+    assert f"--resume {run.info.run_id}" in text, text

@@ -8,6 +8,7 @@ may stop the job. Whatever happens, every hook's `end` is called and the actors 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -29,7 +30,7 @@ from towerflow.runtime.sharding import (
     make_sharding,
     shard_variables,
 )
-from towerflow.runtime.signals import StopSignals
+from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import WorkerConfig, worker_actor
@@ -110,34 +111,44 @@ class Driver:
             for hook in self.hooks:
                 hook.after_create_session(self.session)
             worker_summaries = self._train()
+            self.stop_signals.check()  # a stop signal ended the training: the run ends KILLED
             self._check_something_trained()
             result = self._result(worker_summaries, started)
             outcome = RunOutcome("FINISHED", result.global_step, result=result)
             return result
         except KeyboardInterrupt as exc:
-            outcome = RunOutcome("KILLED", self._global_step(), exc)
+            between_steps = isinstance(exc, StopRequested) and bool(self.shards)
+            outcome = RunOutcome("KILLED", self._global_step(), exc, stopped_between_steps=between_steps)
             raise
         except BaseException as exc:
             error = as_user_error(exc)  # the run's error tag shows the user's message, not Ray's wrapper
             outcome = RunOutcome("FAILED", self._global_step(), error)
             raise error from exc
         finally:
-            failed_at_end = self._end_hooks(begun, outcome)
-            self._release()
+            try:
+                failed_at_end = self._end_hooks(begun, outcome)
+            finally:
+                self._release()
             if failed_at_end is not None:
                 raise failed_at_end
 
-    def _end_hooks(self, begun: list[Hook], outcome: RunOutcome) -> TrainingError | None:
-        """End every begun hook, last begun first, even when some fail.
+    def _end_hooks(self, begun: list[Hook], outcome: RunOutcome) -> BaseException | None:
+        """End every begun hook, last begun first, even when some fail or are interrupted.
 
         A hook that fails at the end of a finished run (an export, say) fails the run: the hooks
         still to end (the tracker last) see FAILED, and the error is returned to raise. After a
-        failed run the first error stays the one reported; later ones are only printed.
+        failed run the first error stays the one reported; later ones are only printed. A second
+        stop signal interrupts the hook ending then (a final checkpoint, say); the others still end
+        and see KILLED.
         """
-        failure = None
+        failure: BaseException | None = None
         for hook in reversed(begun):
             try:
                 hook.end(self.session, outcome)
+            except KeyboardInterrupt as exc:
+                print(f"towerflow: hook {type(hook).__name__}.end interrupted", file=sys.stderr)
+                if outcome.status != "KILLED":
+                    failure, outcome = exc, RunOutcome("KILLED", outcome.global_step, exc)
             except Exception as exc:
                 name = type(hook).__name__
                 if outcome.status != "FINISHED":
@@ -281,7 +292,13 @@ class Driver:
             for ref in ready:
                 summaries[runs[ref]] = ray.get(ref)  # raises the worker's error, if any
             self._report(self._drain())
-            self.stop_signals.check()
+            if self.stop_signals.received is not None and not stopping:
+                print(
+                    f"towerflow: {self.stop_signals.name}: stopping after the steps in flight "
+                    "(send it again to stop at once)",
+                    file=sys.stderr,
+                )
+                self.context.request_stop(f"stopped by {self.stop_signals.name}")
             if self.context.stop_requested and not stopping:
                 # Workers end their current step and retire, and sync shards aggregate over those
                 # still running, so every shard ends at the same version. Finishing the shards here

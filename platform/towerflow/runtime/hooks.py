@@ -72,6 +72,9 @@ class RunOutcome:
     global_step: int
     error: BaseException | None = None
     result: Any = None  # the TrainResult when the run finished normally
+    # KILLED by a stop signal (SIGTERM, Ctrl-C) after the steps in flight ended: the shards hold
+    # the final state, which a hook may still read (the checkpoint hook saves it).
+    stopped_between_steps: bool = False
 
 
 class RunContext:

@@ -4,9 +4,10 @@
 Ctrl-C. Raised at once, the interrupt can land inside an MLflow write and leave the SQLite store
 locked, so that the run could not even be marked as ended; Ray's own SIGTERM handler also exited
 after a C++ stack dump and left the run FAILED. While a run trains, `StopSignals` only notes the
-signal, and the driver raises KeyboardInterrupt where it checks, between steps: the run ends KILLED,
-its hooks end (the tracker closes the MLflow run; checkpoints already written stay), the actors are
-released. A second signal interrupts at once.
+signal. The driver lets the steps in flight end, then raises `StopRequested` (a KeyboardInterrupt):
+the run ends KILLED, its hooks end (the checkpoint hook saves the final state, as TensorFlow's
+PreemptionCheckpointHandler does; the tracker closes the MLflow run), the actors are released.
+A second signal interrupts at once, wherever the driver is.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Any
 
 EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 _last: int | None = None  # the signal that stopped the last run in this process
+
+
+class StopRequested(KeyboardInterrupt):
+    """A stop signal taken between steps: the shards hold a consistent state, which may be saved."""
 
 
 class StopSignals:
@@ -50,10 +55,15 @@ class StopSignals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
         self.received = signum
 
+    @property
+    def name(self) -> str | None:
+        """The signal that came, as 'SIGTERM' or 'SIGINT'; None while none did."""
+        return signal.Signals(self.received).name if self.received is not None else None
+
     def check(self) -> None:
-        """Raise KeyboardInterrupt if a stop signal came: call where an interrupt is safe."""
+        """Raise StopRequested if a stop signal came: call where an interrupt is safe."""
         if self.received is not None:
-            raise KeyboardInterrupt(signal.Signals(self.received).name)
+            raise StopRequested(self.name)
 
 
 def stopped_by_sigterm() -> bool:

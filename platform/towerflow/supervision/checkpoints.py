@@ -2,11 +2,12 @@
 
 TensorFlow's defaults: every 600 s when no interval is given, keep the newest 5, optionally one
 every n hours for good. A state that holds a NaN/inf is never saved, so the newest checkpoint is
-always a good one to resume from.
+always a good one to resume from. A run stopped by SIGTERM or Ctrl-C saves its final state too.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -60,8 +61,17 @@ class CheckpointSaverHook(Hook):
             self.save(context.session)
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
-        if self.at_end and outcome.status == "FINISHED" and session.runtime is not None:
+        if not self.at_end or session.runtime is None:
+            return
+        if outcome.status == "FINISHED":
             self.save(session)
+        elif outcome.stopped_between_steps and outcome.global_step > self._last_step:
+            # SIGTERM (a preempted pod, `ray job stop`) or Ctrl-C: keep the steps since the last
+            # checkpoint, as TensorFlow's PreemptionCheckpointHandler does. A checkpoint cut short
+            # by a SIGKILL is never listed, so the newest complete one stays the one to resume from.
+            saved = self.save(session)
+            if saved is not None:
+                print(f"towerflow: saved a checkpoint of step {saved} before stopping", file=sys.stderr)
 
     def save(self, session: SessionInfo, step: int | None = None, position: dict | None = None) -> int | None:
         """Save the state at `step` (one the shards kept), or at their next version."""
