@@ -83,3 +83,17 @@ class ListeningAddressesHook(Hook):
         gcs_auth = [p.environ().get("RAY_AUTH_MODE") for p in gcs]
         with open(self.out, "w") as f:
             json.dump({"listening": listening, "token_auth": token_auth, "gcs_auth_mode": gcs_auth}, f)
+
+
+class SlowEndHook(Hook):
+    """Takes `seconds` to end, and says so first: time for a second stop signal to land in it."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+
+    def end(self, session, outcome) -> None:
+        import sys
+        import time
+
+        print("towerflow-test: SlowEndHook ending", file=sys.stderr, flush=True)
+        time.sleep(self.seconds)

@@ -138,17 +138,18 @@ class Driver:
         A hook that fails at the end of a finished run (an export, say) fails the run: the hooks
         still to end (the tracker last) see FAILED, and the error is returned to raise. After a
         failed run the first error stays the one reported; later ones are only printed. A second
-        stop signal interrupts the hook ending then (a final checkpoint, say); the others still end
-        and see KILLED.
+        stop signal interrupts the hook ending then (a final checkpoint, say); the others still end,
+        the tracker marks the run KILLED.
         """
         failure: BaseException | None = None
         for hook in reversed(begun):
             try:
                 hook.end(self.session, outcome)
-            except KeyboardInterrupt as exc:
+            except KeyboardInterrupt as exc:  # the hooks still to end see KILLED, and save nothing more
                 print(f"towerflow: hook {type(hook).__name__}.end interrupted", file=sys.stderr)
-                if outcome.status != "KILLED":
-                    failure, outcome = exc, RunOutcome("KILLED", outcome.global_step, exc)
+                if outcome.status != "FAILED":
+                    failure = exc if outcome.status == "FINISHED" else failure
+                    outcome = RunOutcome("KILLED", outcome.global_step, exc)
             except Exception as exc:
                 name = type(hook).__name__
                 if outcome.status != "FINISHED":
