@@ -160,7 +160,8 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
         if orders:
             orders[0] = orders[0][start.files :]
         resume_note = (
-            f"data resumes in epoch {start.epoch + 1} of {epochs}, after {start.files} file(s) of it "
+            f"data resumes in epoch {start.epoch + 1}{f' of {epochs}' if data.epochs else ''}, "
+            f"after {start.files} file(s) of it "
             f"({start.examples:,} of {examples_seen:,} examples seen skipped)"
         )
     ordered = [path for order in orders for path in order]
