@@ -29,19 +29,26 @@ def load_model_state(model: Any, state: dict[str, np.ndarray]) -> int:
     where another model was built before), so paths differ between the workers and an exporter.
     """
     variables = stateful_variables(model)
-    if len(variables) != len(state):
-        raise ValueError(
-            f"the saved model state has {len(state)} non-trainable variables, the model {len(variables)}"
-        )
-    for var, (name, value) in zip(variables, state.items()):
+    assign_in_order(variables, list(state.values()), "the saved model state", names=list(state))
+    return len(variables)
+
+
+def assign_in_order(
+    variables: list[Any], values: list[Any], what: str, *, names: list[str] | None = None
+) -> None:
+    """Assign `values` to `variables` by position, once their number and every shape fit; else a
+    ValueError says what does not fit, naming `what` and the value (by `names`, else the variable)."""
+    if len(variables) != len(values):
+        raise ValueError(f"{what}: {len(values)} arrays for the model's {len(variables)} variables")
+    for i, (var, value) in enumerate(zip(variables, values)):
         value = np.asarray(value)
         if tuple(value.shape) != tuple(var.shape):
+            name = names[i] if names else var.path
             raise ValueError(
-                f"{name}: the saved model state has shape {tuple(value.shape)}, "
-                f"the model's {var.path} {tuple(var.shape)}"
+                f"{name}: shape {tuple(value.shape)} in {what}, {tuple(var.shape)} in the model's {var.path}"
             )
-        var.assign(value.astype(np.dtype(var.dtype)))
-    return len(variables)
+    for var, value in zip(variables, values):
+        var.assign(np.asarray(value).astype(np.dtype(var.dtype)))
 
 
 def average_model_states(states: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

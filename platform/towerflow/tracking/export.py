@@ -81,30 +81,17 @@ def build_trained_model(
     """The spec's model with `weights` assigned to its trainable variables, in order, and
     `model_state` (non-trainable variables: batch-norm statistics) to the others, in order too."""
     from towerflow.imports import import_ref
+    from towerflow.runtime.model_state import assign_in_order, load_model_state
 
     model = import_ref(spec.model.ref)(**spec.model.params)
-    variables = model.trainable_variables
-    if len(variables) != len(weights):
-        raise ExportError(
-            f"{spec.model.ref} has {len(variables)} trainable variables but {len(weights)} trained "
-            "arrays were given: the weights do not belong to this model (check model.params)"
-        )
-    for variable, value in zip(variables, weights):
-        if tuple(variable.shape) != tuple(np.shape(value)):
-            raise ExportError(
-                f"{spec.model.ref}: variable {variable.path} has shape {tuple(variable.shape)}, the trained "
-                f"array has {tuple(np.shape(value))}: the weights do not belong to this model"
-            )
-        variable.assign(np.asarray(value, dtype=variable.dtype))
-    if model_state:
-        from towerflow.runtime.model_state import load_model_state
-
-        try:
+    try:
+        assign_in_order(model.trainable_variables, list(weights), "the trained weights")
+        if model_state:
             load_model_state(model, model_state)
-        except ValueError as exc:
-            raise ExportError(
-                f"{spec.model.ref}: {exc}: the model state does not belong to this model"
-            ) from None
+    except ValueError as exc:
+        raise ExportError(
+            f"{spec.model.ref}: {exc}: the weights do not belong to this model (check model.params)"
+        ) from None
     return model
 
 
