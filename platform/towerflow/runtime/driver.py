@@ -147,8 +147,9 @@ class Driver:
                 hook.end(self.session, outcome)
             except KeyboardInterrupt as exc:  # the hooks still to end see KILLED, and save nothing more
                 print(f"towerflow: hook {type(hook).__name__}.end interrupted", file=sys.stderr)
+                if outcome.status == "FINISHED":
+                    failure = exc  # raised once every hook has ended
                 if outcome.status != "FAILED":
-                    failure = exc if outcome.status == "FINISHED" else failure
                     outcome = RunOutcome("KILLED", outcome.global_step, exc)
             except Exception as exc:
                 name = type(hook).__name__
