@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support import tabular_header, tabular_rows, write_csv, write_uneven_shards
 
-from towerflow.data.ingest import ResumePoint, build_training_data, resume_point, steps_allowed
+from towerflow.data.ingest import ResumePoint, build_training_data, read_runs, resume_point, steps_allowed
 from towerflow.errors import DataError
 from towerflow.spec import validate_spec
 
@@ -199,6 +199,20 @@ def test_steps_the_data_allows():
     # Async: every batch is an update; each worker's last partial batch is dropped, or one more.
     assert steps_allowed(spec("async"), 2, 1000) == 62
     assert steps_allowed(spec("async", drop_remainder=False), 2, 1000) == 64
+
+
+def test_file_reads_are_cut_into_runs_that_start_small():
+    # One read task a file while there are few; beyond the cap, runs that double from one file up
+    # to an even share, so the first batch waits for one file and Ray Data plans at most 8 blocks.
+    few = [f"f{i}" for i in range(8)]
+    assert read_runs(few, max_blocks=8) == [[path] for path in few]
+    many = [f"f{i}" for i in range(1000)]
+    runs = read_runs(many, max_blocks=8)
+    assert [path for run in runs for path in run] == many  # every read, once, in order
+    assert [len(run) for run in runs] == [1, 2, 4, 8, 16, 32, 64, 873]
+    runs = read_runs(many, max_blocks=100)
+    assert len(runs) == 100 and [len(run) for run in runs[:5]] == [1, 2, 4, 8, 11]
+    assert max(len(run) for run in runs) - min(len(run) for run in runs[4:]) <= 1  # then even
 
 
 def test_resume_point_skips_whole_epochs_then_whole_files():
