@@ -165,7 +165,10 @@ def test_a_stop_signal_ends_the_run_killed_and_says_how_to_resume(
     else:
         assert checkpoints == [final_step], everything
         assert f"saved a checkpoint of step {final_step} before stopping" in after, after
-    assert f"--set training.max_steps=999999 --resume {run.info.run_id}" in after, after
+    assert (
+        f"python -m towerflow train {path} --set training.max_steps=999999 --resume {run.info.run_id}"
+        in after
+    )
     ours = [line for line in after.splitlines() if line.startswith("towerflow")]  # not Ray's forwarded logs
     assert ours[-1] == last_line, after
     assert "SIGTERM received" not in everything and "Traceback" not in everything, everything

@@ -178,8 +178,12 @@ def _train(args: argparse.Namespace) -> int:
         result = train(spec, hooks=hooks, resume=args.resume)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run ended KILLED; say how to go on with it
         if run.run_id:
+            # As it was started: a Ray job runs `python -m towerflow`, a shell the console script.
+            program = (
+                ["python", "-m", "towerflow"] if Path(sys.argv[0]).name == "__main__.py" else ["towerflow"]
+            )
             again = [
-                "towerflow",
+                *program,
                 "train",
                 str(args.spec),
                 *(["--set", *args.overrides] if args.overrides else []),
