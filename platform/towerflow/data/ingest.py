@@ -187,6 +187,9 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
     ds = ds.map_batches(read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus)
     bound_readahead(ds.context, spec.cluster.data_cpus, data.readahead_mb * MIB, data.deterministic)
     pace_scheduling_loop(ds.context, data.executor_step_ms / 1000)
+    # Not the execution plan at INFO in every job's log: Ray forwards the split coordinator's lines
+    # to a connected driver. Ray Data's own log file under the session's logs/ still has them.
+    ds.context.print_on_execution_start = False
     # Sync: every worker gets the same number of examples (equal). Async: faster workers take more.
     iterators = ds.streaming_split(num_workers, equal=spec.training.mode == "sync")
     options = StreamOptions(
