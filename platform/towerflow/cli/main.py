@@ -178,19 +178,9 @@ def _train(args: argparse.Namespace) -> int:
         result = train(spec, hooks=hooks, resume=args.resume)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run ended KILLED; say how to go on with it
         if run.run_id:
-            # As it was started: a Ray job runs `python -m towerflow`, a shell the console script.
-            program = (
-                ["python", "-m", "towerflow"] if Path(sys.argv[0]).name == "__main__.py" else ["towerflow"]
-            )
-            again = [
-                *program,
-                "train",
-                str(args.spec),
-                *(["--set", *args.overrides] if args.overrides else []),
-            ]
             print(
                 f"towerflow: run {run.run_id} stopped (KILLED in MLflow); to go on from its latest "
-                f"checkpoint: {shlex.join([*again, '--resume', run.run_id])}",
+                f"checkpoint: {_resume_command(args, run.run_id)}",
                 file=sys.stderr,
             )
         raise
@@ -204,6 +194,15 @@ def _train(args: argparse.Namespace) -> int:
             "(then open http://127.0.0.1:5000)"
         )
     return 0
+
+
+def _resume_command(args: argparse.Namespace, run_id: str) -> str:
+    """This train command again, resuming `run_id`, started as this one was: a Ray job runs
+    `python -m towerflow`, a shell the console script."""
+    module = Path(sys.argv[0]).name == "__main__.py"
+    program = ["python", "-m", "towerflow"] if module else [_runnable("towerflow")]
+    overrides = ["--set", *args.overrides] if args.overrides else []
+    return shlex.join([*program, "train", str(args.spec), *overrides, "--resume", run_id])
 
 
 class _RunIdHook(Hook):
