@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
+from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.runtime.result import TrainResult
 from towerflow.spec import JobSpec, load_spec
@@ -22,7 +22,7 @@ def train(
     hooks: Sequence[Hook] = (),
     track: bool = True,
     resume: str | None = None,
-    worker_overrides: dict[int, dict[str, Any]] | None = None,
+    faults: FaultInjector | None = None,
     output_dir: str | Path | None = None,
     parent_run_id: str | None = None,
 ) -> TrainResult:
@@ -94,9 +94,7 @@ def train(
             skipped.ledger = data.ledger
         return DataFeed(data.splits, data.feature_scales, data.steps)
 
-    driver = Driver(
-        spec, all_hooks, make_data, worker_overrides=worker_overrides, initial_state=initial_state
-    )
+    driver = Driver(spec, all_hooks, make_data, faults=faults, initial_state=initial_state)
     result = driver.run()
     if tracker is not None and tracker.end_error is not None:
         raise tracker.end_error

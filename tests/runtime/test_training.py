@@ -11,6 +11,7 @@ from support import blob_spec, blobs
 
 from models import mlp
 from towerflow.runtime.driver import DataFeed, Driver
+from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
 
@@ -123,8 +124,8 @@ def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_dat
 
     hook = Recorder()
     # Fast workers take >= 50 ms a step, so 20 steps outlast several of the slow worker's 400 ms steps.
-    delays = {0: {"step_delay_s": 0.05}, 1: {"step_delay_s": 0.05}, 2: {"step_delay_s": 0.4}}
-    result = train(spec, hooks=[hook], track=False, worker_overrides=delays)
+    delays = FaultInjector(step_delay_s={0: 0.05, 1: 0.05, 2: 0.4})
+    result = train(spec, hooks=[hook], track=False, faults=delays)
     assert result.global_step == 20
     assert [e.global_step for e in hook.events] == list(range(1, 21))
     assert len(result.shards[0]["bucket_versions"]) == (3 if push_bucket_bytes else 1)  # of 4 variables
@@ -149,8 +150,8 @@ def test_async_applies_every_push_and_measures_staleness(ray_cluster, blob_data)
     from towerflow.launch import train
 
     hook = Recorder()
-    delays = {0: {"step_delay_s": 0.03}, 1: {"step_delay_s": 0.15}}  # the run outlasts several slow steps
-    result = train(spec, hooks=[hook], track=False, worker_overrides=delays)
+    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})  # the run outlasts several slow steps
+    result = train(spec, hooks=[hook], track=False, faults=delays)
     assert result.global_step == 30
     assert [e.global_step for e in hook.events] == list(range(1, 31))
     assert all(len(e.workers) == 1 for e in hook.events)
@@ -169,8 +170,8 @@ def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
     )
     from towerflow.launch import train
 
-    delays = {0: {"step_delay_s": 0.03}, 1: {"step_delay_s": 0.15}}
-    result = train(spec, track=False, worker_overrides=delays)
+    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})
+    result = train(spec, track=False, faults=delays)
     assert result.global_step == 30
     assert result.staleness["max"] <= 1  # nothing older than the bound was applied
     assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected

@@ -16,6 +16,7 @@ from support import ONE_OF_EACH, blob_spec, mlflow_uri
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
+from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
 
@@ -185,9 +186,9 @@ def test_nan_guard_fails_the_run_and_keeps_the_last_good_checkpoint(ray_cluster,
         training={"max_steps": 30},
         supervision={"checkpoint": {"every_steps": 2}},
     )
-    nan_from_step_5 = {0: {"nan_at_step": 5}}
+    nan_from_step_5 = FaultInjector(nonfinite_loss={0: (5, None)})
     with pytest.raises(TrainingError, match="loss is nan at global step 5"):
-        train(spec, worker_overrides=nan_from_step_5)
+        train(spec, faults=nan_from_step_5)
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("supervision").experiment_id])
     assert run.info.status == "FAILED" and "loss is nan" in run.data.tags["towerflow.error"]
@@ -238,7 +239,7 @@ def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
     spec = _spec(
         blob_data, None, cluster=ONE_OF_EACH, training={"max_steps": 30}, supervision={"nan_guard": "stop"}
     )
-    result = train(spec, track=False, output_dir=tmp_path, worker_overrides={0: {"nan_at_step": 4}})
+    result = train(spec, track=False, output_dir=tmp_path, faults=FaultInjector(nonfinite_loss={0: (4, None)}))
     assert result.global_step == 3
     assert all(np.isfinite(p).all() for p in result.parameters)
     assert [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()] == [3]
@@ -284,7 +285,7 @@ def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_pa
         supervision={"worker_start_delay_steps": 4, "hooks": ["sample_hooks:RecordingHook"]},
     )
     # Worker 0 is slowed so that worker 1, once it may start, gets some steps in.
-    train(spec, track=False, output_dir=tmp_path, worker_overrides={0: {"step_delay_s": 0.05}})
+    train(spec, track=False, output_dir=tmp_path, faults=FaultInjector(step_delay_s={0: 0.05}))
     events = RecordingHook.instances[-1].events
     first_by_worker_1 = min(e.global_step for e in events if 1 in e.workers)
     assert first_by_worker_1 > 4
@@ -336,8 +337,8 @@ def test_checkpoints_every_n_seconds_and_retention(ray_cluster, blob_data, tmp_p
         training={"max_steps": 40},
         supervision={"checkpoint": {"every_secs": 0.5, "max_to_keep": 2}},
     )
-    slow = {0: {"step_delay_s": 0.1}}  # about 4 s of training
-    result = train(spec, track=False, output_dir=tmp_path, worker_overrides=slow)
+    slow = FaultInjector(step_delay_s={0: 0.1})  # about 4 s of training
+    result = train(spec, track=False, output_dir=tmp_path, faults=slow)
     steps = [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()]
     assert len(steps) == 2 and steps[-1] == result.global_step == 40  # the newest two kept
     assert steps[0] < 40

@@ -37,6 +37,7 @@ from towerflow.data.csv import CsvLayout, read_csv_file
 from towerflow.data.features import ColumnPlan, expand_groups
 from towerflow.data.infer import resolve_features
 from towerflow.data.sources import examples_per_file, read_manifest, resolve_files
+from towerflow.data.splits import resumable_streaming_split
 from towerflow.data.tfrecord import read_tfrecord_file
 from towerflow.errors import DataError
 from towerflow.runtime.batches import StreamOptions, WorkerStream
@@ -191,7 +192,8 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
     # to a connected driver. Ray Data's own log file under the session's logs/ still has them.
     ds.context.print_on_execution_start = False
     # Sync: every worker gets the same number of examples (equal). Async: faster workers take more.
-    iterators = ds.streaming_split(num_workers, equal=spec.training.mode == "sync")
+    # A lost worker's replacement takes its split over, with what it had not used (data/splits.py).
+    iterators = resumable_streaming_split(ds, num_workers, equal=spec.training.mode == "sync")
     options = StreamOptions(
         prefetch_batches=data.prefetch_batches,
         varlen=split.varlen,

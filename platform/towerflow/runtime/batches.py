@@ -49,9 +49,46 @@ class WorkerStream:
             )
         )
 
+    def taken_over(self) -> WorkerStream:
+        """The same split for a replacement worker, where the split can be taken over (see
+        data/splits.py); else the split as it is (a fixed iterator starts over)."""
+        take = getattr(self.iterator, "taken_over", None)
+        return WorkerStream(take(), self.options) if take else self
+
+    def leftover(self, used: int) -> list[Any]:
+        """The rows this split gave out beyond the first `used` (a lost worker's unused batches)."""
+        find = getattr(self.iterator, "leftover", None)
+        return find(used) if find else []
+
+    def acknowledge(self, used: int) -> None:
+        """Its workers have used `used` examples in all: the split may let go of those blocks."""
+        acknowledge = getattr(self.iterator, "acknowledge", None)
+        if acknowledge:
+            acknowledge(used)
+
 
 def as_stream(data: Any) -> WorkerStream:
     return data if isinstance(data, WorkerStream) else WorkerStream(data)
+
+
+def leftover_batches(leftover: list[Any], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+    """Batches of the rows a lost worker had received and not used (data/splits.Leftover pieces),
+    in order; the last may be short. Read by its replacement before the split itself."""
+    import ray
+    from ray.data.block import BlockAccessor
+
+    pending: list[dict[str, np.ndarray]] = []
+    held = 0
+    for piece in leftover:
+        block = BlockAccessor.for_block(ray.get(piece.block)).slice(piece.start, piece.stop, copy=False)
+        pending.append(BlockAccessor.for_block(block).to_batch_format("numpy"))
+        held += piece.rows
+        while held >= batch_size:
+            joined = {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
+            yield {k: v[:batch_size] for k, v in joined.items()}
+            pending, held = [{k: v[batch_size:] for k, v in joined.items()}], held - batch_size
+    if held:
+        yield {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
 
 
 class BatchAdapter:

@@ -1,13 +1,18 @@
-"""The driver (chief): creates the shards and workers, hears of every step, runs the hooks.
+"""The driver (chief, controller): creates the shards and workers, hears of every step, runs the
+hooks, and keeps the run going when training actors are lost.
 
 It never relays tensors: workers pull parameters from and push gradients to the shards directly.
-The driver polls the workers' step records, turns them into StepEvents and calls the hooks; a hook
-may stop the job. Whatever happens, every hook's `end` is called and the actors are released.
+As Ray Train v2's controller, it loops over explicit states; each turn polls the workers for their
+status as data (runtime/worker_group.py), lets the failure policy decide (runtime/failure.py), and
+acts: report steps to the hooks, replace lost workers, or fail. Whatever happens, every hook's
+`end` is called and the actors are released.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +23,9 @@ import ray
 
 from towerflow.errors import DataError, TrainingError
 from towerflow.runtime.events import StepAggregator
-from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo
+from towerflow.runtime.failure import ActorLoss, Decision, FailurePolicy, LossKind
+from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo
 from towerflow.runtime.model_state import average_model_states
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
@@ -33,7 +40,19 @@ from towerflow.runtime.sharding import (
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.user_errors import as_user_error, check_model
-from towerflow.runtime.worker import WorkerConfig, worker_actor
+from towerflow.runtime.worker import Rejoin, WorkerConfig, worker_actor
+from towerflow.runtime.worker_group import ACTOR_GONE, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+    ERRORED = "errored"
 
 
 class DataFeed(NamedTuple):
@@ -52,7 +71,7 @@ class Driver:
         hooks: Sequence[Hook],
         make_data: Callable[[int], DataFeed],
         *,
-        worker_overrides: dict[int, dict[str, Any]] | None = None,
+        faults: FaultInjector | None = None,
         poll_s: float = 0.2,
         return_parameters: bool = True,
         initial_state: Any = None,
@@ -62,10 +81,15 @@ class Driver:
         self.make_data = make_data  # called after hooks begin, so bad data still ends a tracked run
         self.data_splits: list[Any] = []
         self.feature_scales: dict[str, float] = {}
-        self.worker_overrides = dict(worker_overrides or {})
+        self.faults = faults
+        failure = spec.training.failure
+        self.failure_policy = FailurePolicy(failure.max_worker_failures, failure.max_ps_failures)
+        self.group = WorkerGroup(self._new_worker, failure.worker_timeout_s)
+        self.state = State.STARTING
+        self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
+        self._summaries: dict[int, dict[str, Any]] = {}  # worker id -> its run's summary
         self.poll_s = poll_s
         self.return_parameters = return_parameters
-        self.workers: list[Any] = []
         self.shards: list[Any] = []
         self.initial_state = initial_state  # a TrainingState to resume from
         self.session = SessionInfo(
@@ -78,7 +102,6 @@ class Driver:
         self.session._metric_listeners = self.hooks
         self.context = RunContext(self.session)
         self.stop_signals = StopSignals()
-        self._runs: list[Any] = []
         self._start_steps: list[int] = []  # per worker, the global step it waits for before its first
         self._evaluator: Any = None
         self._shard_buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
@@ -166,10 +189,8 @@ class Driver:
     # -- set-up ----------------------------------------------------------------------------------
     def _create_actors(self) -> None:
         spec, cluster = self.spec, self.spec.cluster
-        worker_cls = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
-        configs = [self._worker_config(i) for i in range(cluster.workers)]
-        self._start_steps = [c.start_at_step for c in configs]
-        self.workers = [worker_cls.remote(c) for c in configs]
+        self._start_steps = [self._worker_config(i).start_at_step for i in range(cluster.workers)]
+        self.group.start(list(range(cluster.workers)))
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
         shard_cls = shard_actor(cluster.cpus_per_ps)
@@ -268,32 +289,43 @@ class Driver:
             shuffle_buffer=spec.data.shuffle_buffer,
             start_at_step=self.session.start_step + worker_id * supervision.worker_start_delay_steps,
             nan_guard=supervision.nan_guard != "off",
+            skip_nonfinite=supervision.nan_guard == "skip",
+            faults=self.faults,
             profile_steps=(
                 (profile.start_step, profile.stop_step)
                 if profile is not None and worker_id in profile.workers
                 else None
             ),
         )
-        for key, value in self.worker_overrides.get(worker_id, {}).items():
-            setattr(config, key, value)
         return config
+
+    def _new_worker(self, worker_id: int) -> Any:
+        cluster = self.spec.cluster
+        config = self._worker_config(worker_id)
+        if worker_id < len(self._start_steps) and self._start_steps[worker_id] != config.start_at_step:
+            config.start_at_step = 0  # a replacement: no GlobalStepWaiter, it joins the steps now
+        return worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker).remote(config)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The live worker actors, by worker id."""
+        return self.group.actors
 
     # -- the loop --------------------------------------------------------------------------------
     def _train(self) -> list[dict[str, Any]]:
         self.aggregator.start()
-        runs = {
-            w.run.remote(self.shards, self._placement(), self._shard_buckets, split): i
-            for i, (w, split) in enumerate(zip(self.workers, self.data_splits))
-        }
-        summaries: dict[int, dict[str, Any]] = {}
-        pending = list(runs)
-        self._runs = list(runs)
+        for worker_id, split in enumerate(self.data_splits):
+            self.group.run(worker_id, self.shards, self._placement(), self._shard_buckets, split)
+        self.state = State.RUNNING
         stopping = released = False
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-            for ref in ready:
-                summaries[runs[ref]] = ray.get(ref)  # raises the worker's error, if any
-            self._report(self._drain())
+        acknowledged = time.monotonic()
+        while self.state is State.RUNNING:
+            records, self._backlog = self._backlog + self._turn(), []
+            records.sort(key=lambda r: (r.step, r.finished_at))
+            self._report(self.aggregator.add(records))
+            if time.monotonic() - acknowledged > 1.0:
+                self._acknowledge_used()
+                acknowledged = time.monotonic()
             if self.stop_signals.received is not None and not stopping:
                 print(
                     f"towerflow: {self.stop_signals.name}: stopping after the steps in flight "
@@ -307,16 +339,99 @@ class Driver:
                 # instead would race the pushes in flight: one shard could take a step that another
                 # (finished first) refuses, and the final state would not be a consistent cut.
                 stopping = True
-                for worker in self.workers:
-                    worker.request_stop.remote()
-            if pending and not released and self._all_waiting_to_start([runs[ref] for ref in pending]):
+                self.group.request_stop()
+            running = self.group.running
+            if running and not released and self._all_waiting_to_start(running):
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
                 # a stop or the end of the data): nothing is in flight, so end the shards to let them go.
                 ray.get([s.finish.remote() for s in self.shards])
                 released = True
+            if not running:
+                self.state = State.FINISHING
         ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
         self._report(self.aggregator.flush())
-        return [summaries[i] for i in sorted(summaries)]
+        self.state = State.FINISHED
+        return [summary for _, summary in sorted(self._summaries.items())]
+
+    def _turn(self) -> list[Any]:
+        """One poll of the cluster and what the failure policy decides about it; returns the step
+        records heard of. Raises only to end the run (a user's error, or more losses than allowed)."""
+        status = self.group.poll(self.poll_s)
+        self._summaries.update(status.finished)
+        if status.shard_trouble:
+            status.losses.extend(self._lost_shards())
+        decision = self.failure_policy.decide(status)
+        if decision is Decision.FAIL:
+            self.state = State.ERRORED
+            if status.user_error is not None:
+                raise status.user_error
+            for loss in status.losses:
+                self._fault(loss, "failed the run")
+            raise TrainingError(self.failure_policy.failure_message())
+        if decision is Decision.ROLLBACK_SHARDS:
+            self.state = State.ERRORED
+            for loss in status.lost_shards:
+                self._fault(loss, "failed the run")
+            raise TrainingError(
+                "a parameter server was lost: "
+                + "; ".join(loss.describe() for loss in status.lost_shards)
+                + f". Resume from the last checkpoint with --resume {self.session.tags.get('run_id') or 'RUN_ID'}"
+            )
+        if decision is Decision.REPLACE_WORKERS:
+            self.state = State.RECOVERING
+            self._replace_workers(status.lost_workers)
+            self.state = State.RUNNING
+        return status.records
+
+    def _replace_workers(self, losses: list[ActorLoss]) -> None:
+        """Each lost worker's steps go on without it at once (the shards retire it); a new actor
+        takes its id, its split and its unused rows, and joins the steps when it has started."""
+        ids = [loss.index for loss in losses]
+        ray.get([s.retire.remote(worker_id) for s in self.shards for worker_id in ids])
+        model_state = self.model_state()
+        for loss in losses:
+            split = self.data_splits[loss.index]
+            leftover = (
+                split.leftover(self.group.slots[loss.index].used_rows) if hasattr(split, "leftover") else []
+            )
+            taken = split.taken_over() if hasattr(split, "taken_over") else split
+            self.group.replace(
+                loss.index,
+                self.shards,
+                self._placement(),
+                self._shard_buckets,
+                taken,
+                Rejoin(leftover, model_state),
+            )
+            self._fault(loss, "replaced")
+        lost = sum(1 for loss in self.failure_policy.history if loss.kind is LossKind.WORKER)
+        self.session.log_metrics(
+            {"workers_lost": float(lost), "workers_replaced": float(lost)}, self._global_step()
+        )
+
+    def _lost_shards(self) -> list[ActorLoss]:
+        """The shards that do not answer (a worker's call to one failed)."""
+        lost = []
+        for index, shard in enumerate(self.shards):
+            try:
+                ray.get(shard.ping.remote(), timeout=30)
+            except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
+                cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+                lost.append(ActorLoss(LossKind.SHARD, index, self._global_step(), cause))
+        return lost
+
+    def _fault(self, loss: ActorLoss, action: str) -> None:
+        event = FaultEvent(loss.at_step, loss.describe(), action)
+        log.warning("%s: %s", event.what, action)
+        for hook in self.hooks:
+            hook.on_fault(event)
+
+    def _acknowledge_used(self) -> None:
+        """Let each split drop the blocks its workers have trained on (a replacement needs the rest)."""
+        for worker_id, split in enumerate(self.data_splits):
+            slot = self.group.slots.get(worker_id)
+            if slot is not None and hasattr(split, "acknowledge"):
+                split.acknowledge(slot.used_rows)
 
     def _all_waiting_to_start(self, workers: list[int]) -> bool:
         if not all(self._start_steps[w] > self.session.start_step for w in workers):
@@ -339,11 +454,6 @@ class Driver:
             ]
             for shard in self.session.shard_assignment
         ]
-
-    def _drain(self):
-        records = [r for batch in ray.get([w.drain.remote() for w in self.workers]) for r in batch]
-        records.sort(key=lambda r: (r.step, r.finished_at))
-        return self.aggregator.add(records)
 
     def _report(self, events) -> None:
         for event in events:
@@ -393,9 +503,11 @@ class Driver:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
             if len(ready) == len(refs):
                 break
-            if self._runs and len(ray.wait(self._runs, num_returns=len(self._runs), timeout=0)[0]) == len(
-                self._runs
-            ):
+            if self.state is State.RUNNING:
+                # Keep hearing of the workers meanwhile: a sync step waits for a lost one until the
+                # shards retire it, and the records drained here are reported after this hook.
+                self._backlog.extend(self._turn())
+            if not self.group.running:
                 # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
                 ray.get([s.finish.remote() for s in self.shards])
         snapshots = ray.get(refs)
@@ -434,8 +546,9 @@ class Driver:
         return average_model_states(states)
 
     def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
-        chosen = [w for w in workers if w < len(self.workers)]
-        return dict(zip(chosen, ray.get([self.workers[w].profile.remote() for w in chosen])))
+        slots = self.group.slots
+        chosen = [w for w in workers if w in slots and not slots[w].lost]
+        return dict(zip(chosen, ray.get([slots[w].actor.profile.remote() for w in chosen])))
 
     def evaluate(
         self,
@@ -484,7 +597,8 @@ class Driver:
         return last.global_step if last else 0
 
     def _release(self) -> None:
-        for actor in self.workers + self.shards + ([self._evaluator] if self._evaluator else []):
+        self.group.kill()
+        for actor in self.shards + ([self._evaluator] if self._evaluator else []):
             with contextlib.suppress(Exception):  # already dead is fine
                 ray.kill(actor)
-        self.workers, self.shards, self._evaluator = [], [], None
+        self.shards, self._evaluator = [], None

@@ -67,6 +67,15 @@ class StepEvent:
 
 
 @dataclass
+class FaultEvent:
+    """A training actor lost, and what the controller did about it."""
+
+    global_step: int
+    what: str  # e.g. "worker 1 lost at step 57: the actor died ..."
+    action: str  # "replaced", "rolled back to step 50", "failed the run"
+
+
+@dataclass
 class RunOutcome:
     status: Literal["FINISHED", "FAILED", "KILLED"]
     global_step: int
@@ -113,3 +122,6 @@ class Hook:
 
     def on_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Metrics another hook computed (evaluation, ...) at global step `step`."""
+
+    def on_fault(self, event: FaultEvent) -> None:
+        """A worker or parameter server was lost; the controller has acted (event.action says how)."""

@@ -54,6 +54,10 @@ class SyncProtocol:
         self._retired.add(worker)
         return self._maybe_complete()
 
+    def on_join(self, worker: int) -> None:
+        """A worker (a replacement under a lost one's id) takes part in the steps from now on."""
+        self._retired.discard(worker)
+
     def _maybe_complete(self) -> Decision:
         if not self._held or len(self._held) < self.required:
             return Decision("held")
@@ -79,6 +83,9 @@ class AsyncProtocol:
 
     def on_retire(self, worker: int) -> Decision:
         return Decision("held")
+
+    def on_join(self, worker: int) -> None:
+        return None
 
     def next_version_to_read(self, version_read: int) -> int:
         return 0  # whatever is newest; never wait for other workers

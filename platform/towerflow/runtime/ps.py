@@ -22,7 +22,7 @@ import numpy as np
 import ray
 
 from towerflow.runtime.accumulator import GradientAccumulator
-from towerflow.runtime.protocol import UpdateProtocol
+from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
 
@@ -46,7 +46,7 @@ class ShardSnapshot:
 
 @dataclass
 class PushReply:
-    verdict: str  # applied | stale | rejected | done
+    verdict: str  # applied | stale | rejected | skipped | done
     step: int  # the global step this gradient went into; -1 when it was not applied
     staleness: int
     apply_s: float  # time of the apply this gradient went into
@@ -130,7 +130,7 @@ class ParameterShard:
         self._version = initial_version
         self._done = max_steps is not None and initial_version >= max_steps
         self._changed: asyncio.Condition | None = None
-        self._counts = {"applied": 0, "stale": 0, "rejected": 0, "after_done": 0}
+        self._counts = {"applied": 0, "stale": 0, "rejected": 0, "skipped": 0, "after_done": 0}
         self._apply_total_s = 0.0
         self._last_apply_s = 0.0
         self._version_apply_s = 0.0  # apply time of the buckets of the version being built
@@ -147,28 +147,44 @@ class ParameterShard:
         return self._params_reply()
 
     async def push(
-        self, gradients: list[np.ndarray], version_read: int, worker: int, bucket: int = 0
+        self, gradients: list[np.ndarray] | None, version_read: int, worker: int, bucket: int = 0
     ) -> PushReply:
-        """Gradients for this shard's pieces of `bucket`, computed against `version_read`."""
+        """Gradients for this shard's pieces of `bucket`, computed against `version_read`.
+
+        None is a skipped gradient (its loss was not finite, nan_guard: skip): sync counts the
+        worker in its step all the same, with nothing added, so the others do not wait for it.
+        """
         counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
         if self._done or self._bucket_exhausted(bucket):
             self._counts["after_done"] += counted
             return PushReply("done", -1, 0, 0.0, self._params_reply())
         protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
+        if gradients is None and isinstance(protocol, AsyncProtocol):
+            self._counts["skipped"] += counted
+            return PushReply("skipped", -1, 0, 0.0, self._params_reply())
         decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker)
         verdict, step = decision.verdict, -1
-        if decision.verdict == "apply" and decision.count == 1 and not accumulator.count:
+        if (
+            decision.verdict == "apply"
+            and gradients is not None
+            and decision.count == 1
+            and not accumulator.count
+        ):
             step, verdict = self._apply(bucket, list(gradients), 1), "applied"  # async, or one replica
         elif decision.verdict == "apply":
-            accumulator.add(gradients)
-            step, verdict = self._apply(bucket, *accumulator.take()), "applied"
+            if gradients is not None:
+                accumulator.add(gradients)
+            step, verdict = self._apply_held(bucket), "applied"
         elif decision.verdict == "held":
-            accumulator.add(gradients)
+            if gradients is not None:
+                accumulator.add(gradients)
             await self._wait_for(lambda: self._bucket_versions[bucket] > version_read or self._done)
             applied = self._bucket_versions[bucket] > version_read
             step, verdict = (version_read + 1, "applied") if applied else (-1, "done")
         else:
             self._counts[decision.verdict] += counted
+        if gradients is None and verdict == "applied":
+            verdict, self._counts["skipped"] = "skipped", self._counts["skipped"] + counted
         next_version = protocol.next_version_to_read(version_read)
         await self._wait_for(lambda: self._version >= next_version or self._done)
         return PushReply(
@@ -181,11 +197,16 @@ class ParameterShard:
         )
 
     async def retire(self, worker: int) -> None:
-        """A worker stopped pushing; sync aggregation goes on with the others."""
+        """A worker stopped pushing (done, failed or lost); sync aggregation goes on with the others."""
         for bucket, protocol in self._protocols.items():
             decision = protocol.on_retire(worker)
             if decision.verdict == "apply" and not self._done:
-                self._apply(bucket, *self._accumulators[bucket].take())
+                self._apply_held(bucket)
+
+    def join(self, worker: int) -> None:
+        """A worker takes part in the steps from now on (a replacement, under its lost one's id)."""
+        for protocol in self._protocols.values():
+            protocol.on_join(worker)
 
     async def finish(self) -> int:
         """Stop accepting gradients and release every waiting worker."""
@@ -230,18 +251,27 @@ class ParameterShard:
     def _bucket_exhausted(self, bucket: int) -> bool:
         return self._max_steps is not None and self._bucket_versions[bucket] >= self._max_steps
 
-    def _apply(self, bucket: int, gradients: list[Any], count: int) -> int:
+    def _apply_held(self, bucket: int) -> int:
+        """Apply the mean of the gradients the bucket's accumulator holds; with none (every worker
+        of the step skipped its gradient), the version moves on with no update."""
+        accumulator = self._accumulators[bucket]
+        if accumulator.count:
+            return self._apply(bucket, *accumulator.take())
+        return self._apply(bucket, None, 0)
+
+    def _apply(self, bucket: int, gradients: list[Any] | None, count: int) -> int:
         """Apply `gradients` (a sum of `count` of them) to the bucket's pieces; returns the bucket's
-        new version."""
+        new version. None: no update, the version moves on."""
         start = time.perf_counter()
         tf = self._tf
         version = self._bucket_versions[bucket]
-        self._apply_fns[bucket](
-            gradients,
-            tf.constant(self._optimizer.learning_rate(version), tf.float32),
-            tf.constant(version + 1, tf.float32),
-            tf.constant(1.0 / count, tf.float32) if count > 1 else None,
-        )
+        if gradients is not None:
+            self._apply_fns[bucket](
+                gradients,
+                tf.constant(self._optimizer.learning_rate(version), tf.float32),
+                tf.constant(version + 1, tf.float32),
+                tf.constant(1.0 / count, tf.float32) if count > 1 else None,
+            )
         self._bucket_versions[bucket] = version + 1
         self._version_apply_s += time.perf_counter() - start
         if min(self._bucket_versions.values()) > self._version:

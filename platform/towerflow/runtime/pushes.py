@@ -36,22 +36,26 @@ class PushPlan:
         return [sorted(found[b]) for b in sorted(found)]
 
     def send(
-        self, bucket: int, gradients: dict[int, np.ndarray], versions: list[int], worker: int
+        self, bucket: int, gradients: dict[int, np.ndarray] | None, versions: list[int], worker: int
     ) -> list[tuple[int, Any]]:
         """Push `bucket` to every shard holding some of it; returns (shard, reply ref) pairs.
+        None pushes a skipped gradient (nan_guard: skip) in the bucket's place.
 
         Ray copies the arguments into its object store before `remote` returns, so the gradient
         buffers (which TensorFlow reuses once the hook returns) may change right after.
         """
         sent = []
         for s, (shard, pieces, buckets) in enumerate(zip(self.shards, self.placement, self.buckets)):
-            rows = [
-                gradients[variable] if whole else gradients[variable][start:stop]
-                for (variable, start, stop, whole), b in zip(pieces, buckets)
-                if b == bucket
-            ]
-            if rows:
-                sent.append((s, shard.push.remote(rows, versions[s], worker, bucket)))
+            mine = [piece for piece, b in zip(pieces, buckets) if b == bucket]
+            if not mine:
+                continue
+            rows = None
+            if gradients is not None:
+                rows = [
+                    gradients[variable] if whole else gradients[variable][start:stop]
+                    for variable, start, stop, whole in mine
+                ]
+            sent.append((s, shard.push.remote(rows, versions[s], worker, bucket)))
         return sent
 
 

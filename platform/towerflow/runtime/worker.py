@@ -7,6 +7,7 @@ The driver only starts `run` and drains the per-step records; no tensor passes t
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -17,7 +18,8 @@ import numpy as np
 import ray
 
 from towerflow.errors import SpecError
-from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream
+from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream, leftover_batches
+from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.sharding import VariableInfo
@@ -45,8 +47,8 @@ class WorkerConfig:
     start_at_step: int = 0  # GlobalStepWaiter: wait for this global step before the first step
     nan_guard: bool = True  # never push a gradient whose loss is not finite; report it instead
     profile_steps: tuple[int, int] | None = None  # profile global steps [a, b) with TF's profiler
-    step_delay_s: float = 0.0  # artificial slowness, for tests and fault benchmarks only
-    nan_at_step: int | None = None  # make the loss NaN from this global step on, for NaN-guard tests only
+    skip_nonfinite: bool = False  # nan_guard: skip: drop a non-finite gradient and go on training
+    faults: FaultInjector | None = None  # slowness or NaN losses a test injects (runtime/faults.py)
 
 
 @dataclass
@@ -64,6 +66,25 @@ class StepRecord:
     time_split: dict[str, float] = field(default_factory=dict)  # data, pull, compute, push, apply
     finished_at: float = 0.0
     replicas: int = 0  # gradients the step aggregated, as the lead shard applied it (0: unknown)
+
+
+@dataclass
+class Rejoin:
+    """What a replacement worker needs beyond its config: its lost predecessor's unused rows
+    (data/splits.Leftover pieces), and the model's non-trainable state as the others hold it."""
+
+    leftover: list[Any] = field(default_factory=list)
+    model_state: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerReport:
+    """What a worker tells the controller at each poll: its new step records, and for how long it
+    has been working on its current step (None while it waits for the shards or has not stepped
+    yet): a worker busy for longer than the timeout is hung."""
+
+    records: list[StepRecord]
+    busy_s: float | None
 
 
 class TowerWorker:
@@ -109,6 +130,8 @@ class TowerWorker:
         self._plan: PushPlan | None = None
         self._bucket_variables: list[list[int]] = []
         self._step: StepPushes | None = None  # the step in progress, as the push hooks see it
+        self._busy_since: float | None = None  # when the current step's own work began (monotonic)
+        self._faults = config.faults or FaultInjector()
 
     def _misfit(self, exc: Exception, inputs: Any, labels: Any) -> SpecError:
         """The first step failed to build or run. With a model that built, that is almost always
@@ -153,11 +176,12 @@ class TowerWorker:
     def devices_used(self) -> list[str]:
         return list(self.devices)
 
-    def drain(self) -> list[StepRecord]:
+    def drain(self) -> WorkerReport:
         records = []
         while self._records:
             records.append(self._records.popleft())
-        return records
+        since = self._busy_since
+        return WorkerReport(records, None if since is None else time.monotonic() - since)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -219,9 +243,8 @@ class TowerWorker:
             variables[index].assign(buffer)
 
     def _injected_loss(self, step: StepPushes, loss: float) -> float:
-        """The loss, or NaN from `nan_at_step` on (a test knob for the NaN guard)."""
-        at = self.config.nan_at_step
-        return float("nan") if at is not None and step.global_step >= at else loss
+        """The loss, or NaN where a test's fault injector says so."""
+        return self._faults.loss(self.config.worker_id, step.global_step, loss)
 
     def _push_bucket(self, bucket: int, loss: np.ndarray, *gradients: np.ndarray) -> np.int64:
         """Push hook, called by the tower graph (on one of TensorFlow's threads) for each bucket.
@@ -235,9 +258,13 @@ class TowerWorker:
         try:
             if cfg.nan_guard and not np.isfinite(self._injected_loss(step, float(loss))):
                 step.nonfinite = True
+                if cfg.skip_nonfinite:  # the shards count this worker in the step, with no gradient
+                    for bucket_id in range(len(self._bucket_variables)):
+                        for shard, ref in self._plan.send(bucket_id, None, step.versions, cfg.worker_id):
+                            step.sent.append((shard, bucket_id, ref))
                 return np.int64(0)
-            if bucket == 0 and cfg.step_delay_s:
-                time.sleep(cfg.step_delay_s)
+            if bucket == 0 and self._faults.delay(cfg.worker_id):
+                time.sleep(self._faults.delay(cfg.worker_id))
             by_variable = dict(zip(self._bucket_variables[bucket], gradients, strict=True))
             for shard, ref in self._plan.send(bucket, by_variable, step.versions, cfg.worker_id):
                 step.sent.append((shard, bucket, ref))
@@ -250,12 +277,19 @@ class TowerWorker:
         return self._profiler.collect()
 
     def run(
-        self, shards: list[Any], placement: Placement, buckets: list[list[int]], data: Any
+        self,
+        shards: list[Any],
+        placement: Placement,
+        buckets: list[list[int]],
+        data: Any,
+        rejoin: Rejoin | None = None,
     ) -> dict[str, Any]:
         """Train until the data ends, the shards say the last step is done, or the driver stops us.
 
         `placement[s]` lists shard s's pieces as (variable index, start row, stop row, whole?), and
         `buckets[s]` the gradient bucket of each: buckets are pushed from inside the backward pass.
+        A replacement worker gets `rejoin`: the rows its lost predecessor had received and not
+        trained on (data/splits.py), read before its split, and the model's non-trainable state.
         """
         cfg = self.config
         staging = _staging_buffers(self.model, placement)
@@ -267,17 +301,25 @@ class TowerWorker:
         self.adapter.varlen = stream.options.varlen
         if stream.options.tower_preprocess:
             self.towers.model = TowerModel(self.model, stream.options.tower_preprocess)
-        batches = stream.batches(
-            batch_size=cfg.batch_size,
-            drop_last=cfg.drop_remainder,
-            shuffle_buffer=cfg.shuffle_buffer,
-            seed=cfg.seed + cfg.worker_id,
+        batches = iter(
+            stream.batches(
+                batch_size=cfg.batch_size,
+                drop_last=cfg.drop_remainder,
+                shuffle_buffer=cfg.shuffle_buffer,
+                seed=cfg.seed + cfg.worker_id,
+            )
         )
-        batches = iter(batches)
         if cfg.start_at_step:
             # Join the data stream first: Ray Data starts an epoch only once every split has asked
             # for it, so a worker that waited before asking would hold up the others.
             batches = itertools.chain([next(batches, None)], batches)
+        if rejoin is not None:
+            if rejoin.model_state:
+                load_model_state(self.model, rejoin.model_state)
+            if rejoin.leftover:
+                batches = itertools.chain(leftover_batches(rejoin.leftover, cfg.batch_size), batches)
+        # A replacement takes its predecessor's place in every step still to aggregate.
+        ray.get([shard.join.remote(cfg.worker_id) for shard in shards])
         replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
         versions = [r.version for r in replies]
         param_refs = [r.params for r in replies]
@@ -286,11 +328,14 @@ class TowerWorker:
         try:
             while not done and not self._stop.is_set():
                 self._profiler.at_step(versions[0] + 1)
+                if steps:  # start-up (first batch, graph tracing) is not counted against the timeout
+                    self._busy_since = time.monotonic()
                 t0 = time.perf_counter()
                 batch = next(batches, None)
                 if batch is None:
                     break
                 inputs, labels = self.adapter(batch)
+                rows = int(labels.shape[0])
                 t1 = time.perf_counter()
                 self._assign(ray.get(param_refs), placement, staging)
                 t2 = time.perf_counter()
@@ -307,21 +352,10 @@ class TowerWorker:
                     raise step.error
                 loss = self._injected_loss(step, float(loss))
                 t3 = time.perf_counter()
-                if step.nonfinite:
+                self._busy_since = None  # waiting for the shards is not this worker's hang
+                if step.nonfinite and not cfg.skip_nonfinite:
                     # Keep the shards clean: report the step and stop this worker without pushing.
-                    self._records.append(
-                        StepRecord(
-                            cfg.worker_id,
-                            -1,
-                            "nonfinite",
-                            versions[0],
-                            loss,
-                            {},
-                            0,
-                            0,
-                            finished_at=time.time(),
-                        )
-                    )
+                    self._records.append(_nonfinite_record(cfg.worker_id, versions[0], loss, rows))
                     break
                 every = ray.get([ref for _, _, ref in step.sent])
                 t4 = time.perf_counter()
@@ -332,6 +366,13 @@ class TowerWorker:
                     if bucket == self._plan.last_buckets[shard]
                 }
                 replies = [last[shard] for shard in range(len(shards))]
+                steps += 1
+                versions = [r.next.version for r in replies]
+                param_refs = [r.next.params for r in replies]
+                done = any(r.next.done for r in replies)
+                if step.nonfinite:  # skipped: counted in its step, no gradient
+                    self._records.append(_nonfinite_record(cfg.worker_id, step.versions[0], loss, rows))
+                    continue
                 lead = replies[0]
                 verdict = lead.verdict if all(r.verdict == lead.verdict for r in every) else "partial"
                 self._records.append(
@@ -339,10 +380,10 @@ class TowerWorker:
                         worker=cfg.worker_id,
                         step=lead.step,
                         verdict=verdict,
-                        version_read=versions[0],
+                        version_read=step.versions[0],
                         loss=loss,
                         metrics={k: float(v) for k, v in metrics.items()},
-                        examples=int(labels.shape[0]),
+                        examples=rows,
                         staleness=max(r.staleness for r in every),
                         time_split={
                             "data": t1 - t0,
@@ -355,15 +396,14 @@ class TowerWorker:
                         replicas=lead.replicas,
                     )
                 )
-                steps += 1
-                examples += int(labels.shape[0])
-                versions = [r.next.version for r in replies]
-                param_refs = [r.next.params for r in replies]
-                done = any(r.next.done for r in replies)
+                examples += rows
         finally:
+            self._busy_since = None
             self._profiler.stop()
-            # Let sync aggregation go on without us (also when we failed).
-            ray.get([shard.retire.remote(cfg.worker_id) for shard in shards])
+            # Let sync aggregation go on without us (also when we failed); a lost shard is the
+            # controller's to handle, not a reason to hide this worker's own error.
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get([shard.retire.remote(cfg.worker_id) for shard in shards])
         return {
             "worker": cfg.worker_id,
             "steps": steps,
@@ -372,6 +412,11 @@ class TowerWorker:
             "devices": list(self.devices),
             "gpu_peak_mb": _gpu_peak_mb(self.devices),
         }
+
+
+def _nonfinite_record(worker: int, version_read: int, loss: float, rows: int) -> StepRecord:
+    """A step whose loss was NaN/inf: nothing of it was applied (its batch was used all the same)."""
+    return StepRecord(worker, -1, "nonfinite", version_read, loss, {}, rows, 0, finished_at=time.time())
 
 
 def _gpu_peak_mb(devices: list[str]) -> dict[str, float]:

@@ -224,6 +224,19 @@ class OptimizerSpec(_Strict):
         }
 
 
+class FailureSpec(_Strict):
+    """What a run survives (runtime/failure.py): lost workers are replaced, a lost parameter server
+    rolls every shard back to the newest checkpoint; past a budget the run fails."""
+
+    max_worker_failures: int = Field(3, ge=0, description="Workers lost (died or hung) a run survives.")
+    max_ps_failures: int = Field(3, ge=0, description="Parameter servers lost a run survives.")
+    worker_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A worker with no step (and no answer) for this long is hung: killed, replaced.",
+    )
+
+
 class TrainingSpec(_Strict):
     mode: Literal["sync", "async"] = "sync"
     max_steps: int | None = Field(None, gt=0, description="Global steps (applied updates).")
@@ -232,6 +245,7 @@ class TrainingSpec(_Strict):
     max_staleness: int | None = Field(None, ge=0)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     seed: int = 0
+    failure: FailureSpec = Field(default_factory=FailureSpec)
 
 
 class TrackingSpec(_Strict):
@@ -327,7 +341,7 @@ class SupervisionSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     stop_at_step: StopAtStepSpec | None = None
     log_every_steps: int = Field(100, gt=0, description="Metrics to MLflow every N global steps.")
-    nan_guard: Literal["fail", "stop", "off"] = "fail"
+    nan_guard: Literal["fail", "stop", "skip", "off"] = "fail"
     profile: ProfileSpec | None = None
     eval: EvalSpec | None = None
     worker_start_delay_steps: int = Field(

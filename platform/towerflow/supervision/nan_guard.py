@@ -1,7 +1,9 @@
-"""NaN guard: a worker whose loss is NaN/inf stops without pushing; this hook fails or stops the job.
+"""NaN guard: a worker whose loss is NaN/inf pushes no gradient; this hook fails or stops the job,
+or (skip) counts the dropped gradients and lets training go on.
 
 Workers never push a non-finite gradient while the guard is on, so the shards (and so the last
-checkpoint) hold the last good parameters.
+checkpoint) hold the last good parameters. Under skip, a worker goes on with its next batch; a sync
+step counts it with no gradient, so the others do not wait for it.
 """
 
 from __future__ import annotations
@@ -14,12 +16,17 @@ from towerflow.runtime.hooks import Hook, RunContext, StepEvent
 
 
 class NanGuardHook(Hook):
-    def __init__(self, action: Literal["fail", "stop"] = "fail") -> None:
+    def __init__(self, action: Literal["fail", "stop", "skip"] = "fail") -> None:
         self.action = action
         self.tripped_at: int | None = None
+        self.skipped = 0  # gradients dropped under skip
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         if math.isfinite(event.loss):
+            return
+        if self.action == "skip" and event.nonfinite:
+            self.skipped += 1
+            context.session.log_metrics({"nonfinite_skipped": float(self.skipped)}, event.global_step)
             return
         self.tripped_at = event.global_step
         where = f"worker {event.workers[0]}" if event.nonfinite and event.workers else "the step"

@@ -1,0 +1,139 @@
+"""Per-worker streams that survive their worker: Ray Data's streaming split, with a ledger.
+
+`Dataset.streaming_split` hands each block to one split as its coordinator produces it, whether or
+not that split's consumer is still alive; a lost worker's split would keep receiving blocks that
+nobody reads, and the blocks it had already taken would be gone with it. Here the coordinator also
+keeps, per split, the blocks it gave out that the split's worker has not trained on yet (the
+controller acknowledges the examples each worker used, from its step records). When a worker is
+lost, its replacement first reads that worker's leftover (the rest of each block it had received,
+from the first example not yet used) and then takes over the split where it stands. So a lost
+worker loses no example of an epoch, and trains none twice beyond the batches it had in flight.
+
+This leans on Ray Data's split coordinator (`ray.data._internal`), pinned with Ray in pyproject;
+tests/data/test_splits.py fails if its shape changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.data._internal.iterator.stream_split_iterator import SplitCoordinator, StreamSplitDataIterator
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Part of a block a lost worker had received: rows [start, stop) of `block`."""
+
+    block: Any  # ray.ObjectRef of a Ray Data block
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
+    """Ray Data's split coordinator, also keeping each split's blocks until their rows are used."""
+
+    def __init__(self, dataset: Any, n: int, locality_hints: Any) -> None:
+        super().__init__(dataset, n, locality_hints)
+        self._ledger_lock = threading.Lock()
+        # per split: [block ref, rows] in the order given out, from the first block not wholly used
+        self._given: dict[int, collections.deque[list[Any]]] = {i: collections.deque() for i in range(n)}
+        self._dropped_rows = dict.fromkeys(range(n), 0)  # rows of the blocks let go (wholly used)
+
+    def get(self, epoch_id: int, output_split_idx: int, client_prefetched_bytes: int = 0):
+        bundle = super().get(epoch_id, output_split_idx, client_prefetched_bytes)
+        if bundle is not None:
+            with self._ledger_lock:
+                for entry in bundle.blocks:
+                    self._given[output_split_idx].append([entry.ref, entry.metadata.num_rows or 0])
+        return bundle
+
+    def current_epoch(self) -> int:
+        return self._cur_epoch
+
+    def acknowledge(self, used: dict[int, int]) -> None:
+        """Split -> examples its workers have used in all: let go of the blocks wholly used."""
+        with self._ledger_lock:
+            for split, rows in used.items():
+                given = self._given[split]
+                while given and self._dropped_rows[split] + given[0][1] <= rows:
+                    self._dropped_rows[split] += given.popleft()[1]
+
+    def leftover(self, split: int, used: int) -> list[Leftover]:
+        """The rows given to `split` beyond the first `used`, block by block."""
+        self.acknowledge({split: used})
+        with self._ledger_lock:
+            skip = used - self._dropped_rows[split]
+            pieces = []
+            for ref, rows in self._given[split]:
+                if skip < rows:
+                    pieces.append(Leftover(ref, max(skip, 0), rows))
+                skip -= rows
+            return pieces
+
+    def given_rows(self, split: int) -> int:
+        with self._ledger_lock:
+            return self._dropped_rows[split] + sum(rows for _, rows in self._given[split])
+
+
+_ledgered_coordinator = ray.remote(num_cpus=0)(_LedgeredCoordinator)
+
+
+class ResumableSplit(StreamSplitDataIterator):
+    """One worker's split. `taken_over()` gives the same split to a replacement, which joins the
+    running epoch where it stands instead of waiting at the epoch barrier for every split."""
+
+    def __init__(self, coordinator: Any, split: int, world_size: int, *, joins_running_epoch: bool = False):
+        super().__init__(coordinator, split, world_size)
+        self.coordinator = coordinator
+        self.split = split
+        self._joins_running_epoch = joins_running_epoch
+
+    def taken_over(self) -> ResumableSplit:
+        return ResumableSplit(self.coordinator, self.split, self._world_size, joins_running_epoch=True)
+
+    def leftover(self, used: int) -> list[Leftover]:
+        return ray.get(self.coordinator.leftover.remote(self.split, used))
+
+    def acknowledge(self, used: int) -> None:
+        self.coordinator.acknowledge.remote({self.split: used})
+
+    def _to_ref_bundle_iterator(self):
+        if not self._joins_running_epoch:
+            return super()._to_ref_bundle_iterator()
+        coordinator, split = self.coordinator, self.split
+
+        def running_epoch():
+            epoch = ray.get(coordinator.current_epoch.remote())
+            self._active_epoch = epoch  # so the end of iteration is reported as for any split
+            while True:
+                bundle = ray.get(coordinator.get.remote(epoch, split, 0))
+                if not bundle:
+                    return
+                yield bundle
+
+        self._iter_stats.iter_prefetched_bytes = 0
+        return running_epoch(), self._iter_stats, None
+
+
+def resumable_streaming_split(dataset: Any, n: int, *, equal: bool) -> list[ResumableSplit]:
+    """What `dataset.streaming_split(n, equal=equal)` makes, on a coordinator that keeps a ledger."""
+    from ray.data._internal.logical.interfaces import LogicalPlan
+    from ray.data._internal.logical.operators.streaming_split_operator import StreamingSplit
+    from ray.data.dataset import Dataset
+
+    op = StreamingSplit(num_splits=n, equal=equal, input_dependencies=[dataset._logical_plan.dag])
+    split_dataset = Dataset._from_parent(dataset, LogicalPlan(op, dataset.context))
+    split_dataset._set_uuid(dataset._uuid)
+    coordinator = _ledgered_coordinator.options(
+        max_concurrency=n + 1,  # as Ray's own: one thread per split, one for shutting the executor down
+        label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+    ).remote(split_dataset, n, None)
+    return [ResumableSplit(coordinator, i, n) for i in range(n)]

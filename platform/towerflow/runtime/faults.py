@@ -1,0 +1,28 @@
+"""Faults a test or a benchmark injects into workers: slowness and non-finite losses.
+
+Production types carry no test knobs: a caller passes one `FaultInjector` (`towerflow.train(...,
+faults=...)`) and every worker asks it. Faults that need no help from the code under test (a
+process killed, a node stopped, a process paused) are injected from outside, for real.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FaultInjector:
+    # worker id -> seconds each of its steps sleeps before pushing (a straggler)
+    step_delay_s: dict[int, float] = field(default_factory=dict)
+    # worker id -> global steps [first, stop) whose loss reads NaN on that worker (stop None: for ever)
+    nonfinite_loss: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+
+    def delay(self, worker: int) -> float:
+        return self.step_delay_s.get(worker, 0.0)
+
+    def loss(self, worker: int, global_step: int, loss: float) -> float:
+        window = self.nonfinite_loss.get(worker)
+        if window is None:
+            return loss
+        first, stop = window
+        return float("nan") if first <= global_step and (stop is None or global_step < stop) else loss

@@ -1,0 +1,173 @@
+"""The workers as one group: start them, poll them, replace one that is lost, stop them all.
+
+A poll never raises for a lost worker. It drains every worker's step records without blocking on
+any one of them, and returns what it found as a `ClusterStatus`: records, finished workers,
+workers lost (their process or node died, or they hung: no answer, or one step for longer than
+the timeout) and errors raised by the user's code, which are not the group's to retry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from towerflow.runtime.failure import ActorLoss, ClusterStatus, LossKind
+
+log = logging.getLogger(__name__)
+
+# Ray's errors for an actor that is gone (its process, or its node), as opposed to one its code raised.
+ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+
+
+@dataclass
+class WorkerSlot:
+    worker_id: int
+    actor: Any
+    run_ref: Any = None
+    drain_ref: Any = None
+    asked_at: float = 0.0  # when the pending drain was sent (monotonic)
+    used_rows: int = 0  # examples of its split used by the workers under this id (every record's batch)
+    lost: bool = False
+    finished: bool = False
+    replaced_at: float | None = None  # a replacement's start, until its first step: the time lost
+
+
+class WorkerGroup:
+    def __init__(self, make_actor: Callable[[int], Any], timeout_s: float) -> None:
+        self._make_actor = make_actor
+        self.timeout_s = timeout_s
+        self.slots: dict[int, WorkerSlot] = {}
+        self.global_step = 0  # the newest step heard of, for naming when a loss happened
+        self.recoveries_s: list[float] = []  # per replacement: loss noticed -> its first step
+
+    def start(self, worker_ids: list[int]) -> None:
+        for worker_id in worker_ids:
+            self.slots[worker_id] = WorkerSlot(worker_id, self._make_actor(worker_id))
+
+    @property
+    def actors(self) -> list[Any]:
+        """Every worker still alive, by id (finished ones included: hooks may still ask them)."""
+        return [s.actor for _, s in sorted(self.slots.items()) if not s.lost]
+
+    @property
+    def running(self) -> list[int]:
+        return [i for i, s in sorted(self.slots.items()) if not s.lost and not s.finished]
+
+    @property
+    def run_refs(self) -> list[Any]:
+        return [s.run_ref for s in self.slots.values() if s.run_ref is not None and not s.finished]
+
+    def run(self, worker_id: int, *args: Any) -> None:
+        slot = self.slots[worker_id]
+        slot.run_ref = slot.actor.run.remote(*args)
+
+    def request_stop(self) -> None:
+        for slot in self.slots.values():
+            if not slot.lost:
+                slot.actor.request_stop.remote()
+
+    def replace(self, worker_id: int, *run_args: Any) -> None:
+        """A new actor under a lost worker's id, running with `run_args` (its split taken over)."""
+        lost = self.slots[worker_id]
+        slot = WorkerSlot(worker_id, self._make_actor(worker_id), used_rows=lost.used_rows)
+        slot.replaced_at = time.monotonic()
+        self.slots[worker_id] = slot
+        self.run(worker_id, *run_args)
+
+    def poll(self, wait_s: float) -> ClusterStatus:
+        status = ClusterStatus()
+        now = time.monotonic()
+        live = [s for s in self.slots.values() if not s.lost and not s.finished]
+        for slot in live:
+            if slot.drain_ref is None:
+                slot.drain_ref, slot.asked_at = slot.actor.drain.remote(), now
+        pending = [s.drain_ref for s in live]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+        for slot in live:
+            self._read_drain(slot, status, block=False)
+        runs = [
+            s.run_ref for s in self.slots.values() if s.run_ref is not None and not s.finished and not s.lost
+        ]
+        done, _ = ray.wait(runs, num_returns=len(runs), timeout=0) if runs else ([], [])
+        for slot in [s for s in self.slots.values() if s.run_ref in done]:
+            self._read_run(slot, status)
+        self._find_hung(status)
+        for record in status.records:
+            self.global_step = max(self.global_step, record.step)
+            slot = self.slots[record.worker]
+            slot.used_rows += record.examples
+            if slot.replaced_at is not None:
+                self.recoveries_s.append(time.monotonic() - slot.replaced_at)
+                slot.replaced_at = None
+        return status
+
+    def kill(self) -> None:
+        for slot in self.slots.values():
+            with contextlib.suppress(Exception):  # already dead is fine
+                ray.kill(slot.actor)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _read_drain(self, slot: WorkerSlot, status: ClusterStatus, *, block: bool) -> None:
+        ref = slot.drain_ref
+        if ref is None or (not block and not ray.wait([ref], timeout=0)[0]):
+            return
+        slot.drain_ref = None
+        try:
+            report = ray.get(ref)
+        except ACTOR_GONE as exc:
+            self._lose(slot, status, _first_line(exc))
+            return
+        status.records.extend(report.records)
+        if report.busy_s is not None and report.busy_s > self.timeout_s:
+            self._hang(slot, status, f"one step has taken {report.busy_s:.0f} s")
+
+    def _read_run(self, slot: WorkerSlot, status: ClusterStatus) -> None:
+        try:
+            summary = ray.get(slot.run_ref)
+        except ACTOR_GONE as exc:
+            self._lose(slot, status, _first_line(exc))
+            return
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ACTOR_GONE):  # a shard it talked to is gone: the shards' loss
+                slot.finished = True
+                status.finished[slot.worker_id] = {"worker": slot.worker_id, "failed": _first_line(exc)}
+                status.shard_trouble = True
+                return
+            status.user_error = exc
+            return
+        # Its last records were appended before `run` returned: drain them now.
+        if slot.drain_ref is None:
+            slot.drain_ref = slot.actor.drain.remote()
+        self._read_drain(slot, status, block=True)
+        slot.finished = True
+        status.finished[slot.worker_id] = summary
+
+    def _find_hung(self, status: ClusterStatus) -> None:
+        now = time.monotonic()
+        for slot in self.slots.values():
+            silent = now - slot.asked_at if slot.drain_ref is not None else 0.0
+            if not slot.lost and not slot.finished and silent > self.timeout_s:
+                self._hang(slot, status, f"no answer for {silent:.0f} s")
+
+    def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor)  # alive but stuck: a fresh one does better
+        self._lose(slot, status, f"{why} (training.failure.worker_timeout_s: {self.timeout_s:g})", hung=True)
+
+    def _lose(self, slot: WorkerSlot, status: ClusterStatus, cause: str, *, hung: bool = False) -> None:
+        if slot.lost:
+            return
+        slot.lost, slot.drain_ref = True, None
+        status.losses.append(ActorLoss(LossKind.WORKER, slot.worker_id, self.global_step, cause, hung=hung))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
