@@ -247,6 +247,12 @@ class ParameterShard:
     def ping(self) -> int:
         return self._version
 
+    def pid(self) -> int:
+        """This shard's process (fault benchmarks and tests kill it for real)."""
+        import os
+
+        return os.getpid()
+
     # -- internals -------------------------------------------------------------------------------
     def _bucket_exhausted(self, bucket: int) -> bool:
         return self._max_steps is not None and self._bucket_versions[bucket] >= self._max_steps

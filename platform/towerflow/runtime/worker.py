@@ -176,6 +176,12 @@ class TowerWorker:
     def devices_used(self) -> list[str]:
         return list(self.devices)
 
+    def pid(self) -> int:
+        """This worker's process (fault benchmarks and tests kill or pause it for real)."""
+        import os
+
+        return os.getpid()
+
     def drain(self) -> WorkerReport:
         records = []
         while self._records:

@@ -35,6 +35,7 @@ class WorkerSlot:
     used_rows: int = 0  # examples of its split used by the workers under this id (every record's batch)
     lost: bool = False
     finished: bool = False
+    answered: bool = False  # it has started (answered a drain): silence counts as a hang from then on
     replaced_at: float | None = None  # a replacement's start, until its first step: the time lost
 
 
@@ -124,6 +125,7 @@ class WorkerGroup:
         except ACTOR_GONE as exc:
             self._lose(slot, status, _first_line(exc))
             return
+        slot.answered = True
         status.records.extend(report.records)
         if report.busy_s is not None and report.busy_s > self.timeout_s:
             self._hang(slot, status, f"one step has taken {report.busy_s:.0f} s")
@@ -153,7 +155,7 @@ class WorkerGroup:
         now = time.monotonic()
         for slot in self.slots.values():
             silent = now - slot.asked_at if slot.drain_ref is not None else 0.0
-            if not slot.lost and not slot.finished and silent > self.timeout_s:
+            if slot.answered and not slot.lost and not slot.finished and silent > self.timeout_s:
                 self._hang(slot, status, f"no answer for {silent:.0f} s")
 
     def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:

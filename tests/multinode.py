@@ -1,0 +1,345 @@
+"""A real multi-node Ray cluster on this machine, for tests of what only several nodes show.
+
+Every node is its own `ray start --block` (its own raylet, object store and temp dir), the leader of a
+process group of its own, so one node can be lost for real (SIGKILL) while the others run on.
+Token authentication stays on. The pytest process never calls `ray.init`: a test drives the cluster
+through client subprocesses (`env()`) and the dashboard's state API over HTTP.
+
+Ray catches this works around:
+- `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (which tests/conftest.py sets for the session's Ray) makes
+  `ray start --address` refuse with "Multi-node Ray clusters are not supported on Windows and OSX";
+  every `RAY_*` variable of this process is left out of the nodes' and clients' environments.
+- Without that switch, Ray replaces `--node-ip-address=127.0.0.1` by the machine's routable address
+  (`services.resolve_ip_for_localhost`): nodes register with that IP and most servers listen on all
+  interfaces. Only the dashboard (and with it the job server and the state API) is on 127.0.0.1.
+- Nodes sharing one temp dir share its runtime-env resources: one node's agent deletes a job's
+  working directory that another node uses. Each node has a temp dir of its own (short: Unix
+  socket paths allow 107 bytes).
+- Ray's workers put themselves in process groups of their own, so a node's process group does not
+  hold them all: a node's processes are found as descendants of its `ray start`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+from support import free_ports
+
+VENV_BIN = str(Path(sys.executable).parent)
+RAY_CLI = str(Path(VENV_BIN) / "ray")  # the `ray` command of this environment
+OBJECT_STORE_BYTES = 200_000_000  # small, so that three nodes fit in memory
+# Worker ports below Linux's ephemeral range (32768-60999, where free_ports' ports fall), apart from
+# the session's Ray (10002-19999) and tests/cli/test_job_submit.py's head (23000-24999).
+_WORKER_PORTS = range(25000, 32000, 100)
+
+
+@dataclass(eq=False)
+class Node:
+    """One node: its `ray start --block` process (a process group leader), temp dir and Ray node id."""
+
+    name: str
+    process: subprocess.Popen
+    temp_dir: str
+    num_cpus: float
+    worker_ports: int  # first of its 100 worker ports
+    node_id: str = ""  # known once its raylet runs
+    killed: bool = False
+
+    @property
+    def log(self) -> Path:
+        """stdout and stderr of its `ray start` (a file, so a chatty node never blocks on a pipe)."""
+        return Path(self.temp_dir) / "ray-start.log"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-chars:]
+        return ""
+
+
+@dataclass(eq=False)
+class LocalCluster:
+    """A head (2 CPUs by default) and extra nodes with `node_cpus` CPUs each, all on this machine.
+
+    `health_check_period_ms` is the GCS's interval between health checks of a raylet (Ray's default
+    is 3000): a lost node is declared DEAD after 5 failed checks, about 5 s at 1000 ms.
+    """
+
+    head_cpus: float = 2
+    node_cpus: Sequence[float] = (2, 2)
+    object_store_bytes: int = OBJECT_STORE_BYTES
+    health_check_period_ms: int = 1000
+    start_timeout: float = 120
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    nodes: list[Node] = field(default_factory=list, init=False)  # the head first, killed ones too
+    _gcs_port: int = field(default=0, init=False)
+    _dashboard_port: int = field(default=0, init=False)
+
+    # -- addresses and environments --------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The GCS address, for RAY_ADDRESS or `ray start --address`."""
+        return f"127.0.0.1:{self._gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """The dashboard: job server (`ray job submit --address`) and state API."""
+        return f"http://127.0.0.1:{self._dashboard_port}"
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    def env(self) -> dict[str, str]:
+        """The environment of a client subprocess: it joins this cluster with a bare `ray.init()`."""
+        return {**self._base_env(), "RAY_ADDRESS": self.address}
+
+    def _base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(
+            PATH=os.pathsep.join([VENV_BIN, env.get("PATH", "")]),  # `python` and `ray` are this venv's
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN=self.token,
+        )
+        return env
+
+    def _node_env(self) -> dict[str, str]:
+        return {
+            **self._base_env(),
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once, not after draining for 30 s
+            "RAY_health_check_period_ms": str(self.health_check_period_ms),
+        }
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def start(self) -> LocalCluster:
+        """Start the head, then the extra nodes together; return once all are alive."""
+        try:
+            gcs, dashboard, client = free_ports(3)
+            self._gcs_port, self._dashboard_port = gcs, dashboard
+            head = self._launch(
+                "head",
+                self.head_cpus,
+                None,
+                "--head",
+                f"--port={gcs}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dashboard}",
+                f"--ray-client-server-port={client}",
+            )
+            self._wait_alive([head])
+            self._wait_alive([self.add_node(cpus, wait=False) for cpus in self.node_cpus])
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def add_node(
+        self, num_cpus: float = 2, resources: dict[str, float] | None = None, wait: bool = True
+    ) -> Node:
+        """Join one more node to the cluster; with `wait`, return once the GCS reports it alive."""
+        node = self._launch(f"node{len(self.nodes)}", num_cpus, resources, f"--address={self.address}")
+        if wait:
+            self._wait_alive([node])
+        return node
+
+    def _launch(self, name: str, num_cpus: float, resources: dict[str, float] | None, *args: str) -> Node:
+        manager, objects, metrics, agent, agent_grpc, runtime_env = free_ports(6)
+        used = {n.worker_ports for n in self.nodes if not n.killed}
+        workers = secrets.choice([p for p in _WORKER_PORTS if p not in used])
+        temp_dir = tempfile.mkdtemp(prefix=f"rmn{name}", dir="/tmp")
+        command = [
+            RAY_CLI,
+            "start",
+            "--block",
+            *args,
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            f"--object-store-memory={self.object_store_bytes}",
+            f"--node-manager-port={manager}",
+            f"--object-manager-port={objects}",
+            f"--metrics-export-port={metrics}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={runtime_env}",
+            f"--min-worker-port={workers}",
+            f"--max-worker-port={workers + 99}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ]
+        if resources:
+            command.append(f"--resources={json.dumps(resources)}")
+        with open(Path(temp_dir) / "ray-start.log", "wb") as log:
+            process = subprocess.Popen(
+                command,
+                env=self._node_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, to be stopped or killed alone
+            )
+        node = Node(name, process, temp_dir, num_cpus, workers)
+        self.nodes.append(node)
+        return node
+
+    def _wait_alive(self, nodes: list[Node]) -> None:
+        """Wait until the GCS reports every one of `nodes` alive; fail with a node's log if it exits."""
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            for node in nodes:
+                if node.process.poll() is not None:
+                    raise RuntimeError(
+                        f"`ray start` of {node.name} exited with {node.process.returncode}:\n{node.log_tail()}"
+                    )
+                if not node.node_id:
+                    raylet = _raylet_of(node)
+                    node.node_id = _node_id_of(raylet) if raylet else ""
+            if all(n.node_id for n in nodes):
+                with contextlib.suppress(OSError, ValueError):  # the dashboard may not answer yet
+                    states = self.node_states()
+                    if all(states.get(n.node_id) == "ALIVE" for n in nodes):
+                        return
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- {n.name}:\n{n.log_tail()}" for n in nodes)
+                raise TimeoutError(f"nodes not alive within {self.start_timeout:.0f} s\n{logs}")
+            time.sleep(0.5)
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def state_api(self, path: str, token: str | None = "") -> dict:
+        """GET `path` of the dashboard's HTTP API; `token` None sends no Authorization header."""
+        token = self.token if token == "" else token
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        request = urllib.request.Request(f"{self.dashboard_url}{path}", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return json.load(reply)
+
+    def node_states(self) -> dict[str, str]:
+        """{node id: 'ALIVE' | 'DEAD'} of every node the GCS knows, lost ones too."""
+        reply = self.state_api("/api/v0/nodes?limit=1000&detail=true")
+        if not reply.get("result"):
+            raise ValueError(f"the state API failed: {reply.get('msg')}")
+        return {n["node_id"]: n["state"] for n in reply["data"]["result"]["result"]}
+
+    def alive_nodes(self) -> set[str]:
+        """Ids of the nodes the GCS reports alive."""
+        return {node_id for node_id, state in self.node_states().items() if state == "ALIVE"}
+
+    def wait_for_state(self, node: Node, state: str, timeout: float = 60) -> float:
+        """Wait until the GCS reports `node` in `state` ('ALIVE' or 'DEAD'); return the seconds it took."""
+        start = time.monotonic()
+        while (seen := self.node_states().get(node.node_id)) != state:
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(
+                    f"{node.name} {node.node_id} is {seen}, not {state}, after {timeout:.0f} s"
+                )
+            time.sleep(0.5)
+        return time.monotonic() - start
+
+    # -- losing and stopping ----------------------------------------------------------------------
+
+    def kill_node(self, node: Node) -> None:
+        """Lose `node` as a crash would: SIGKILL its raylet (no goodbye to the GCS), then all the rest."""
+        if node is self.head:
+            raise ValueError("the head holds the GCS and the dashboard: stop it with shutdown()")
+        if node.killed:
+            return
+        group = node.process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGSTOP)  # frozen, its raylet starts no worker we would not see
+        processes = _descendants(node)
+        for process in [p for p in processes if _is_raylet(p)] + processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        node.process.wait()
+        node.killed = True
+
+    def shutdown(self) -> None:
+        """Stop every node still running (extra nodes first, the head last) and remove the temp dirs."""
+        extra = [n for n in self.nodes[1:] if not n.killed]
+        _stop(extra)
+        _stop(self.nodes[:1])
+        for node in self.nodes:
+            shutil.rmtree(node.temp_dir, ignore_errors=True)
+        self.nodes.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _descendants(node: Node) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return psutil.Process(node.process.pid).children(recursive=True)
+    return []
+
+
+def _is_raylet(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        cmdline = process.cmdline()
+        return bool(cmdline) and os.path.basename(cmdline[0]) == "raylet"
+    return False
+
+
+def _raylet_of(node: Node) -> psutil.Process | None:
+    return next((p for p in _descendants(node) if _is_raylet(p)), None)
+
+
+def _node_id_of(raylet: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        for arg in raylet.cmdline():
+            if arg.startswith("--node_id="):
+                return arg.split("=", 1)[1]
+    return ""
+
+
+def _stop(nodes: list[Node], timeout: float = 30) -> None:
+    """SIGTERM each `ray start --block` (it stops what it started), then SIGKILL whatever is left."""
+    leftovers = []
+    for node in nodes:
+        leftovers += _descendants(node)  # workers too, which sit in process groups of their own
+        with contextlib.suppress(ProcessLookupError):
+            node.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        try:
+            node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.process.pid, signal.SIGKILL)
+            node.process.wait()
+    for process in leftovers:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+@pytest.fixture(scope="module", name="multinode_cluster")
+def multinode_cluster_fixture() -> Iterator[LocalCluster]:
+    """`multinode_cluster`: a head and two extra nodes, 2 CPUs each, for one test module.
+
+    A test module imports `multinode_cluster_fixture` (noqa: F401) and asks for `multinode_cluster`:
+    importing the fixture under the name its tests ask for would be ruff's F811 in every test.
+    """
+    with LocalCluster(head_cpus=2, node_cpus=(2, 2)) as cluster:
+        yield cluster

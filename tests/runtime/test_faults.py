@@ -1,0 +1,131 @@
+"""Faults injected for real into running jobs on the session's Ray: a worker's process SIGKILLed,
+a worker paused (SIGSTOP) until it counts as hung, NaN losses skipped. The multi-node faults (a
+node stopped) are in test_node_faults.py."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+import ray
+from support import blob_spec
+
+from towerflow.errors import TrainingError
+from towerflow.launch import train
+from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.hooks import Hook
+from towerflow.spec import validate_spec
+
+pytestmark = pytest.mark.timeout(300)
+BATCH = 16
+
+
+class FaultAt(Hook):
+    """Sends `sig` to worker `worker`'s process when the chief hears of `step`; records what follows."""
+
+    def __init__(self, step: int, worker: int = 1, sig: int = signal.SIGKILL, times: int = 1) -> None:
+        self.step, self.worker, self.sig, self.times = step, worker, sig, times
+        self.events, self.faults, self.metrics, self.killed_at = [], [], {}, []
+
+    def after_run(self, context, event):
+        self.events.append(event)
+        if len(self.killed_at) < self.times and event.global_step >= self.step * (len(self.killed_at) + 1):
+            actor = context.session.runtime.group.slots[self.worker].actor
+            os.kill(ray.get(actor.pid.remote()), self.sig)
+            self.killed_at.append(event.global_step)
+
+    def on_fault(self, event):
+        self.faults.append(event)
+
+    def on_metrics(self, metrics, step):
+        self.metrics.update(metrics)
+
+    def rows_used(self) -> int:
+        """Examples in every batch a step applied or dropped."""
+        return sum(e.examples for e in self.events) + BATCH * sum(e.dropped_stale for e in self.events)
+
+
+def _spec(blob_data, **training):
+    return validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": BATCH, "epochs": training.pop("epochs", 1)},
+            cluster={"workers": 2, "ps": 1},
+            training={"optimizer": {"name": "sgd", "learning_rate": 0.05}, **training},
+            supervision={"checkpoint": {"every_steps": 5}},
+        )
+    )
+
+
+def _falls(losses: list[float]) -> bool:
+    return np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def test_sync_worker_killed_is_replaced_and_the_epoch_loses_no_example(ray_cluster, blob_data, tmp_path):
+    spec = _spec(blob_data, mode="sync", max_steps=None)
+    hook = FaultAt(step=6)
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path)
+    assert hook.killed_at, "the worker was never killed"
+    assert [f.action for f in hook.faults] == ["replaced"]
+    assert "worker 1 lost" in hook.faults[0].what
+    assert hook.metrics["workers_lost"] == 1 and hook.metrics["workers_replaced"] == 1
+    # Every example of the epoch was used (the batches in flight at the kill, at most, twice).
+    assert 1024 <= hook.rows_used() <= 1024 + 2 * BATCH
+    # The replacement trained: steps after it started hold worker 1's gradients again.
+    assert any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 2)
+    assert _falls([e.loss for e in hook.events[hook.killed_at[0] :]])
+    assert [e.global_step for e in hook.events] == list(range(1, result.global_step + 1))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())  # checkpoints went on
+
+
+def test_async_worker_killed_is_replaced_and_the_run_ends_at_max_steps(ray_cluster, blob_data, tmp_path):
+    spec = _spec(blob_data, mode="async", max_steps=240, epochs=None)
+    hook = FaultAt(step=20)
+    # 0.1 s a step: worker 0 alone does not reach max_steps before the replacement has started.
+    slow = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
+    assert result.global_step == 240
+    assert [f.action for f in hook.faults] == ["replaced"]
+    assert any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 5)
+    assert _falls([e.loss for e in hook.events])
+
+
+def test_a_hung_worker_is_killed_and_replaced(ray_cluster, blob_data, tmp_path):
+    spec = _spec(blob_data, mode="sync", max_steps=60, epochs=None, failure={"worker_timeout_s": 4})
+    hook = FaultAt(step=10, sig=signal.SIGSTOP)  # alive, but never answers again
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path)
+    assert result.global_step == 60
+    assert len(hook.faults) == 1 and "hung" in hook.faults[0].what
+    assert "worker_timeout_s" in hook.faults[0].what
+
+
+def test_more_losses_than_allowed_fail_the_run_naming_each(ray_cluster, blob_data, tmp_path):
+    spec = _spec(blob_data, mode="async", max_steps=400, epochs=None, failure={"max_worker_failures": 1})
+    hook = FaultAt(step=10, times=2)
+    with pytest.raises(TrainingError, match="too many training actors lost") as raised:
+        train(spec, hooks=[hook], track=False, output_dir=tmp_path)
+    assert str(raised.value).count("worker 1 lost") == 2
+    assert [f.action for f in hook.faults] == ["replaced", "failed the run"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_nan_guard_skip_drops_nonfinite_gradients_and_trains_on(ray_cluster, blob_data, tmp_path, mode):
+    raw = blob_spec(
+        blob_data,
+        data={"batch_size": BATCH, "epochs": None},
+        cluster={"workers": 2, "ps": 1},
+        training={"mode": mode, "max_steps": 30},
+        supervision={"nan_guard": "skip"},
+    )
+    hook = FaultAt(step=10**9)  # records only
+    # Worker 0's loss is NaN at the steps in [5, 12) it computes (async: those of the versions it reads).
+    faults = FaultInjector(nonfinite_loss={0: (5, 12)})
+    result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=faults)
+    assert result.global_step == 30
+    assert hook.metrics["nonfinite_skipped"] >= 1
+    assert all(math.isfinite(e.loss) for e in hook.events if not e.nonfinite)
+    assert all(np.isfinite(p).all() for p in result.parameters)
+    assert result.shards[0]["skipped"] >= 1
