@@ -14,6 +14,8 @@ from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.runtime.result import TrainResult
 from towerflow.spec import JobSpec, load_spec
 
+AUTO_RESUME = "auto"  # resume=: the newest unfinished run of the job, if any (tracking/auto_resume.py)
+
 
 def train(
     spec: JobSpec | str | Path,
@@ -32,7 +34,8 @@ def train(
     reached through RAY_ADDRESS or started locally; MLflow through the spec's tracking_uri,
     MLFLOW_TRACKING_URI, or a store in the working directory. `resume` is the MLflow run id of an
     earlier run of this job: its latest checkpoint is restored (onto however many shards this
-    spec has) and the same run goes on. Without tracking, checkpoints and profiles go under
+    spec has) and the same run goes on; "auto" picks the newest unfinished run of the job, or
+    starts a new one. Without tracking, checkpoints and profiles go under
     `output_dir` (default `runs/<job name>`), and `resume` is that directory. `parent_run_id`
     makes the run a child of that MLflow run. A failed export (`export.saved_model`) is raised
     after the run is closed. Where this process has not imported TensorFlow yet, it is imported
@@ -53,6 +56,16 @@ def train(
         spec = load_spec(spec, overrides)
     local_root = Path(output_dir or Path(os.environ.get("TOWERFLOW_RUNS_DIR", "runs")) / spec.name)
     tracker = None
+    if track and resume == AUTO_RESUME:
+        from towerflow.tracking.auto_resume import resumable_run
+        from towerflow.tracking.store import run_store_uri
+
+        resume = resumable_run(spec, run_store_uri(spec.tracking.tracking_uri))
+    elif resume == AUTO_RESUME:
+        from towerflow.checkpoint.stores import latest_step
+
+        has_checkpoint = latest_step(LocalCheckpointStore(local_root / "checkpoints")) is not None
+        resume = str(local_root) if has_checkpoint else None
     if track:
         from towerflow.tracking import MLflowTracker
 

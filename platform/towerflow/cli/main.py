@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import logging
 import os
 import shlex
 import shutil
@@ -19,8 +20,18 @@ from towerflow.runtime.hooks import Hook, SessionInfo
 
 
 def main(argv: list[str] | None = None) -> int:
-    _working_directory_importable()
+    try:
+        _working_directory_importable()
+    except FileNotFoundError:
+        print(
+            "towerflow: error: the working directory no longer exists (deleted under this process: on a "
+            "Ray node, another node's runtime-env agent cleaning a shared --temp-dir does this). Give "
+            "each Ray node on a machine its own --temp-dir, and start the command again.",
+            file=sys.stderr,
+        )
+        return 2
     keep_embedded_ray_local()  # before any subcommand imports Ray
+    _show_library_messages()
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -47,6 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _show_library_messages() -> None:
+    """towerflow's own log lines (a worker lost and replaced, a run resumed) on stderr, as the rest
+    of what the command says; libraries log, the command decides how it looks."""
+    logger = logging.getLogger("towerflow")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("towerflow: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def _working_directory_importable() -> None:
     """Specs name models/ and pipelines/ by import string from the working directory, which Ray
     ships to the actors. `python -m towerflow` puts it on sys.path; the console script does not, so
@@ -69,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume",
         metavar="RUN_ID",
-        help="continue this MLflow run from its latest checkpoint (any number of PS shards)",
+        help="continue this MLflow run from its latest checkpoint (any number of PS shards); "
+        "auto: the newest unfinished run of this job if there is one (what a retried job runs)",
     )
     train.set_defaults(handler=_train)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
+from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.spec import flatten_spec
 from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.step_metrics import StepWindow
@@ -52,6 +52,7 @@ class MLflowTracker(Hook):
         self._last_logged_step = 0
         self._window = StepWindow(staleness=spec.training.mode == "async")
         self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
+        self._faults = 0  # fault tags written
 
     @property
     def client(self):
@@ -175,6 +176,15 @@ class MLflowTracker(Hook):
 
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+
+    def on_fault(self, event: FaultEvent) -> None:
+        """A tag per lost actor (what, when, what was done); the counts arrive as metrics."""
+        if self._client is None or self.run_id is None:
+            return
+        self._faults += 1
+        self._client.set_tag(
+            self.run_id, f"towerflow.fault.{self._faults:03d}", f"{event.what}: {event.action}"[:5000]
+        )
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._client is None or self.run_id is None:

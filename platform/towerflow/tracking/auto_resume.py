@@ -1,0 +1,55 @@
+"""`--resume auto`: continue the newest unfinished run of the same job, or start a new one.
+
+What a retried job needs (a RayJob's backoffLimit, a second `ray job submit` of the same command,
+a driver restarted after its node was lost): the same command either goes on with the run its
+predecessor left (RUNNING because its driver died, FAILED or KILLED) from that run's latest
+checkpoint, or, when the newest run of the job finished or none exists, starts a new one. It
+assumes no other driver of the job is still running.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+UNFINISHED = ("RUNNING", "FAILED", "KILLED")
+
+
+def resumable_run(spec: Any, tracking_uri: str) -> str | None:
+    """The id of the newest run of `spec`'s job when it is unfinished and has a checkpoint; else None."""
+    from mlflow.tracking import MlflowClient
+
+    from towerflow.checkpoint.stores import MlflowCheckpointStore, latest_step
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment)
+    if experiment is None:
+        log.info("--resume auto: no run of job %s yet: starting one", spec.name)
+        return None
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`towerflow.job` = '{spec.name}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not runs:
+        log.info("--resume auto: no run of job %s yet: starting one", spec.name)
+        return None
+    run = runs[0]
+    run_id, status = run.info.run_id, run.info.status
+    if status not in UNFINISHED:
+        log.info(
+            "--resume auto: the newest run of job %s (%s) is %s: starting a new one",
+            spec.name,
+            run_id,
+            status,
+        )
+        return None
+    step = latest_step(MlflowCheckpointStore(client, run_id))
+    if step is None:
+        log.info("--resume auto: run %s (%s) left no checkpoint: starting a new run", run_id, status)
+        return None
+    log.info("--resume auto: continuing run %s (%s) from its checkpoint of step %d", run_id, status, step)
+    return run_id
