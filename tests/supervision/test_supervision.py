@@ -239,7 +239,9 @@ def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
     spec = _spec(
         blob_data, None, cluster=ONE_OF_EACH, training={"max_steps": 30}, supervision={"nan_guard": "stop"}
     )
-    result = train(spec, track=False, output_dir=tmp_path, faults=FaultInjector(nonfinite_loss={0: (4, None)}))
+    result = train(
+        spec, track=False, output_dir=tmp_path, faults=FaultInjector(nonfinite_loss={0: (4, None)})
+    )
     assert result.global_step == 3
     assert all(np.isfinite(p).all() for p in result.parameters)
     assert [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()] == [3]
