@@ -72,6 +72,7 @@ def test_sync_worker_killed_is_replaced_and_the_epoch_loses_no_example(ray_clust
     assert [f.action for f in hook.faults] == ["replaced"]
     assert "worker 1 lost" in hook.faults[0].what
     assert hook.metrics["workers_lost"] == 1 and hook.metrics["workers_replaced"] == 1
+    assert 0 < hook.metrics["worker_recovery_s"] < 120  # loss noticed -> the replacement's first step
     # Every example of the epoch was used (the batches in flight at the kill, at most, twice).
     assert 1024 <= hook.rows_used() <= 1024 + 2 * BATCH
     # The replacement trained: steps after it started hold worker 1's gradients again.

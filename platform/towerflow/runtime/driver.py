@@ -356,8 +356,11 @@ class Driver:
     def _turn(self) -> list[Any]:
         """One poll of the cluster and what the failure policy decides about it; returns the step
         records heard of. Raises only to end the run (a user's error, or more losses than allowed)."""
+        recovered = len(self.group.recoveries_s)
         status = self.group.poll(self.poll_s)
         self._summaries.update(status.finished)
+        for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost
+            self.session.log_metrics({"worker_recovery_s": seconds}, self.group.global_step)
         if status.shard_trouble:
             status.losses.extend(self._lost_shards())
         decision = self.failure_policy.decide(status)
