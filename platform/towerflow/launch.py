@@ -98,8 +98,9 @@ def train(
     all_hooks += build_supervision_hooks(spec, checkpoint_store=checkpoint_store, artifact_sink=artifact_sink)
     all_hooks.extend(hooks)
 
-    def make_data(num_workers: int):
+    def make_data(num_workers: int, examples_seen: int | None = None):
         seen = initial_state.examples_seen if initial_state is not None else 0
+        seen = seen if examples_seen is None else examples_seen  # a rollback's checkpoint position
         data = build_training_data(spec, num_workers, examples_seen=seen)
         if data.resume_note:
             print(f"towerflow: {data.resume_note}")
@@ -107,7 +108,25 @@ def train(
             skipped.ledger = data.ledger
         return DataFeed(data.splits, data.feature_scales, data.steps)
 
-    driver = Driver(spec, all_hooks, make_data, faults=faults, initial_state=initial_state)
+    def latest_checkpoint():
+        """The run's newest complete checkpoint (a lost shard rolls every shard back to it)."""
+        from towerflow.checkpoint.stores import latest_step
+
+        if tracker is not None:
+            store = MlflowCheckpointStore(tracker.client, tracker.run_id)
+        else:
+            store = LocalCheckpointStore(local_root / "checkpoints")
+        step = latest_step(store)
+        return store.load(step) if step is not None else None
+
+    driver = Driver(
+        spec,
+        all_hooks,
+        make_data,
+        faults=faults,
+        initial_state=initial_state,
+        latest_checkpoint=latest_checkpoint,
+    )
     result = driver.run()
     if tracker is not None and tracker.end_error is not None:
         raise tracker.end_error

@@ -130,3 +130,40 @@ def test_nan_guard_skip_drops_nonfinite_gradients_and_trains_on(ray_cluster, blo
     assert all(math.isfinite(e.loss) for e in hook.events if not e.nonfinite)
     assert all(np.isfinite(p).all() for p in result.parameters)
     assert result.shards[0]["skipped"] >= 1
+
+
+class KillShardAt(FaultAt):
+    """SIGKILLs shard `shard`'s process when the chief hears of `step`."""
+
+    def after_run(self, context, event):
+        self.events.append(event)
+        if not self.killed_at and event.global_step >= self.step:
+            os.kill(ray.get(context.session.runtime.shards[self.worker].pid.remote()), signal.SIGKILL)
+            self.killed_at.append(event.global_step)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
+    ray_cluster, blob_data, tmp_path, mode
+):
+    raw = blob_spec(
+        blob_data,
+        data={"batch_size": BATCH, "epochs": None},
+        cluster={"workers": 2, "ps": 2, "min_slice_bytes": 64},  # every variable on both shards
+        training={"mode": mode, "max_steps": 80, "optimizer": {"name": "adam", "learning_rate": 0.01}},
+        supervision={"checkpoint": {"every_steps": 10}},
+    )
+    hook = KillShardAt(step=25, worker=1)  # shard 1
+    slow = FaultInjector(step_delay_s={0: 0.02, 1: 0.02})
+    result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
+    assert hook.killed_at
+    assert result.global_step == 80
+    assert {s["version"] for s in result.shards} == {80}  # one version on every shard, never a mix
+    (fault,) = hook.faults
+    assert "parameter server 1 lost" in fault.what and "rolled back to step 20" in fault.action
+    assert hook.metrics["ps_rollbacks"] == 1
+    assert 0 < hook.metrics["steps_redone"] <= 10 + (hook.killed_at[0] - 20)
+    steps = [e.global_step for e in hook.events]
+    assert steps.count(21) == 2  # step 21 was reported, then redone after the rollback
+    assert _falls([e.loss for e in hook.events])
+    assert all(np.isfinite(p).all() for p in result.parameters)

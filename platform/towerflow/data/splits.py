@@ -3,8 +3,8 @@
 `Dataset.streaming_split` hands each block to one split as its coordinator produces it, whether or
 not that split's consumer is still alive; a lost worker's split would keep receiving blocks that
 nobody reads, and the blocks it had already taken would be gone with it. Here the coordinator also
-keeps, per split, the blocks it gave out that the split's worker has not trained on yet (the
-controller acknowledges the examples each worker used, from its step records). When a worker is
+keeps, per split, the blocks it gave out that the split's worker has not trained on yet (each
+worker's stream acknowledges the rows it has used, runtime/batches.py). When a worker is
 lost, its replacement first reads that worker's leftover (the rest of each block it had received,
 from the first example not yet used) and then takes over the split where it stands. So a lost
 worker loses no example of an epoch, and trains none twice beyond the batches it had in flight.
@@ -46,13 +46,26 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         # per split: [block ref, rows] in the order given out, from the first block not wholly used
         self._given: dict[int, collections.deque[list[Any]]] = {i: collections.deque() for i in range(n)}
         self._dropped_rows = dict.fromkeys(range(n), 0)  # rows of the blocks let go (wholly used)
+        # per split: how many times it was handed over; a `get` that began before a hand-over was
+        # its lost consumer's, and what it returns late goes to the next consumer instead
+        self._handovers = dict.fromkeys(range(n), 0)
+        self._late: dict[int, collections.deque[Any]] = {i: collections.deque() for i in range(n)}
 
     def get(self, epoch_id: int, output_split_idx: int, client_prefetched_bytes: int = 0):
-        bundle = super().get(epoch_id, output_split_idx, client_prefetched_bytes)
-        if bundle is not None:
-            with self._ledger_lock:
-                for entry in bundle.blocks:
-                    self._given[output_split_idx].append([entry.ref, entry.metadata.num_rows or 0])
+        split = output_split_idx
+        with self._ledger_lock:
+            handovers = self._handovers[split]
+            if self._late[split]:
+                return self._late[split].popleft()  # in the ledger already
+        bundle = super().get(epoch_id, split, client_prefetched_bytes)
+        if bundle is None:
+            return None
+        with self._ledger_lock:
+            for entry in bundle.blocks:
+                self._given[split].append([entry.ref, entry.metadata.num_rows or 0])
+            if self._handovers[split] != handovers:  # its caller was lost while it waited
+                self._late[split].append(bundle)
+                return None
         return bundle
 
     def current_epoch(self) -> int:
@@ -66,10 +79,12 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
                 while given and self._dropped_rows[split] + given[0][1] <= rows:
                     self._dropped_rows[split] += given.popleft()[1]
 
-    def leftover(self, split: int, used: int) -> list[Leftover]:
-        """The rows given to `split` beyond the first `used`, block by block."""
+    def hand_over(self, split: int, used: int) -> list[Leftover]:
+        """`split`'s consumer is lost, having used its first `used` rows: the rows given to it
+        beyond those, block by block, for its replacement (which then takes the split over)."""
         self.acknowledge({split: used})
         with self._ledger_lock:
+            self._handovers[split] += 1
             skip = used - self._dropped_rows[split]
             pieces = []
             for ref, rows in self._given[split]:
@@ -100,7 +115,8 @@ class ResumableSplit(StreamSplitDataIterator):
         return ResumableSplit(self.coordinator, self.split, self._world_size, joins_running_epoch=True)
 
     def leftover(self, used: int) -> list[Leftover]:
-        return ray.get(self.coordinator.leftover.remote(self.split, used))
+        """This split's consumer is lost after using `used` rows: what it had and did not use."""
+        return ray.get(self.coordinator.hand_over.remote(self.split, used))
 
     def acknowledge(self, used: int) -> None:
         self.coordinator.acknowledge.remote({self.split: used})

@@ -69,12 +69,13 @@ class Driver:
         self,
         spec: Any,
         hooks: Sequence[Hook],
-        make_data: Callable[[int], DataFeed],
+        make_data: Callable[..., DataFeed],
         *,
         faults: FaultInjector | None = None,
         poll_s: float = 0.2,
         return_parameters: bool = True,
         initial_state: Any = None,
+        latest_checkpoint: Callable[[], Any] | None = None,
     ) -> None:
         self.spec = spec
         self.hooks = list(hooks)
@@ -88,10 +89,13 @@ class Driver:
         self.state = State.STARTING
         self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
         self._summaries: dict[int, dict[str, Any]] = {}  # worker id -> its run's summary
+        self._initial_values: list[np.ndarray] | None = None
+        self._rollbacks = self._steps_redone = 0
         self.poll_s = poll_s
         self.return_parameters = return_parameters
         self.shards: list[Any] = []
         self.initial_state = initial_state  # a TrainingState to resume from
+        self.latest_checkpoint = latest_checkpoint  # () -> the run's newest TrainingState, or None
         self.session = SessionInfo(
             spec=spec,
             num_workers=spec.cluster.workers,
@@ -188,16 +192,12 @@ class Driver:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _create_actors(self) -> None:
-        spec, cluster = self.spec, self.spec.cluster
+        cluster = self.spec.cluster
         self._start_steps = [self._worker_config(i).start_at_step for i in range(cluster.workers)]
         self.group.start(list(range(cluster.workers)))
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
-        shard_cls = shard_actor(cluster.cpus_per_ps)
-        self.shards = [
-            shard_cls.remote(shard, cluster.cpus_per_ps, apply_threads=self._apply_threads())
-            for shard in range(cluster.ps)
-        ]
+        self.shards = [self._new_shard(index) for index in range(cluster.ps)]
         infos, values = ray.get(self.workers[0].describe.remote())
         pieces = cut_variables(infos, cluster.ps, cluster.min_slice_bytes)
         assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
@@ -208,40 +208,55 @@ class Driver:
             for variable in variables
         }
         self._shard_buckets = [[bucket_of[pieces[i].variable] for i in indices] for indices in assignment]
-        optimizer = spec.training.optimizer.model_dump(mode="json")
-        if self.initial_state is not None:
-            from towerflow.checkpoint import split_for_shards
-
-            initial = split_for_shards(self.initial_state, infos, pieces, assignment, optimizer["name"])
-        else:
-            initial = [
-                ([pieces[i].of(values[pieces[i].variable]) for i in indices], None) for indices in assignment
-            ]
-        bounds = [b for b in (spec.training.max_steps, self.session.last_step) if b is not None]
-        loaded = [
-            self.shards[shard].load.remote(
-                [pieces[i].name for i in indices],
-                shard_values,
-                optimizer,
-                make_protocol(
-                    spec.training.mode,
-                    replicas_to_aggregate=spec.replicas_to_aggregate,
-                    total_num_replicas=cluster.workers,
-                    max_staleness=spec.training.max_staleness,
-                ),
-                min(bounds) if bounds else None,
-                initial_slots=shard_slots,
-                initial_version=self.session.start_step,
-                snapshot_every=self.session.snapshot_every,
-                buckets=self._shard_buckets[shard],
-            )
-            for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
-        ]
+        if self.initial_state is None:
+            self._initial_values = values  # a rollback with no checkpoint yet starts over from these
+        loaded = self._load_shards(self.initial_state, self.session.start_step)
         # Wait until every actor has started (TensorFlow imported, model built, pieces loaded)
         # before the clock runs.
         ray.get(loaded + [w.devices_used.remote() for w in self.workers])
         if self.initial_state is not None and self.initial_state.model_state:
             ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
+
+    def _load_shards(self, state: Any, version: int) -> list[Any]:
+        """Give every shard its pieces at `version`: from `state` (a TrainingState), else from the
+        model's initial values. Returns the load calls' refs. A shard loaded again starts afresh."""
+        spec, cluster, session = self.spec, self.spec.cluster, self.session
+        infos, pieces, assignment = session.variables, session.pieces, session.shard_assignment
+        optimizer = spec.training.optimizer.model_dump(mode="json")
+        if state is not None:
+            from towerflow.checkpoint import split_for_shards
+
+            initial = split_for_shards(state, infos, pieces, assignment, optimizer["name"])
+        else:
+            values = self._initial_values
+            initial = [
+                ([pieces[i].of(values[pieces[i].variable]) for i in indices], None) for indices in assignment
+            ]
+        bounds = [b for b in (spec.training.max_steps, session.last_step) if b is not None]
+        protocol = make_protocol(
+            spec.training.mode,
+            replicas_to_aggregate=spec.replicas_to_aggregate,
+            total_num_replicas=cluster.workers,
+            max_staleness=spec.training.max_staleness,
+        )
+        return [
+            self.shards[shard].load.remote(
+                [pieces[i].name for i in indices],
+                shard_values,
+                optimizer,
+                protocol,
+                min(bounds) if bounds else None,
+                initial_slots=shard_slots,
+                initial_version=version,
+                snapshot_every=session.snapshot_every,
+                buckets=self._shard_buckets[shard],
+            )
+            for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
+        ]
+
+    def _new_shard(self, index: int) -> Any:
+        cpus = self.spec.cluster.cpus_per_ps
+        return shard_actor(cpus).remote(index, cpus, apply_threads=self._apply_threads())
 
     def _push_bucket_bytes(self) -> int | None:
         """Push gradients in buckets during backprop only where it pays: sync mode, where every
@@ -318,14 +333,10 @@ class Driver:
             self.group.run(worker_id, self.shards, self._placement(), self._shard_buckets, split)
         self.state = State.RUNNING
         stopping = released = False
-        acknowledged = time.monotonic()
         while self.state is State.RUNNING:
             records, self._backlog = self._backlog + self._turn(), []
             records.sort(key=lambda r: (r.step, r.finished_at))
             self._report(self.aggregator.add(records))
-            if time.monotonic() - acknowledged > 1.0:
-                self._acknowledge_used()
-                acknowledged = time.monotonic()
             if self.stop_signals.received is not None and not stopping:
                 print(
                     f"towerflow: {self.stop_signals.name}: stopping after the steps in flight "
@@ -353,7 +364,7 @@ class Driver:
         self.state = State.FINISHED
         return [summary for _, summary in sorted(self._summaries.items())]
 
-    def _turn(self) -> list[Any]:
+    def _turn(self, *, suspect_shards: bool = False) -> list[Any]:
         """One poll of the cluster and what the failure policy decides about it; returns the step
         records heard of. Raises only to end the run (a user's error, or more losses than allowed)."""
         recovered = len(self.group.recoveries_s)
@@ -361,7 +372,7 @@ class Driver:
         self._summaries.update(status.finished)
         for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost
             self.session.log_metrics({"worker_recovery_s": seconds}, self.group.global_step)
-        if status.shard_trouble:
+        if status.shard_trouble or suspect_shards:
             status.losses.extend(self._lost_shards())
         decision = self.failure_policy.decide(status)
         if decision is Decision.FAIL:
@@ -372,14 +383,10 @@ class Driver:
                 self._fault(loss, "failed the run")
             raise TrainingError(self.failure_policy.failure_message())
         if decision is Decision.ROLLBACK_SHARDS:
-            self.state = State.ERRORED
-            for loss in status.lost_shards:
-                self._fault(loss, "failed the run")
-            raise TrainingError(
-                "a parameter server was lost: "
-                + "; ".join(loss.describe() for loss in status.lost_shards)
-                + f". Resume from the last checkpoint with --resume {self.session.tags.get('run_id') or 'RUN_ID'}"
-            )
+            self.state = State.RECOVERING
+            self._roll_back(status.lost_shards)
+            self.state = State.RUNNING
+            return []  # what the workers reported before the rollback is redone
         if decision is Decision.REPLACE_WORKERS:
             self.state = State.RECOVERING
             self._replace_workers(status.lost_workers)
@@ -393,11 +400,10 @@ class Driver:
         ray.get([s.retire.remote(worker_id) for s in self.shards for worker_id in ids])
         model_state = self.model_state()
         for loss in losses:
-            split = self.data_splits[loss.index]
-            leftover = (
-                split.leftover(self.group.slots[loss.index].used_rows) if hasattr(split, "leftover") else []
-            )
-            taken = split.taken_over() if hasattr(split, "taken_over") else split
+            split, used = self.data_splits[loss.index], self.group.slots[loss.index].used_rows
+            leftover = split.leftover(used) if hasattr(split, "leftover") else []
+            handed_over = used + sum(piece.rows for piece in leftover)
+            taken = split.taken_over(handed_over) if hasattr(split, "taken_over") else split
             self.group.replace(
                 loss.index,
                 self.shards,
@@ -411,6 +417,41 @@ class Driver:
         self.session.log_metrics(
             {"workers_lost": float(lost), "workers_replaced": float(lost)}, self._global_step()
         )
+
+    def _roll_back(self, losses: list[ActorLoss]) -> None:
+        """A shard is lost: every shard goes back to the newest checkpoint together (never a mix of
+        versions), a new shard takes each lost one's place, and the workers train on from there,
+        on the data from that checkpoint's position. Workers and the other shards are not restarted."""
+        heard = max(self.group.global_step, self._global_step())
+        for shard in self.shards:  # release every worker waiting on a live shard; each run ends
+            shard.finish.remote()
+        self.group.wait_ended(timeout_s=60)
+        state = self.latest_checkpoint() if self.latest_checkpoint is not None else None
+        state = state or self.initial_state
+        version = state.global_step if state is not None else 0
+        for loss in losses:
+            with contextlib.suppress(Exception):
+                ray.kill(self.shards[loss.index])
+            self.shards[loss.index] = self._new_shard(loss.index)
+        ray.get(self._load_shards(state, version))
+        seen = state.examples_seen if state is not None else 0
+        feed = self.make_data(self.spec.cluster.workers, seen)
+        self.data_splits = list(feed.splits)
+        self.aggregator = StepAggregator(
+            replicas_per_step=self.aggregator.replicas_per_step, first_step=version + 1, examples_seen=seen
+        )
+        self.aggregator.start()
+        model_state = state.model_state if state is not None else {}
+        for worker_id, split in enumerate(self.data_splits):
+            rejoin = Rejoin([], model_state)
+            self.group.rerun(worker_id, self.shards, self._placement(), self._shard_buckets, split, rejoin)
+        self._rollbacks += 1
+        self._steps_redone += max(0, heard - version)
+        self.session.log_metrics(
+            {"ps_rollbacks": float(self._rollbacks), "steps_redone": float(self._steps_redone)}, version
+        )
+        for loss in losses:
+            self._fault(loss, f"rolled back to step {version}, {max(0, heard - version)} step(s) to redo")
 
     def _lost_shards(self) -> list[ActorLoss]:
         """The shards that do not answer (a worker's call to one failed)."""
@@ -428,13 +469,6 @@ class Driver:
         log.warning("%s: %s", event.what, action)
         for hook in self.hooks:
             hook.on_fault(event)
-
-    def _acknowledge_used(self) -> None:
-        """Let each split drop the blocks its workers have trained on (a replacement needs the rest)."""
-        for worker_id, split in enumerate(self.data_splits):
-            slot = self.group.slots.get(worker_id)
-            if slot is not None and hasattr(split, "acknowledge"):
-                split.acknowledge(slot.used_rows)
 
     def _all_waiting_to_start(self, workers: list[int]) -> bool:
         if not all(self._start_steps[w] > self.session.start_step for w in workers):
@@ -502,6 +536,7 @@ class Driver:
 
         target = version if version is not None else max(ray.get([s.ping.remote() for s in self.shards])) + 1
         refs = [s.snapshot.remote(target) for s in self.shards]
+        rollbacks = self._rollbacks
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
             if len(ready) == len(refs):
@@ -513,7 +548,13 @@ class Driver:
             if not self.group.running:
                 # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
                 ray.get([s.finish.remote() for s in self.shards])
-        snapshots = ray.get(refs)
+        try:
+            snapshots = ray.get(refs) if self._rollbacks == rollbacks else None
+        except ACTOR_GONE:  # a shard died under the cut: the controller rolls the shards back first
+            self._backlog.extend(self._turn(suspect_shards=True))
+            snapshots = None
+        if snapshots is None:
+            return self.capture_state()  # a shard was lost meanwhile: cut the rolled-back shards instead
         if version is not None and any(s.version != version for s in snapshots):
             # A shard no longer held `version` (it keeps the last few, and the chief heard of that
             # step too late) or ended before it; it answered with its state now, which may not match

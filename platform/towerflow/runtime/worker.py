@@ -298,6 +298,7 @@ class TowerWorker:
         trained on (data/splits.py), read before its split, and the model's non-trainable state.
         """
         cfg = self.config
+        self._stop.clear()  # a run after a rollback starts anew
         staging = _staging_buffers(self.model, placement)
         self._plan = PushPlan(shards, placement, buckets)
         self._bucket_variables = self._plan.bucket_variables

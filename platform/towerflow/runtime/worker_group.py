@@ -109,6 +109,28 @@ class WorkerGroup:
                 slot.replaced_at = None
         return status
 
+    def wait_ended(self, timeout_s: float) -> None:
+        """Wait until every worker's run has ended (the shards were finished), dropping what they
+        report; one still running after `timeout_s` is killed, to be replaced."""
+        deadline = time.monotonic() + timeout_s
+        while self.running and time.monotonic() < deadline:
+            self.poll(0.2)
+        for worker_id in self.running:
+            slot = self.slots[worker_id]
+            with contextlib.suppress(Exception):
+                ray.kill(slot.actor)
+            slot.lost = True
+
+    def rerun(self, worker_id: int, *run_args: Any) -> None:
+        """Run worker `worker_id` again from a fresh data split (a rollback); a lost one is replaced."""
+        slot = self.slots[worker_id]
+        slot.used_rows = 0
+        if slot.lost:
+            self.replace(worker_id, *run_args)
+            return
+        slot.finished, slot.drain_ref = False, None
+        self.run(worker_id, *run_args)
+
     def kill(self) -> None:
         for slot in self.slots.values():
             with contextlib.suppress(Exception):  # already dead is fine
@@ -133,16 +155,18 @@ class WorkerGroup:
     def _read_run(self, slot: WorkerSlot, status: ClusterStatus) -> None:
         try:
             summary = ray.get(slot.run_ref)
-        except ACTOR_GONE as exc:
-            self._lose(slot, status, _first_line(exc))
-            return
-        except ray.exceptions.RayTaskError as exc:
+        except (
+            ray.exceptions.RayTaskError
+        ) as exc:  # raised in `run` (Ray makes it an instance of the cause too)
             if isinstance(exc.cause, ACTOR_GONE):  # a shard it talked to is gone: the shards' loss
                 slot.finished = True
                 status.finished[slot.worker_id] = {"worker": slot.worker_id, "failed": _first_line(exc)}
                 status.shard_trouble = True
                 return
             status.user_error = exc
+            return
+        except ACTOR_GONE as exc:  # the worker itself is gone
+            self._lose(slot, status, _first_line(exc))
             return
         # Its last records were appended before `run` returned: drain them now.
         if slot.drain_ref is None:

@@ -1,0 +1,52 @@
+"""Resumable splits (data/splits.py) on a real Ray Data stream: a consumer killed mid-split loses
+no row, because its replacement reads the leftover and then takes the split over. (With workers:
+tests/runtime/test_faults.py::test_sync_worker_killed_is_replaced_and_the_epoch_loses_no_example.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from towerflow.runtime.batches import leftover_batches
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_killed_consumers_split_is_finished_by_its_replacement_with_no_row_lost(ray_cluster):
+    ray = ray_cluster
+    from towerflow.data.splits import resumable_streaming_split
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def take(self, split, batches):
+            self.it = iter(split.iter_batches(batch_size=5, batch_format="numpy", prefetch_batches=1))
+            return [int(i) for _ in range(batches) for i in next(self.it)["id"]]
+
+        def take_all(self, split, leftover=()):
+            ids = [int(i) for b in leftover_batches(list(leftover), 5) for i in b["id"]]
+            return ids + [int(i) for b in split.iter_batches(batch_size=5, batch_format="numpy") for i in b["id"]]
+
+    ds = ray.data.range(400, override_num_blocks=40).map_batches(lambda b: b)
+    first, second = resumable_streaming_split(ds, 2, equal=False)
+    # Both splits start the epoch together (Ray Data's barrier), as the workers of a run do.
+    other = Consumer.remote().take_all.remote(second)
+    lost = Consumer.remote()
+    used = ray.get(lost.take.remote(first, 3))  # 15 rows trained on; more were handed to it
+    ray.kill(lost)
+    first.acknowledge(10)
+    leftover = first.leftover(len(used))
+    assert leftover  # the rows handed to it beyond the 15 it used
+    rest = ray.get(Consumer.remote().take_all.remote(first.taken_over(), leftover))
+    everything = used + rest + ray.get(other)
+    assert sorted(everything) == list(range(400))  # every row once: none lost, none twice
+
+
+def test_leftover_batches_cut_pieces_into_batches_in_order(ray_cluster):
+    ray = ray_cluster
+    from towerflow.data.splits import Leftover
+
+    blocks = [ray.put(pa.table({"id": np.arange(10 * k, 10 * k + 10)})) for k in range(3)]
+    pieces = [Leftover(blocks[0], 7, 10), Leftover(blocks[1], 0, 10), Leftover(blocks[2], 0, 4)]
+    batches = [list(b["id"]) for b in leftover_batches(pieces, 6)]
+    assert batches == [[7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18], [19, 20, 21, 22, 23]]
