@@ -315,10 +315,9 @@ class Driver:
         return config
 
     def _new_worker(self, worker_id: int) -> Any:
+        """A worker actor (a replacement too: its GlobalStepWaiter step has passed, it starts at once)."""
         cluster = self.spec.cluster
         config = self._worker_config(worker_id)
-        if worker_id < len(self._start_steps) and self._start_steps[worker_id] != config.start_at_step:
-            config.start_at_step = 0  # a replacement: no GlobalStepWaiter, it joins the steps now
         return worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker).remote(config)
 
     @property

@@ -81,8 +81,16 @@ class WorkerGroup:
         self.slots[worker_id] = slot
         self.run(worker_id, *run_args)
 
-    def poll(self, wait_s: float) -> ClusterStatus:
+    def poll(self, wait_s: float, answer_s: float = 1.0) -> ClusterStatus:
+        """Wait up to `wait_s` (less when a run ends or a worker dies), then drain every worker,
+        giving each up to `answer_s` to answer: one that does not keeps its question open and
+        counts as silent from then on."""
         status = ClusterStatus()
+        runs = [
+            s.run_ref for s in self.slots.values() if s.run_ref is not None and not s.finished and not s.lost
+        ]
+        if runs:
+            ray.wait(runs, num_returns=len(runs), timeout=wait_s)
         now = time.monotonic()
         live = [s for s in self.slots.values() if not s.lost and not s.finished]
         for slot in live:
@@ -90,12 +98,9 @@ class WorkerGroup:
                 slot.drain_ref, slot.asked_at = slot.actor.drain.remote(), now
         pending = [s.drain_ref for s in live]
         if pending:
-            ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            ray.wait(pending, num_returns=len(pending), timeout=answer_s)
         for slot in live:
             self._read_drain(slot, status, block=False)
-        runs = [
-            s.run_ref for s in self.slots.values() if s.run_ref is not None and not s.finished and not s.lost
-        ]
         done, _ = ray.wait(runs, num_returns=len(runs), timeout=0) if runs else ([], [])
         for slot in [s for s in self.slots.values() if s.run_ref in done]:
             self._read_run(slot, status)
