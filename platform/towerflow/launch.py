@@ -45,12 +45,12 @@ def train(
 
     import_tensorflow(gpus=False)  # first, as tf_import says: the driver checkpoints with TensorFlow
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
-    from towerflow.data.bad_records import SkippedRecordsHook
     from towerflow.data.ingest import build_training_data
     from towerflow.runtime.cluster import budget_for, ensure_ray
     from towerflow.runtime.driver import DataFeed, Driver
     from towerflow.supervision import build_supervision_hooks
     from towerflow.supervision.artifacts import LocalArtifactSink, MlflowArtifactSink
+    from towerflow.supervision.skipped_records import SkippedRecordsHook
 
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, overrides)

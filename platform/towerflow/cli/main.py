@@ -314,8 +314,8 @@ def _generation_bar(kind: str, total: int, enabled: bool):
 
 def _compare(args: argparse.Namespace) -> int:
     from towerflow.cli.progress import ProgressHook
+    from towerflow.compare import compare_modes, parse_modes
     from towerflow.spec import load_spec
-    from towerflow.tracking.compare import compare_modes, parse_modes
 
     modes = parse_modes(args.modes)
     spec = load_spec(args.spec, args.overrides)

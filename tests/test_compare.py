@@ -15,9 +15,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 from support import blob_spec, tracked_spec
 
+from towerflow.compare import compare_modes, parse_modes, spec_for_mode
 from towerflow.errors import DataError, SpecError
 from towerflow.spec import validate_spec
-from towerflow.tracking.compare import compare_modes, parse_modes, spec_for_mode
 from towerflow.tracking.store import RAY_JOB_ENV
 
 
