@@ -190,3 +190,11 @@ def free_ports(count: int = 1) -> list[int]:
         for s in sockets:
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in sockets]
+
+
+def takes_ctrl_c() -> None:
+    """Popen's preexec_fn: the child acts on SIGINT (Ctrl-C) however the suite was started (a
+    shell's background job ignores SIGINT, and a child inherits that)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import ONE_OF_EACH, blob_spec
+from support import ONE_OF_EACH, blob_spec, takes_ctrl_c
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH
@@ -131,7 +131,9 @@ def test_a_stop_signal_ends_the_run_killed_and_says_how_to_resume(
     path.write_text(yaml.safe_dump(spec))
     command = [sys.executable, "-m", "towerflow", "train", str(path), "--set", "training.max_steps=999999"]
     env = {**os.environ, **cluster_env, "PYTHONPATH": str(REPO / "tests")}  # tests/ for the hook only
-    cli = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    cli = subprocess.Popen(
+        command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=takes_ctrl_c
+    )
     watchdog = threading.Timer(180, cli.kill)  # a hang fails the test instead of holding the suite
     watchdog.start()
     try:

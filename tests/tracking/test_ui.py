@@ -22,7 +22,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-from support import free_ports
+from support import free_ports, takes_ctrl_c
 
 from towerflow.tracking.system_metrics import node_labels
 
@@ -107,7 +107,9 @@ def test_towerflow_ui_serves_the_run_page_on_loopback_until_ctrl_c(exported_run,
     _, uri, result = exported_run
     port = free_ports()[0]
     command = [sys.executable, "-m", "towerflow", "ui", "--port", str(port), "--store", uri]
-    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cli = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=takes_ctrl_c
+    )
     try:
         line = cli.stdout.readline()  # printed once the server answers
         assert f"at http://127.0.0.1:{port}" in line, line

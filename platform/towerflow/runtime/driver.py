@@ -27,15 +27,10 @@ from towerflow.runtime.failure import ActorLoss, Decision, FailurePolicy, LossKi
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo
 from towerflow.runtime.model_state import average_model_states
-from towerflow.runtime.protocol import make_protocol
-from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.sharding import (
-    cut_variables,
-    gradient_buckets,
     join_pieces,
-    make_sharding,
-    shard_variables,
 )
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.tf_setup import TFProcessConfig
@@ -86,14 +81,13 @@ class Driver:
         failure = spec.training.failure
         self.failure_policy = FailurePolicy(failure.max_worker_failures, failure.max_ps_failures)
         self.group = WorkerGroup(self._new_worker, failure.worker_timeout_s)
+        self.shard_group = ShardGroup(spec, self._apply_threads())
         self.state = State.STARTING
         self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
         self._summaries: dict[int, dict[str, Any]] = {}  # worker id -> its run's summary
-        self._initial_values: list[np.ndarray] | None = None
         self._rollbacks = self._steps_redone = 0
         self.poll_s = poll_s
         self.return_parameters = return_parameters
-        self.shards: list[Any] = []
         self.initial_state = initial_state  # a TrainingState to resume from
         self.latest_checkpoint = latest_checkpoint  # () -> the run's newest TrainingState, or None
         self.session = SessionInfo(
@@ -192,25 +186,24 @@ class Driver:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _create_actors(self) -> None:
-        cluster = self.spec.cluster
+        cluster, session = self.spec.cluster, self.session
         self._start_steps = [self._worker_config(i).start_at_step for i in range(cluster.workers)]
         self.group.start(list(range(cluster.workers)))
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
-        self.shards = [self._new_shard(index) for index in range(cluster.ps)]
+        self.shard_group.start()
         infos, values = ray.get(self.workers[0].describe.remote())
-        pieces = cut_variables(infos, cluster.ps, cluster.min_slice_bytes)
-        assignment = shard_variables(make_sharding(cluster.sharding), pieces, cluster.ps)
-        self.session.variables, self.session.pieces, self.session.shard_assignment = infos, pieces, assignment
-        bucket_of = {
-            variable: bucket
-            for bucket, variables in enumerate(gradient_buckets(infos, self._push_bucket_bytes()))
-            for variable in variables
-        }
-        self._shard_buckets = [[bucket_of[pieces[i].variable] for i in indices] for indices in assignment]
+        self.shard_group.lay_out(infos, self._push_bucket_bytes())
+        group = self.shard_group
+        session.variables, session.pieces, session.shard_assignment = (
+            group.variables,
+            group.pieces,
+            group.assignment,
+        )
+        self._shard_buckets = group.buckets
         if self.initial_state is None:
-            self._initial_values = values  # a rollback with no checkpoint yet starts over from these
-        loaded = self._load_shards(self.initial_state, self.session.start_step)
+            group.initial_values = values  # a rollback with no checkpoint yet starts over from these
+        loaded = self._load_shards(self.initial_state, session.start_step)
         # Wait until every actor has started (TensorFlow imported, model built, pieces loaded)
         # before the clock runs.
         ray.get(loaded + [w.devices_used.remote() for w in self.workers])
@@ -218,45 +211,15 @@ class Driver:
             ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
 
     def _load_shards(self, state: Any, version: int) -> list[Any]:
-        """Give every shard its pieces at `version`: from `state` (a TrainingState), else from the
-        model's initial values. Returns the load calls' refs. A shard loaded again starts afresh."""
-        spec, cluster, session = self.spec, self.spec.cluster, self.session
-        infos, pieces, assignment = session.variables, session.pieces, session.shard_assignment
-        optimizer = spec.training.optimizer.model_dump(mode="json")
-        if state is not None:
-            from towerflow.checkpoint import split_for_shards
-
-            initial = split_for_shards(state, infos, pieces, assignment, optimizer["name"])
-        else:
-            values = self._initial_values
-            initial = [
-                ([pieces[i].of(values[pieces[i].variable]) for i in indices], None) for indices in assignment
-            ]
-        bounds = [b for b in (spec.training.max_steps, session.last_step) if b is not None]
-        protocol = make_protocol(
-            spec.training.mode,
-            replicas_to_aggregate=spec.replicas_to_aggregate,
-            total_num_replicas=cluster.workers,
-            max_staleness=spec.training.max_staleness,
+        session = self.session
+        return self.shard_group.load(
+            state, version, last_step=session.last_step, snapshot_every=session.snapshot_every
         )
-        return [
-            self.shards[shard].load.remote(
-                [pieces[i].name for i in indices],
-                shard_values,
-                optimizer,
-                protocol,
-                min(bounds) if bounds else None,
-                initial_slots=shard_slots,
-                initial_version=version,
-                snapshot_every=session.snapshot_every,
-                buckets=self._shard_buckets[shard],
-            )
-            for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
-        ]
 
-    def _new_shard(self, index: int) -> Any:
-        cpus = self.spec.cluster.cpus_per_ps
-        return shard_actor(cpus).remote(index, cpus, apply_threads=self._apply_threads())
+    @property
+    def shards(self) -> list[Any]:
+        """The shard actors, by index."""
+        return self.shard_group.actors
 
     def _push_bucket_bytes(self) -> int | None:
         """Push gradients in buckets during backprop only where it pays: sync mode, where every
@@ -429,9 +392,7 @@ class Driver:
         state = state or self.initial_state
         version = state.global_step if state is not None else 0
         for loss in losses:
-            with contextlib.suppress(Exception):
-                ray.kill(self.shards[loss.index])
-            self.shards[loss.index] = self._new_shard(loss.index)
+            self.shard_group.replace(loss.index)
         ray.get(self._load_shards(state, version))
         seen = state.examples_seen if state is not None else 0
         feed = self.make_data(self.spec.cluster.workers, seen)
@@ -453,15 +414,7 @@ class Driver:
             self._fault(loss, f"rolled back to step {version}, {max(0, heard - version)} step(s) to redo")
 
     def _lost_shards(self) -> list[ActorLoss]:
-        """The shards that do not answer (a worker's call to one failed)."""
-        lost = []
-        for index, shard in enumerate(self.shards):
-            try:
-                ray.get(shard.ping.remote(), timeout=30)
-            except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
-                cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-                lost.append(ActorLoss(LossKind.SHARD, index, self._global_step(), cause))
-        return lost
+        return self.shard_group.lost(self._global_step())
 
     def _fault(self, loss: ActorLoss, action: str) -> None:
         event = FaultEvent(loss.at_step, loss.describe(), action)
@@ -476,20 +429,7 @@ class Driver:
         return all(self._start_steps[w] > version for w in workers)
 
     def _placement(self) -> list[list[tuple[int, int, int, bool]]]:
-        """Per shard, its pieces as (variable, start row, stop row, whole variable?) for the workers."""
-        infos, pieces = self.session.variables, self.session.pieces
-        return [
-            [
-                (
-                    pieces[i].variable,
-                    pieces[i].start,
-                    pieces[i].stop,
-                    pieces[i].covers(infos[pieces[i].variable]),
-                )
-                for i in shard
-            ]
-            for shard in self.session.shard_assignment
-        ]
+        return self.shard_group.placement()
 
     def _report(self, events) -> None:
         for event in events:
@@ -641,7 +581,8 @@ class Driver:
 
     def _release(self) -> None:
         self.group.kill()
-        for actor in self.shards + ([self._evaluator] if self._evaluator else []):
+        self.shard_group.kill()
+        if self._evaluator is not None:
             with contextlib.suppress(Exception):  # already dead is fine
-                ray.kill(actor)
-        self.shards, self._evaluator = [], None
+                ray.kill(self._evaluator)
+        self._evaluator = None
