@@ -35,7 +35,8 @@ from towerflow.runtime.sharding import (
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.user_errors import as_user_error, check_model
-from towerflow.runtime.worker import Rejoin, WorkerConfig, worker_actor
+from towerflow.runtime.worker import Rejoin, worker_actor
+from towerflow.runtime.worker_config import WorkerConfig, worker_config
 from towerflow.runtime.worker_group import ACTOR_GONE, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,6 @@ class Driver:
         self.stop_signals = StopSignals()
         self._start_steps: list[int] = []  # per worker, the global step it waits for before its first
         self._evaluator: Any = None
-        self._shard_buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self._model_has_state: bool | None = None  # known from the first answer of the workers
         self.aggregator = StepAggregator(
             replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1,
@@ -200,7 +200,6 @@ class Driver:
             group.pieces,
             group.assignment,
         )
-        self._shard_buckets = group.buckets
         if self.initial_state is None:
             group.initial_values = values  # a rollback with no checkpoint yet starts over from these
         loaded = self._load_shards(self.initial_state, session.start_step)
@@ -237,45 +236,14 @@ class Driver:
         return max(1, int(cluster.workers * cluster.cpus_per_worker // cluster.ps))
 
     def _worker_config(self, worker_id: int) -> WorkerConfig:
-        spec = self.spec
-        supervision = spec.supervision
-        profile = supervision.profile
-        config = WorkerConfig(
-            worker_id=worker_id,
-            model_ref=spec.model.ref,
-            model_params=dict(spec.model.params),
-            loss=spec.model.loss,
-            from_logits=spec.model.from_logits,
-            metrics=list(spec.model.metrics),
-            label=spec.data.train.label,
+        return worker_config(
+            self.spec,
+            worker_id,
             feature_scales=self.feature_scales,
-            batch_size=spec.data.batch_size,
-            seed=spec.training.seed,
-            tf=TFProcessConfig(
-                cpus=spec.cluster.cpus_per_worker,
-                towers=spec.cluster.towers,
-                gpus=int(spec.cluster.gpus_per_worker),
-                memory_growth=spec.tf_config.memory_growth,
-                memory_limit_mb=spec.tf_config.memory_limit_mb,
-                soft_placement=spec.tf_config.soft_placement,
-                log_device_placement=spec.tf_config.log_device_placement,
-                # A second inter-op thread runs the gradient-push hooks beside the backward pass.
-                inter_op_threads=2 if self._push_bucket_bytes() else None,
-            ),
-            clip_global_norm=spec.training.optimizer.clip_global_norm,
-            drop_remainder=spec.data.drop_remainder,
-            shuffle_buffer=spec.data.shuffle_buffer,
-            start_at_step=self.session.start_step + worker_id * supervision.worker_start_delay_steps,
-            nan_guard=supervision.nan_guard != "off",
-            skip_nonfinite=supervision.nan_guard == "skip",
+            start_step=self.session.start_step,
             faults=self.faults,
-            profile_steps=(
-                (profile.start_step, profile.stop_step)
-                if profile is not None and worker_id in profile.workers
-                else None
-            ),
+            push_in_buckets=bool(self._push_bucket_bytes()),
         )
-        return config
 
     def _new_worker(self, worker_id: int) -> Any:
         """A worker actor (a replacement too: its GlobalStepWaiter step has passed, it starts at once)."""
@@ -292,7 +260,7 @@ class Driver:
     def _train(self) -> list[dict[str, Any]]:
         self.aggregator.start()
         for worker_id, split in enumerate(self.data_splits):
-            self.group.run(worker_id, self.shards, self._placement(), self._shard_buckets, split)
+            self.group.run(worker_id, self.shards, self._placement(), self.shard_group.buckets, split)
         self.state = State.RUNNING
         stopping = released = False
         while self.state is State.RUNNING:
@@ -370,7 +338,7 @@ class Driver:
                 loss.index,
                 self.shards,
                 self._placement(),
-                self._shard_buckets,
+                self.shard_group.buckets,
                 taken,
                 Rejoin(leftover, model_state),
             )
@@ -404,7 +372,9 @@ class Driver:
         model_state = state.model_state if state is not None else {}
         for worker_id, split in enumerate(self.data_splits):
             rejoin = Rejoin([], model_state)
-            self.group.rerun(worker_id, self.shards, self._placement(), self._shard_buckets, split, rejoin)
+            self.group.rerun(
+                worker_id, self.shards, self._placement(), self.shard_group.buckets, split, rejoin
+            )
         self._rollbacks += 1
         self._steps_redone += max(0, heard - version)
         self.session.log_metrics(

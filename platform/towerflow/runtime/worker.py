@@ -23,32 +23,9 @@ from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.sharding import VariableInfo
-from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
-
-
-@dataclass
-class WorkerConfig:
-    """Everything a worker needs, in plain values (no Keras objects cross process boundaries)."""
-
-    worker_id: int
-    model_ref: str
-    model_params: dict[str, Any]
-    loss: str
-    from_logits: bool
-    metrics: list[str]
-    label: str
-    feature_scales: dict[str, float]
-    batch_size: int
-    seed: int
-    tf: TFProcessConfig
-    clip_global_norm: float | None = None
-    drop_remainder: bool = True
-    shuffle_buffer: int = 0
-    start_at_step: int = 0  # GlobalStepWaiter: wait for this global step before the first step
-    nan_guard: bool = True  # never push a gradient whose loss is not finite; report it instead
-    profile_steps: tuple[int, int] | None = None  # profile global steps [a, b) with TF's profiler
-    skip_nonfinite: bool = False  # nan_guard: skip: drop a non-finite gradient and go on training
-    faults: FaultInjector | None = None  # slowness or NaN losses a test injects (runtime/faults.py)
+from towerflow.runtime.step_profiler import StepWindowProfiler
+from towerflow.runtime.tf_setup import configure_tensorflow
+from towerflow.runtime.worker_config import WorkerConfig
 
 
 @dataclass
@@ -450,49 +427,6 @@ def _staging_buffers(model, placement) -> dict[int, np.ndarray]:
         for index, _, _, whole in pieces
         if not whole
     }
-
-
-class StepWindowProfiler:
-    """TensorFlow's profiler over global steps [a, b) of this worker, written to a scratch directory."""
-
-    def __init__(self, steps: tuple[int, int] | None) -> None:
-        self.steps = steps
-        self.logdir: str | None = None
-        self.window: tuple[float, float] | None = None
-        self._started_at: float | None = None
-
-    def at_step(self, step: int) -> None:
-        if self.steps is None:
-            return
-        first, stop = self.steps
-        if self._started_at is None and self.window is None and first <= step < stop:
-            import tempfile
-
-            import tensorflow as tf
-
-            self.logdir = tempfile.mkdtemp(prefix="towerflow-profile-")
-            tf.profiler.experimental.start(self.logdir)
-            self._started_at = time.time()
-        elif self._started_at is not None and step >= stop:
-            self.stop()
-
-    def stop(self) -> None:
-        if self._started_at is None:
-            return
-        import tensorflow as tf
-
-        tf.profiler.experimental.stop()
-        self.window = (self._started_at, time.time())
-        self._started_at = None
-
-    def collect(self) -> dict[str, Any] | None:
-        if self.logdir is None or self.window is None:
-            return None
-        from pathlib import Path
-
-        root = Path(self.logdir)
-        files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-        return {"files": files, "window": self.window}
 
 
 _LOSS_CLASSES = {

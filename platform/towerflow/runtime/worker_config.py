@@ -1,0 +1,82 @@
+"""What a worker needs, in plain values (no Keras objects cross process boundaries), and how the
+driver makes it from the job spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.tf_setup import TFProcessConfig
+
+
+@dataclass
+class WorkerConfig:
+    worker_id: int
+    model_ref: str
+    model_params: dict[str, Any]
+    loss: str
+    from_logits: bool
+    metrics: list[str]
+    label: str
+    feature_scales: dict[str, float]
+    batch_size: int
+    seed: int
+    tf: TFProcessConfig
+    clip_global_norm: float | None = None
+    drop_remainder: bool = True
+    shuffle_buffer: int = 0
+    start_at_step: int = 0  # GlobalStepWaiter: wait for this global step before the first step
+    nan_guard: bool = True  # never push a gradient whose loss is not finite; report it instead
+    profile_steps: tuple[int, int] | None = None  # profile global steps [a, b) with TF's profiler
+    skip_nonfinite: bool = False  # nan_guard: skip: drop a non-finite gradient and go on training
+    faults: FaultInjector | None = None  # slowness or NaN losses a test injects (runtime/faults.py)
+
+
+def worker_config(
+    spec: Any,
+    worker_id: int,
+    *,
+    feature_scales: dict[str, float],
+    start_step: int,
+    faults: FaultInjector | None,
+    push_in_buckets: bool,
+) -> WorkerConfig:
+    """Worker `worker_id`'s config for `spec` (a JobSpec); `start_step` is the run's first global step."""
+    supervision = spec.supervision
+    profile = supervision.profile
+    return WorkerConfig(
+        worker_id=worker_id,
+        model_ref=spec.model.ref,
+        model_params=dict(spec.model.params),
+        loss=spec.model.loss,
+        from_logits=spec.model.from_logits,
+        metrics=list(spec.model.metrics),
+        label=spec.data.train.label,
+        feature_scales=feature_scales,
+        batch_size=spec.data.batch_size,
+        seed=spec.training.seed,
+        tf=TFProcessConfig(
+            cpus=spec.cluster.cpus_per_worker,
+            towers=spec.cluster.towers,
+            gpus=int(spec.cluster.gpus_per_worker),
+            memory_growth=spec.tf_config.memory_growth,
+            memory_limit_mb=spec.tf_config.memory_limit_mb,
+            soft_placement=spec.tf_config.soft_placement,
+            log_device_placement=spec.tf_config.log_device_placement,
+            # A second inter-op thread runs the gradient-push hooks beside the backward pass.
+            inter_op_threads=2 if push_in_buckets else None,
+        ),
+        clip_global_norm=spec.training.optimizer.clip_global_norm,
+        drop_remainder=spec.data.drop_remainder,
+        shuffle_buffer=spec.data.shuffle_buffer,
+        start_at_step=start_step + worker_id * supervision.worker_start_delay_steps,
+        nan_guard=supervision.nan_guard != "off",
+        skip_nonfinite=supervision.nan_guard == "skip",
+        faults=faults,
+        profile_steps=(
+            (profile.start_step, profile.stop_step)
+            if profile is not None and worker_id in profile.workers
+            else None
+        ),
+    )
