@@ -28,13 +28,16 @@ class FaultAt(Hook):
 
     def __init__(self, step: int, worker: int = 1, sig: int = signal.SIGKILL, times: int = 1) -> None:
         self.step, self.worker, self.sig, self.times = step, worker, sig, times
-        self.events, self.faults, self.metrics, self.killed_at = [], [], {}, []
+        self.events, self.faults, self.metrics, self.killed_at, self.killed = [], [], {}, [], []
 
     def after_run(self, context, event):
         self.events.append(event)
         if len(self.killed_at) < self.times and event.global_step >= self.step * (len(self.killed_at) + 1):
             actor = context.session.runtime.group.slots[self.worker].actor
+            if actor in self.killed:
+                return  # async: the others reached the next kill's step before the loss was noticed
             os.kill(ray.get(actor.pid.remote()), self.sig)
+            self.killed.append(actor)
             self.killed_at.append(event.global_step)
 
     def on_fault(self, event):
