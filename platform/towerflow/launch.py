@@ -90,7 +90,7 @@ def train(
         def artifact_sink(session: SessionInfo):
             return LocalArtifactSink(local_root)
 
-    ensure_ray(budget_for(spec.cluster))
+    ensure_ray(budget_for(spec.cluster), budget_for(spec.cluster, spec.cluster.fewest_workers))
     skipped = SkippedRecordsHook() if spec.data.on_bad_record == "skip" else None
     # Hooks end in reverse order: the skipped-records hook comes right after the tracker, so that its
     # last counts reach the tracker before the tracker closes the run.

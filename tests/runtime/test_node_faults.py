@@ -1,6 +1,7 @@
 """Faults on a real multi-node Ray cluster (tests/multinode.py), the driver run as users run it
 (`python -m towerflow train` with RAY_ADDRESS): a node holding a worker is lost (its raylet killed);
-the driver itself is SIGKILLed and `--resume auto` continues its run."""
+the driver itself is SIGKILLed and `--resume auto` continues its run; an elastic run grows onto a
+node that joins, shrinks when that node is lost, and shrinks again on `towerflow scale`."""
 
 from __future__ import annotations
 
@@ -22,13 +23,22 @@ from support import blob_spec
 pytestmark = pytest.mark.timeout(600)
 
 
-def _spec_file(tmp_path: Path, blob_data: Path, name: str, **training) -> tuple[Path, str]:
+def _spec_file(
+    tmp_path: Path, blob_data: Path, name: str, cluster: dict | None = None, **training
+) -> tuple[Path, str]:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     raw = blob_spec(
         blob_data,
         name=name,
         data={"batch_size": 16, "epochs": None},
-        cluster={"workers": 2, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5, "data_cpus": 0.5},
+        cluster={
+            "workers": 2,
+            "ps": 1,
+            "cpus_per_worker": 1,
+            "cpus_per_ps": 0.5,
+            "data_cpus": 0.5,
+            **(cluster or {}),
+        },
         training={"mode": "sync", "optimizer": {"name": "sgd", "learning_rate": 0.05}, **training},
         tracking={"tracking_uri": uri, "experiment": name},
         supervision={"checkpoint": {"every_steps": 20}, "log_every_steps": 5},
@@ -128,3 +138,58 @@ def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_dat
     assert run.info.status == "FINISHED"
     assert run.data.metrics["global_step"] == 300
     assert int(run.data.tags["towerflow.resumed_from_step"]) >= 20
+
+
+def _wait_for_metric(uri: str, run_id: str, key: str, value: float, driver, timeout: float = 180) -> None:
+    client = MlflowClient(uri)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if driver.poll() is not None:
+            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
+        if client.get_run(run_id).data.metrics.get(key) == value:
+            return
+        time.sleep(0.5)
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+    driver.kill()
+    out = driver.communicate()[0][-6000:]
+    raise TimeoutError(f"{key} never became {value} within {timeout:.0f} s: {history}; the driver said:\n{out}")
+
+
+def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_towerflow_scale(
+    multinode_cluster, blob_data, tmp_path
+):
+    cluster = multinode_cluster
+    # 1.5 CPUs a worker: a 2-CPU node holds one, beside a shard or Ray Data's share.
+    elastic = {"workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
+    spec, uri = _spec_file(tmp_path, blob_data, "elastic", cluster=elastic, max_steps=100_000)
+    driver = _train(cluster, spec)
+    run_id = _wait_for_step(uri, "elastic", 10, driver)
+    client = MlflowClient(uri)
+    started = client.get_run(run_id).data.metrics["workers"]
+    assert 1 <= started < 4
+    node = cluster.add_node(num_cpus=2)  # room for one more worker: the waiting spare starts there
+    _wait_for_metric(uri, run_id, "workers", started + 1, driver)
+    cluster.kill_node(node)  # its worker is lost; the run goes on without it
+    _wait_for_metric(uri, run_id, "workers", started, driver)
+    scale = subprocess.run(
+        [sys.executable, "-m", "towerflow", "scale", run_id, "--workers", "1"],
+        cwd=REPO,
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert scale.returncode == 0, scale.stdout + scale.stderr
+    _wait_for_metric(uri, run_id, "workers", 1.0, driver)
+    step = client.get_run(run_id).data.metrics["global_step"]
+    _wait_for_step(uri, "elastic", step + 10, driver)  # and trains on
+    os.killpg(driver.pid, signal.SIGTERM)
+    out, _ = driver.communicate(timeout=120)
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED", out
+    assert run.data.metrics["workers_lost"] == 1
+    assert any(
+        k.startswith("towerflow.fault.") and "went on without it" in v for k, v in run.data.tags.items()
+    )
+    history = [m.value for m in sorted(client.get_metric_history(run_id, "workers"), key=lambda m: m.step)]
+    assert history == [started, started + 1, started, 1.0]

@@ -172,3 +172,15 @@ def test_a_batch_smaller_than_the_towers_is_named():
     raw = _raw()
     raw["data"]["batch_size"], raw["cluster"]["towers"] = 1, 2
     assert "data.batch_size: 1 examples per worker cannot feed its 2 towers" in _error(raw)
+
+
+def test_workers_take_an_elastic_range_which_is_checked():
+    raw = _raw()
+    raw["cluster"]["workers"] = {"min": 1, "max": 4}
+    del raw["training"]["total_num_replicas"]
+    cluster = validate_spec(raw).cluster
+    assert (cluster.fewest_workers, cluster.workers, cluster.elastic) == (1, 4, True)
+    raw["cluster"]["workers"] = {"min": 5, "max": 4}
+    assert "min 5 exceeds max 4" in _error(raw)
+    raw["cluster"]["workers"] = {"min": 1}
+    assert "max is missing" in _error(raw)

@@ -153,7 +153,22 @@ def _parser() -> argparse.ArgumentParser:
 
     gpus = sub.add_parser("gpus", help="list every GPU in the Ray cluster with the processes on it")
     gpus.set_defaults(handler=_gpus)
+
+    scale = sub.add_parser(
+        "scale",
+        help="set a running job's worker count: it grows as the cluster has room, or shrinks now",
+        description="Reaches the job through the Ray cluster in RAY_ADDRESS (default: the one on this machine).",
+    )
+    scale.add_argument("run_id", metavar="RUN_ID", help="the job's MLflow run id")
+    scale.add_argument("--workers", type=_at_least_one, required=True, metavar="K", help="workers wanted")
+    scale.set_defaults(handler=_scale)
     return parser
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return int(text)
 
 
 def _add_overrides_option(parser: argparse.ArgumentParser) -> None:
@@ -345,6 +360,16 @@ def _gpus(args: argparse.Namespace) -> int:
 
     ensure_ray(ResourceBudget(worker_cpus=0, ps_cpus=0, data_cpus=0, gpus=0))
     print(format_table(probe_cluster()))
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from towerflow.runtime.cluster import connect_existing
+    from towerflow.runtime.run_control import request_scale
+
+    connect_existing()
+    request_scale(args.run_id, args.workers)
+    print(f"towerflow: run {args.run_id} asked for {args.workers} worker(s); it resizes at its next poll")
     return 0
 
 

@@ -50,8 +50,28 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         # its lost consumer's, and what it returns late goes to the next consumer instead
         self._handovers = dict.fromkeys(range(n), 0)
         self._late: dict[int, collections.deque[Any]] = {i: collections.deque() for i in range(n)}
+        self._closed = False
+
+    def close(self) -> None:
+        """End every split's stream now: a consumer waiting at the epoch barrier (for a split whose
+        consumer is gone) is let through to an epoch with no data. The controller then re-plans."""
+        with self._lock:
+            self._closed = True
+            self._num_unarrived_splits_at_barrier = 0
+
+    def _try_start_new_epoch(self, starting_epoch: int):
+        if not self._closed:
+            return super()._try_start_new_epoch(starting_epoch)
+        with self._lock:  # an empty epoch: counted as started, and every `get` answers None
+            if self._cur_epoch == starting_epoch:
+                self._cur_epoch += 1
+            if self._output_iterator is None:
+                self._output_iterator = iter(())
+        return None
 
     def get(self, epoch_id: int, output_split_idx: int, client_prefetched_bytes: int = 0):
+        if self._closed:
+            return None
         split = output_split_idx
         with self._ledger_lock:
             handovers = self._handovers[split]
@@ -121,6 +141,10 @@ class ResumableSplit(StreamSplitDataIterator):
     def acknowledge(self, used: int) -> None:
         self.coordinator.acknowledge.remote({self.split: used})
 
+    def close(self) -> None:
+        """End every split of this data set (a resize or rollback re-plans the data)."""
+        self.coordinator.close.remote()
+
     def _to_ref_bundle_iterator(self):
         if not self._joins_running_epoch:
             return super()._to_ref_bundle_iterator()
@@ -149,7 +173,7 @@ def resumable_streaming_split(dataset: Any, n: int, *, equal: bool) -> list[Resu
     split_dataset = Dataset._from_parent(dataset, LogicalPlan(op, dataset.context))
     split_dataset._set_uuid(dataset._uuid)
     coordinator = _ledgered_coordinator.options(
-        max_concurrency=n + 1,  # as Ray's own: one thread per split, one for shutting the executor down
+        max_concurrency=n + 2,  # one thread per split (as Ray's own), one for shutting down, one to close
         label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
     ).remote(split_dataset, n, None)
     return [ResumableSplit(coordinator, i, n) for i in range(n)]

@@ -73,6 +73,12 @@ class WorkerStream:
         find = getattr(self.iterator, "leftover", None)
         return find(used) if find else []
 
+    def close(self) -> None:
+        """End every split of this data set now, where the split can (the data is re-planned)."""
+        close = getattr(self.iterator, "close", None)
+        if close is not None:
+            close()
+
 
 def as_stream(data: Any) -> WorkerStream:
     return data if isinstance(data, WorkerStream) else WorkerStream(data)

@@ -36,13 +36,14 @@ class ResourceBudget:
         return self.worker_cpus + self.ps_cpus + self.data_cpus
 
 
-def budget_for(cluster) -> ResourceBudget:
-    """`cluster` is the spec's ClusterSpec."""
+def budget_for(cluster, workers: int | None = None) -> ResourceBudget:
+    """`cluster` is the spec's ClusterSpec; `workers` (default cluster.workers) the workers to count."""
+    workers = cluster.workers if workers is None else workers
     return ResourceBudget(
-        worker_cpus=cluster.workers * cluster.cpus_per_worker,
+        worker_cpus=workers * cluster.cpus_per_worker,
         ps_cpus=cluster.ps * cluster.cpus_per_ps,
         data_cpus=cluster.data_cpus,
-        gpus=cluster.workers * cluster.gpus_per_worker,
+        gpus=workers * cluster.gpus_per_worker,
     )
 
 
@@ -60,8 +61,9 @@ def keep_embedded_ray_local() -> None:
         os.environ.setdefault(AUTH_MODE, "token")
 
 
-def ensure_ray(budget: ResourceBudget) -> str:
-    """Connect or start Ray; check it can hold the job. Returns 'connected' or 'embedded'."""
+def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> str:
+    """Connect or start Ray (an embedded one sized for `budget`); check it can hold `needed` (default
+    `budget`: an elastic job needs room for its fewest workers only). Returns 'connected' or 'embedded'."""
     import ray
 
     if ray.is_initialized():
@@ -95,8 +97,22 @@ def ensure_ray(budget: ResourceBudget) -> str:
                 "the environment, or use the towerflow command.",
                 file=sys.stderr,
             )
-    check_capacity(budget, ray.cluster_resources())
+    check_capacity(needed or budget, ray.cluster_resources())
     return how
+
+
+def connect_existing() -> None:
+    """Join the running cluster in RAY_ADDRESS, or the one started on this machine; never start one."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    check_reachable(address)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    except ConnectionError as exc:
+        raise ClusterError(
+            f"no Ray cluster to reach (RAY_ADDRESS={address}): {str(exc).rstrip('.')}. Set RAY_ADDRESS to the job's cluster."
+        ) from None
 
 
 def check_reachable(address: str, timeout_s: float = 10.0) -> None:

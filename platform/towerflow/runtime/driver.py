@@ -22,12 +22,14 @@ import numpy as np
 import ray
 
 from towerflow.errors import DataError, TrainingError
+from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, FailurePolicy, LossKind
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo
 from towerflow.runtime.model_state import average_model_states
 from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.sharding import (
     join_pieces,
@@ -46,6 +48,7 @@ class State(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     RECOVERING = "recovering"
+    RESIZING = "resizing"
     FINISHING = "finishing"
     FINISHED = "finished"
     ERRORED = "errored"
@@ -76,15 +79,18 @@ class Driver:
         self.spec = spec
         self.hooks = list(hooks)
         self.make_data = make_data  # called after hooks begin, so bad data still ends a tracked run
-        self.data_splits: list[Any] = []
+        self.data_splits: dict[int, Any] = {}  # worker id -> its stream
         self.feature_scales: dict[str, float] = {}
         self.faults = faults
         failure = spec.training.failure
         self.failure_policy = FailurePolicy(failure.max_worker_failures, failure.max_ps_failures)
         self.group = WorkerGroup(self._new_worker, failure.worker_timeout_s)
         self.shard_group = ShardGroup(spec, self._apply_threads())
+        self.elastic = ElasticPolicy.for_spec(spec)
+        self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
         self.state = State.STARTING
         self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
+        self._ready_events: list[Any] = []  # steps completed by a resize's drain, to report
         self._summaries: dict[int, dict[str, Any]] = {}  # worker id -> its run's summary
         self._rollbacks = self._steps_redone = 0
         self.poll_s = poll_s
@@ -101,7 +107,7 @@ class Driver:
         self.session._metric_listeners = self.hooks
         self.context = RunContext(self.session)
         self.stop_signals = StopSignals()
-        self._start_steps: list[int] = []  # per worker, the global step it waits for before its first
+        self._start_steps: dict[int, int] = {}  # worker id -> the global step it waits for before its first
         self._evaluator: Any = None
         self._model_has_state: bool | None = None  # known from the first answer of the workers
         self.aggregator = StepAggregator(
@@ -124,11 +130,14 @@ class Driver:
                 begun.append(hook)
             self.stop_signals.check()
             check_model(self.spec.model)
-            feed = self.make_data(self.spec.cluster.workers)
-            self.data_splits, self.feature_scales = list(feed.splits), feed.feature_scales
+            count = self._starting_workers()
+            feed = self.make_data(count)
+            self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
             if feed.steps is not None:
                 self.session.data_steps = self.session.start_step + feed.steps
-            self._create_actors()
+            self._create_actors(count)
+            if self.session.tags.get("run_id"):
+                self.control = ControlPoint(self.session.tags["run_id"])
             for hook in self.hooks:
                 hook.after_create_session(self.session)
             worker_summaries = self._train()
@@ -185,10 +194,31 @@ class Driver:
         return failure
 
     # -- set-up ----------------------------------------------------------------------------------
-    def _create_actors(self) -> None:
-        cluster, session = self.spec.cluster, self.session
-        self._start_steps = [self._worker_config(i).start_at_step for i in range(cluster.workers)]
-        self.group.start(list(range(cluster.workers)))
+    def _starting_workers(self) -> int:
+        """All of cluster.workers; elastic, as many as the cluster has room for now (at least min)."""
+        if not self.elastic.elastic:
+            return self.spec.cluster.workers
+        room = workers_that_fit(self.spec.cluster, ray.available_resources())
+        count = self.elastic.start_count(room)
+        log.info(
+            "elastic: starting with %d worker(s) (room for %d, min %d, max %d)",
+            count,
+            room,
+            self.elastic.fewest,
+            self.elastic.most,
+        )
+        self._set_worker_count(count)
+        return count
+
+    def _set_worker_count(self, count: int) -> None:
+        self.session.num_workers = count
+        sync = self.spec.training.mode == "sync"
+        self.aggregator.replicas_per_step = self.elastic.replicas_to_aggregate(count) if sync else 1
+
+    def _create_actors(self, count: int) -> None:
+        session = self.session
+        self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
+        self.group.start(list(range(count)))
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
         self.shard_group.start()
@@ -208,11 +238,20 @@ class Driver:
         ray.get(loaded + [w.devices_used.remote() for w in self.workers])
         if self.initial_state is not None and self.initial_state.model_state:
             ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
+        for _ in range(self.elastic.target - count):  # Ray starts them as room appears
+            self.group.request_spare()
+        if self.elastic.elastic:
+            session.log_metrics({"workers": float(count)}, session.start_step)
 
     def _load_shards(self, state: Any, version: int) -> list[Any]:
-        session = self.session
+        session, workers = self.session, len(self.group.slots)
         return self.shard_group.load(
-            state, version, last_step=session.last_step, snapshot_every=session.snapshot_every
+            state,
+            version,
+            last_step=session.last_step,
+            snapshot_every=session.snapshot_every,
+            workers=workers,
+            replicas=self.elastic.replicas_to_aggregate(workers),
         )
 
     @property
@@ -259,14 +298,16 @@ class Driver:
     # -- the loop --------------------------------------------------------------------------------
     def _train(self) -> list[dict[str, Any]]:
         self.aggregator.start()
-        for worker_id, split in enumerate(self.data_splits):
+        for worker_id, split in self.data_splits.items():
             self.group.run(worker_id, self.shards, self._placement(), self.shard_group.buckets, split)
         self.state = State.RUNNING
         stopping = released = False
         while self.state is State.RUNNING:
-            records, self._backlog = self._backlog + self._turn(), []
+            fresh = self._turn()
+            records, self._backlog = self._backlog + fresh, []
             records.sort(key=lambda r: (r.step, r.finished_at))
-            self._report(self.aggregator.add(records))
+            events, self._ready_events = self._ready_events + self.aggregator.add(records), []
+            self._report(events)
             if self.stop_signals.received is not None and not stopping:
                 print(
                     f"towerflow: {self.stop_signals.name}: stopping after the steps in flight "
@@ -318,10 +359,106 @@ class Driver:
             self.state = State.RUNNING
             return []  # what the workers reported before the rollback is redone
         if decision is Decision.REPLACE_WORKERS:
+            if self.elastic.shrinks_on_loss(len(self.group.running)):
+                for loss in status.lost_workers:
+                    self._fault(loss, f"went on without it ({len(self.group.running)} worker(s) left)")
+                self._log_losses()
+                self._resize(leaving=[], joining=[], records=status.records)
+                return []  # the resize reports them
             self.state = State.RECOVERING
             self._replace_workers(status.lost_workers)
             self.state = State.RUNNING
+        change = self._membership_change() if self.state is State.RUNNING else None
+        if change is not None:
+            leaving, joining = change
+            self._resize(leaving=leaving, joining=joining, records=status.records)
+            return []
         return status.records
+
+    def _membership_change(self) -> tuple[list[int], list[int]] | None:
+        """Workers to let go and started spares to take in, toward the elastic target; None: no change.
+        Not once a worker has finished (its data ended: the run is ending) or a stop was asked for."""
+        group = self.group
+        if self.context.stop_requested or any(s.finished or s.lost for s in group.slots.values()):
+            return None
+        wanted = self.control.new_worker_count() if self.control is not None else None
+        if wanted is not None:
+            log.info("towerflow scale: %d worker(s) wanted, %d running", wanted, len(group.running))
+            self.elastic.scale_to(wanted)
+        members, target = group.running, self.elastic.target
+        group.drop_spares(len(members) + len(group.spares) - target)
+        for _ in range(target - len(members) - len(group.spares)):
+            group.request_spare()
+        leaving = members[target:]  # the newest ids go first
+        joining = group.ready_spares()[: max(0, target - len(members))]
+        return (leaving, joining) if leaving or joining else None
+
+    def _resize(self, *, leaving: list[int], joining: list[int], records: list[Any]) -> None:
+        """Stop every worker between steps, take in `joining`, let `leaving` (and any lost) go, and
+        start the new set on data re-planned from the position reached. The shards keep their state
+        and version; no actor restarts but those that leave."""
+        self.state = State.RESIZING
+        before = len(self.group.slots)
+        self._close_data()  # a worker waiting at an epoch barrier for a lost split's consumer goes on
+        status = self.group.stop_and_drain(timeout_s=self.group.timeout_s)
+        if status.user_error is not None:
+            raise status.user_error
+        if self.failure_policy.decide(status) is Decision.FAIL:
+            raise TrainingError(self.failure_policy.failure_message())
+        self._summaries.update(status.finished)
+        drained = sorted(self._backlog + records + status.records, key=lambda r: (r.step, r.finished_at))
+        self._backlog = []
+        self._ready_events += self.aggregator.add(drained) + self.aggregator.flush()
+        lost = [i for i, slot in self.group.slots.items() if slot.lost]
+        keep_lost = max(
+            0, self.elastic.fewest - (len(self.group.slots) - len(lost) - len(leaving) + len(joining))
+        )
+        for worker_id in leaving + lost[keep_lost:]:  # the lost beyond min go; those under it are replaced
+            self.group.remove(worker_id)
+        for worker_id in joining:
+            self.group.adopt(worker_id)
+            self._start_steps[worker_id] = 0
+        members = sorted(self.group.slots)
+        version = ray.get(self.shards[0].ping.remote())
+        replicas = self.elastic.replicas_to_aggregate(len(members))
+        ray.get([shard.resize.remote(len(members), replicas) for shard in self.shards])
+        try:
+            feed = self.make_data(len(members), self.aggregator.examples_seen)
+        except DataError as exc:  # nothing left to read: the run ends here
+            log.info("resize at step %d: %s", version, exc)
+            for slot in self.group.slots.values():
+                slot.finished = True
+            self.state = State.RUNNING
+            return
+        if feed.steps is not None:
+            self.session.data_steps = version + feed.steps
+        self.data_splits = dict(zip(members, feed.splits))
+        self._set_worker_count(len(members))
+        model_state = self.model_state()
+        for worker_id in members:
+            self.group.rerun(
+                worker_id,
+                self.shards,
+                self._placement(),
+                self.shard_group.buckets,
+                self.data_splits[worker_id],
+                Rejoin([], model_state),
+            )
+        log.warning("resized from %d to %d worker(s) at step %d", before, len(members), version)
+        self.session.log_metrics({"workers": float(len(members))}, version)
+        self.state = State.RUNNING
+
+    def _close_data(self) -> None:
+        for split in list(self.data_splits.values())[:1]:  # one coordinator serves every split
+            if hasattr(split, "close"):
+                split.close()
+
+    def _log_losses(self) -> None:
+        lost = sum(1 for loss in self.failure_policy.history if loss.kind is LossKind.WORKER)
+        replaced = self.group.replacements
+        self.session.log_metrics(
+            {"workers_lost": float(lost), "workers_replaced": float(replaced)}, self._global_step()
+        )
 
     def _replace_workers(self, losses: list[ActorLoss]) -> None:
         """Each lost worker's steps go on without it at once (the shards retire it); a new actor
@@ -343,16 +480,14 @@ class Driver:
                 Rejoin(leftover, model_state),
             )
             self._fault(loss, "replaced")
-        lost = sum(1 for loss in self.failure_policy.history if loss.kind is LossKind.WORKER)
-        self.session.log_metrics(
-            {"workers_lost": float(lost), "workers_replaced": float(lost)}, self._global_step()
-        )
+        self._log_losses()
 
     def _roll_back(self, losses: list[ActorLoss]) -> None:
         """A shard is lost: every shard goes back to the newest checkpoint together (never a mix of
         versions), a new shard takes each lost one's place, and the workers train on from there,
         on the data from that checkpoint's position. Workers and the other shards are not restarted."""
         heard = max(self.group.global_step, self._global_step())
+        self._close_data()
         for shard in self.shards:  # release every worker waiting on a live shard; each run ends
             shard.finish.remote()
         self.group.wait_ended(timeout_s=60)
@@ -363,14 +498,15 @@ class Driver:
             self.shard_group.replace(loss.index)
         ray.get(self._load_shards(state, version))
         seen = state.examples_seen if state is not None else 0
-        feed = self.make_data(self.spec.cluster.workers, seen)
-        self.data_splits = list(feed.splits)
+        members = sorted(self.group.slots)
+        feed = self.make_data(len(members), seen)
+        self.data_splits = dict(zip(members, feed.splits))
         self.aggregator = StepAggregator(
             replicas_per_step=self.aggregator.replicas_per_step, first_step=version + 1, examples_seen=seen
         )
         self.aggregator.start()
         model_state = state.model_state if state is not None else {}
-        for worker_id, split in enumerate(self.data_splits):
+        for worker_id, split in self.data_splits.items():
             rejoin = Rejoin([], model_state)
             self.group.rerun(
                 worker_id, self.shards, self._placement(), self.shard_group.buckets, split, rejoin
@@ -550,6 +686,9 @@ class Driver:
         return last.global_step if last else 0
 
     def _release(self) -> None:
+        if self.control is not None:
+            with contextlib.suppress(Exception):
+                self.control.close()
         self.group.kill()
         self.shard_group.kill()
         if self._evaluator is not None:

@@ -42,6 +42,14 @@ class ClusterStatus:
     user_error: BaseException | None = None  # raised by the user's model, data or spec: not retried
     shard_trouble: bool = False  # a worker's call to a shard failed: the controller checks the shards
 
+    def absorb(self, other: ClusterStatus) -> None:
+        """Add a later poll's findings to this one."""
+        self.records.extend(other.records)
+        self.finished.update(other.finished)
+        self.losses.extend(other.losses)
+        self.user_error = self.user_error or other.user_error
+        self.shard_trouble |= other.shard_trouble
+
     @property
     def lost_workers(self) -> list[ActorLoss]:
         return [loss for loss in self.losses if loss.kind is LossKind.WORKER]

@@ -58,6 +58,11 @@ class SyncProtocol:
         """A worker (a replacement under a lost one's id) takes part in the steps from now on."""
         self._retired.discard(worker)
 
+    def resize(self, total_num_replicas: int, replicas_to_aggregate: int) -> None:
+        """A new set of workers (an elastic resize), each to join; called between steps, none held."""
+        self.total_num_replicas, self.replicas_to_aggregate = total_num_replicas, replicas_to_aggregate
+        self._held, self._retired = set(), set()
+
     def _maybe_complete(self) -> Decision:
         if not self._held or len(self._held) < self.required:
             return Decision("held")
@@ -86,6 +91,9 @@ class AsyncProtocol:
 
     def on_join(self, worker: int) -> None:
         return None
+
+    def resize(self, total_num_replicas: int, replicas_to_aggregate: int) -> None:
+        return None  # every push applies on its own, however many workers there are
 
     def next_version_to_read(self, version_read: int) -> int:
         return 0  # whatever is newest; never wait for other workers

@@ -208,6 +208,11 @@ class ParameterShard:
         for protocol in self._protocols.values():
             protocol.on_join(worker)
 
+    def resize(self, total_num_replicas: int, replicas_to_aggregate: int) -> None:
+        """An elastic resize: the workers were stopped between steps and start again, this many."""
+        for protocol in self._protocols.values():
+            protocol.resize(total_num_replicas, replicas_to_aggregate)
+
     async def finish(self) -> int:
         """Stop accepting gradients and release every waiting worker."""
         self._done = True

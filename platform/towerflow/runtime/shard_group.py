@@ -46,10 +46,18 @@ class ShardGroup:
         self.buckets = [[bucket_of[pieces[i].variable] for i in indices] for indices in assignment]
 
     def load(
-        self, state: Any, version: int, *, last_step: int | None, snapshot_every: int | None
+        self,
+        state: Any,
+        version: int,
+        *,
+        last_step: int | None,
+        snapshot_every: int | None,
+        workers: int,
+        replicas: int,
     ) -> list[Any]:
         """Give every shard its pieces at `version`: from `state` (a TrainingState), else from the
-        model's initial values. Returns the load calls' refs. A shard loaded again starts afresh."""
+        model's initial values, for `workers` workers of which sync steps aggregate `replicas`.
+        Returns the load calls' refs. A shard loaded again starts afresh."""
         spec, pieces, assignment = self.spec, self.pieces, self.assignment
         optimizer = spec.training.optimizer.model_dump(mode="json")
         if state is not None:
@@ -64,8 +72,8 @@ class ShardGroup:
         bounds = [b for b in (spec.training.max_steps, last_step) if b is not None]
         protocol = make_protocol(
             spec.training.mode,
-            replicas_to_aggregate=spec.replicas_to_aggregate,
-            total_num_replicas=spec.cluster.workers,
+            replicas_to_aggregate=replicas,
+            total_num_replicas=workers,
             max_staleness=spec.training.max_staleness,
         )
         return [

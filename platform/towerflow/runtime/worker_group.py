@@ -46,10 +46,66 @@ class WorkerGroup:
         self.slots: dict[int, WorkerSlot] = {}
         self.global_step = 0  # the newest step heard of, for naming when a loss happened
         self.recoveries_s: list[float] = []  # per replacement: loss noticed -> its first step
+        self.spares: dict[
+            int, tuple[Any, Any]
+        ] = {}  # elastic: id -> (actor Ray may not have placed yet, its start)
+        self._next_id = 0
+        self.replacements = 0  # new actors put in lost workers' places
 
     def start(self, worker_ids: list[int]) -> None:
         for worker_id in worker_ids:
             self.slots[worker_id] = WorkerSlot(worker_id, self._make_actor(worker_id))
+            self._next_id = max(self._next_id, worker_id + 1)
+
+    # -- elastic membership ----------------------------------------------------------------------
+    def request_spare(self) -> int:
+        """Ask Ray for one more worker under a new id; it starts when the cluster has room for it."""
+        worker_id, self._next_id = self._next_id, self._next_id + 1
+        actor = self._make_actor(worker_id)
+        self.spares[worker_id] = (actor, actor.devices_used.remote())
+        return worker_id
+
+    def ready_spares(self) -> list[int]:
+        """The spares that have started (placed, TensorFlow imported, model built); a failed one is dropped."""
+        ready = []
+        for worker_id, (_actor, started) in list(self.spares.items()):
+            if not ray.wait([started], timeout=0)[0]:
+                continue
+            try:
+                ray.get(started)
+                ready.append(worker_id)
+            except ray.exceptions.RayError as exc:
+                log.warning("spare worker %d did not start: %s", worker_id, _first_line(exc))
+                del self.spares[worker_id]
+        return ready
+
+    def drop_spares(self, count: int) -> None:
+        """Withdraw the newest `count` spare requests."""
+        for worker_id in sorted(self.spares)[::-1][:count]:
+            actor, _ = self.spares.pop(worker_id)
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    def adopt(self, worker_id: int) -> None:
+        """A started spare becomes a member (run it next)."""
+        actor, _ = self.spares.pop(worker_id)
+        self.slots[worker_id] = WorkerSlot(worker_id, actor, finished=True)
+
+    def remove(self, worker_id: int) -> None:
+        """Worker `worker_id` leaves the group for good (a shrink)."""
+        slot = self.slots.pop(worker_id)
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor)
+
+    def stop_and_drain(self, timeout_s: float) -> ClusterStatus:
+        """Stop every worker after its current step and wait until each run has ended; returns all
+        they reported meanwhile (their last steps, and any worker lost on the way)."""
+        self.request_stop()
+        merged = ClusterStatus()
+        deadline = time.monotonic() + timeout_s
+        while self.running and time.monotonic() < deadline:
+            merged.absorb(self.poll(0.2))
+        return merged
 
     @property
     def actors(self) -> list[Any]:
@@ -77,7 +133,9 @@ class WorkerGroup:
         """A new actor under a lost worker's id, running with `run_args` (its split taken over)."""
         lost = self.slots[worker_id]
         slot = WorkerSlot(worker_id, self._make_actor(worker_id), used_rows=lost.used_rows)
+        self._next_id = max(self._next_id, worker_id + 1)
         slot.replaced_at = time.monotonic()
+        self.replacements += 1
         self.slots[worker_id] = slot
         self.run(worker_id, *run_args)
 
@@ -137,9 +195,10 @@ class WorkerGroup:
         self.run(worker_id, *run_args)
 
     def kill(self) -> None:
-        for slot in self.slots.values():
+        actors = [slot.actor for slot in self.slots.values()] + [actor for actor, _ in self.spares.values()]
+        for actor in actors:
             with contextlib.suppress(Exception):  # already dead is fine
-                ray.kill(slot.actor)
+                ray.kill(actor)
 
     # -- internals -------------------------------------------------------------------------------
     def _read_drain(self, slot: WorkerSlot, status: ClusterStatus, *, block: bool) -> None:

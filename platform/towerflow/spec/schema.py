@@ -127,7 +127,16 @@ class ModelSpec(_Strict):
 
 
 class ClusterSpec(_Strict):
-    workers: int = Field(1, ge=1)
+    workers: int = Field(
+        1,
+        ge=1,
+        description="Workers; {min: M, max: N} for an elastic run (this is then N, the most it grows to).",
+    )
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        description="Elastic runs: the fewest workers to train with; set by workers: {min, max}.",
+    )
     ps: int = Field(1, ge=1)
     gpus_per_worker: float = Field(0, ge=0)
     towers: int = Field(1, ge=1, description="Towers per worker; with GPUs, one per GPU.")
@@ -150,6 +159,30 @@ class ClusterSpec(_Strict):
         ),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _worker_range(cls, data: Any) -> Any:
+        """`workers: {min: M, max: N}` is stored as workers: N, min_workers: M."""
+        if isinstance(data, dict) and isinstance(data.get("workers"), dict):
+            bounds = dict(data["workers"])
+            unknown = sorted(set(bounds) - {"min", "max"})
+            if unknown or "max" not in bounds:
+                raise ValueError(
+                    f"workers: {data['workers']} must be a number or {{min: M, max: N}} "
+                    f"({'unknown key ' + ', '.join(unknown) if unknown else 'max is missing'})"
+                )
+            data = {**data, "workers": bounds["max"], "min_workers": bounds.get("min", 1)}
+        return data
+
+    @property
+    def fewest_workers(self) -> int:
+        """The fewest workers the run trains with: min_workers if elastic, else workers."""
+        return self.min_workers if self.min_workers is not None else self.workers
+
+    @property
+    def elastic(self) -> bool:
+        return self.fewest_workers < self.workers
+
     @property
     def towers_per_worker(self) -> int:
         """The towers a worker builds: one per GPU it is given (a fraction is one GPU), else `towers`."""
@@ -164,6 +197,8 @@ class ClusterSpec(_Strict):
             )
         if gpus > 1 and gpus != int(gpus):
             raise ValueError(f"gpus_per_worker: {gpus} must be a whole number when above 1")
+        if self.min_workers is not None and self.min_workers > self.workers:
+            raise ValueError(f"workers: min {self.min_workers} exceeds max {self.workers}")
         return self
 
 

@@ -1,0 +1,63 @@
+"""Elastic workers: how many a run trains with, between `cluster.workers: {min, max}`.
+
+The run starts with as many workers as the cluster has room for (at least min), and asks Ray for
+the rest as spare actors: Ray starts a spare when room appears (a node joins; on KubeRay the
+autoscaler adds one for it), and the run then grows to take it in. A worker lost with its node
+is not waited for while the run keeps at least min workers: the run shrinks instead, and asks for
+a spare in its place. `towerflow scale RUN_ID --workers K` sets a new target.
+
+Sync steps aggregate all running workers but the backup ones: replicas_to_aggregate is the number
+of running workers less the spec's backup workers (total_num_replicas - replicas_to_aggregate, read
+at the most workers), and at least 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ElasticPolicy:
+    fewest: int  # min workers
+    most: int  # max workers (the target until a `towerflow scale`)
+    backups: int = 0  # sync backup workers, kept at every size
+
+    @classmethod
+    def for_spec(cls, spec: Any) -> ElasticPolicy:
+        cluster = spec.cluster
+        return cls(cluster.fewest_workers, cluster.workers, cluster.workers - spec.replicas_to_aggregate)
+
+    @property
+    def elastic(self) -> bool:
+        return self.fewest < self.most
+
+    @property
+    def target(self) -> int:
+        return self.most
+
+    def scale_to(self, workers: int) -> None:
+        """A new target (towerflow scale): the run grows to it as room appears, or shrinks to it now."""
+        self.most = workers
+        self.fewest = min(self.fewest, workers)
+
+    def start_count(self, room: int) -> int:
+        """Workers to start with, where the cluster has `room` for that many now."""
+        return max(self.fewest, min(self.most, room))
+
+    def shrinks_on_loss(self, running_after: int) -> bool:
+        """Go on without a lost worker (and ask for a spare) rather than wait for its replacement."""
+        return self.elastic and running_after >= self.fewest
+
+    def replicas_to_aggregate(self, workers: int) -> int:
+        return max(1, workers - self.backups)
+
+
+def workers_that_fit(cluster: Any, available: dict[str, float]) -> int:
+    """How many workers the free resources hold once the shards and Ray Data have theirs."""
+    cpus = available.get("CPU", 0.0) - cluster.ps * cluster.cpus_per_ps - cluster.data_cpus
+    fit = math.floor(cpus / cluster.cpus_per_worker + 1e-9)
+    if cluster.gpus_per_worker:
+        fit = min(fit, math.floor(available.get("GPU", 0.0) / cluster.gpus_per_worker + 1e-9))
+    return max(0, fit)

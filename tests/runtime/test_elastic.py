@@ -1,0 +1,85 @@
+"""Elastic workers on the session's Ray: a running job shrinks and grows when `towerflow scale`
+asks (through the run's control actor), without restarting its shards. Nodes joining and leaving
+are in test_node_faults.py (multi-node)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+from support import blob_spec
+
+from towerflow.launch import train
+from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
+from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.hooks import Hook
+from towerflow.runtime.run_control import request_scale
+from towerflow.spec import validate_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class ScaleAt(Hook):
+    """Asks for `count` workers when the chief hears of `step`, for each (step, count) given."""
+
+    def __init__(self, plan: list[tuple[int, int]]) -> None:
+        self.plan, self.events, self.asked_at = list(plan), [], []
+
+    def after_run(self, context, event):
+        self.events.append(event)
+        if self.plan and event.global_step >= self.plan[0][0]:
+            _, count = self.plan.pop(0)
+            request_scale(context.session.tags["run_id"], count)
+            self.asked_at.append(event)
+
+
+def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shards(
+    ray_cluster, blob_data, tmp_path
+):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = blob_spec(
+        blob_data,
+        data={"batch_size": 16, "epochs": None},
+        cluster={"workers": {"min": 1, "max": 2}, "ps": 1},
+        training={"mode": "sync", "max_steps": 200, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
+        tracking={"tracking_uri": uri, "experiment": "elastic"},
+    )
+    hook = ScaleAt([(10, 1), (25, 2)])
+    slow = FaultInjector(step_delay_s={w: 0.1 for w in range(4)})  # the spare starts before the end
+    result = train(validate_spec(raw), hooks=[hook], output_dir=tmp_path, faults=slow)
+
+    assert result.global_step == 200
+    steps = [e.global_step for e in hook.events]
+    assert steps == list(range(1, 201)), "every step reported once, in order, across both resizes"
+    assert hook.events[5].workers == [0, 1]
+    alone = [e for e in hook.events if e.workers == [0]]
+    assert alone and alone[0].elapsed_s - hook.asked_at[0].elapsed_s < 5, "worker 1 left soon after the ask"
+    grown = [e for e in hook.events if e.workers == [0, 2]]
+    assert grown and grown[0].global_step > alone[-1].global_step, "a new worker (id 2) joined later"
+    # One shard process all along: its counters cover every step.
+    assert result.shards[0]["version"] == 200
+    history = MlflowClient(uri).get_metric_history(result.run_id, "workers")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == [2.0, 1.0, 2.0]
+    losses = [e.loss for e in hook.events]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def test_the_elastic_rule_keeps_the_backup_workers_and_starts_within_the_range():
+    spec = validate_spec(
+        blob_spec(
+            Path("/nowhere"),
+            cluster={"workers": {"min": 2, "max": 6}, "ps": 1},
+            training={"mode": "sync", "replicas_to_aggregate": 4, "max_steps": 5},
+        )
+    )
+    policy = ElasticPolicy.for_spec(spec)
+    assert (policy.fewest, policy.most, policy.backups) == (2, 6, 2)
+    assert [policy.replicas_to_aggregate(k) for k in (1, 2, 3, 6)] == [1, 1, 1, 4]
+    assert [policy.start_count(room) for room in (0, 3, 9)] == [2, 3, 6]
+    assert policy.shrinks_on_loss(2) and not policy.shrinks_on_loss(1)
+    policy.scale_to(1)
+    assert (policy.fewest, policy.target) == (1, 1)
+    # 8 CPUs less the shard's 0.5 and Ray Data's 1.0 hold 6 workers of 1 CPU.
+    assert workers_that_fit(spec.cluster, {"CPU": 8.0}) == 6
