@@ -152,7 +152,9 @@ def _wait_for_metric(uri: str, run_id: str, key: str, value: float, driver, time
     history = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
     driver.kill()
     out = driver.communicate()[0][-6000:]
-    raise TimeoutError(f"{key} never became {value} within {timeout:.0f} s: {history}; the driver said:\n{out}")
+    raise TimeoutError(
+        f"{key} never became {value} within {timeout:.0f} s: {history}; the driver said:\n{out}"
+    )
 
 
 def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_towerflow_scale(
