@@ -466,8 +466,11 @@ class Driver:
         ids = [loss.index for loss in losses]
         ray.get([s.retire.remote(worker_id) for s in self.shards for worker_id in ids])
         model_state = self.model_state()
+        # The chief hears of steps a poll late; the shard counted every gradient the worker sent.
+        taken = ray.get(self.shards[-1].examples_taken.remote())
         for loss in losses:
-            split, used = self.data_splits[loss.index], self.group.slots[loss.index].used_rows
+            split, heard = self.data_splits[loss.index], self.group.slots[loss.index].used_rows
+            used = max(heard, taken.get(loss.index, 0))
             leftover = split.leftover(used) if hasattr(split, "leftover") else []
             handed_over = used + sum(piece.rows for piece in leftover)
             taken = split.taken_over(handed_over) if hasattr(split, "taken_over") else split

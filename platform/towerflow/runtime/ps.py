@@ -13,6 +13,7 @@ published, once every bucket has been applied.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import time
 from dataclasses import dataclass
@@ -130,7 +131,15 @@ class ParameterShard:
         self._version = initial_version
         self._done = max_steps is not None and initial_version >= max_steps
         self._changed: asyncio.Condition | None = None
-        self._counts = {"applied": 0, "stale": 0, "rejected": 0, "skipped": 0, "after_done": 0}
+        # applied: updates (versions); gradients: the gradients they averaged
+        self._counts = {
+            "applied": 0,
+            "gradients": 0,
+            "stale": 0,
+            "rejected": 0,
+            "skipped": 0,
+            "after_done": 0,
+        }
         self._apply_total_s = 0.0
         self._last_apply_s = 0.0
         self._version_apply_s = 0.0  # apply time of the buckets of the version being built
@@ -138,6 +147,7 @@ class ParameterShard:
         self._snapshot_at: set[int] = set()
         self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
         self._snapshots: dict[int, ShardSnapshot] = {}
+        self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
         self._step_replicas: dict[int, int] = {}
         self._publish()
 
@@ -147,9 +157,15 @@ class ParameterShard:
         return self._params_reply()
 
     async def push(
-        self, gradients: list[np.ndarray] | None, version_read: int, worker: int, bucket: int = 0
+        self,
+        gradients: list[np.ndarray] | None,
+        version_read: int,
+        worker: int,
+        bucket: int = 0,
+        examples: int = 0,
     ) -> PushReply:
-        """Gradients for this shard's pieces of `bucket`, computed against `version_read`.
+        """Gradients for this shard's pieces of `bucket`, computed against `version_read` on a batch
+        of `examples` examples (counted per worker: the rows a lost worker used).
 
         None is a skipped gradient (its loss was not finite, nan_guard: skip): sync counts the
         worker in its step all the same, with nothing added, so the others do not wait for it.
@@ -158,6 +174,7 @@ class ParameterShard:
         if self._done or self._bucket_exhausted(bucket):
             self._counts["after_done"] += counted
             return PushReply("done", -1, 0, 0.0, self._params_reply())
+        self._taken[worker] += examples if counted else 0
         protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
         if gradients is None and isinstance(protocol, AsyncProtocol):
             self._counts["skipped"] += counted
@@ -212,6 +229,12 @@ class ParameterShard:
         """An elastic resize: the workers were stopped between steps and start again, this many."""
         for protocol in self._protocols.values():
             protocol.resize(total_num_replicas, replicas_to_aggregate)
+        self._taken.clear()  # the workers start on freshly planned data
+
+    def examples_taken(self) -> dict[int, int]:
+        """Worker id -> the examples of the gradients this shard took from it, applied or dropped,
+        since it was loaded or resized: the rows a lost worker used, counted where they arrived."""
+        return dict(self._taken)
 
     async def finish(self) -> int:
         """Stop accepting gradients and release every waiting worker."""
@@ -297,6 +320,7 @@ class ParameterShard:
         self._step_replicas[self._version] = replicas
         self._step_replicas.pop(self._version - _REPLICA_COUNTS_KEPT, None)
         self._counts["applied"] += 1
+        self._counts["gradients"] += replicas
         if self._max_steps is not None and self._version >= self._max_steps:
             self._done = True
         self._publish()

@@ -36,10 +36,16 @@ class PushPlan:
         return [sorted(found[b]) for b in sorted(found)]
 
     def send(
-        self, bucket: int, gradients: dict[int, np.ndarray] | None, versions: list[int], worker: int
+        self,
+        bucket: int,
+        gradients: dict[int, np.ndarray] | None,
+        versions: list[int],
+        worker: int,
+        examples: int,
     ) -> list[tuple[int, Any]]:
-        """Push `bucket` to every shard holding some of it; returns (shard, reply ref) pairs.
-        None pushes a skipped gradient (nan_guard: skip) in the bucket's place.
+        """Push `bucket` (of a gradient of `examples` examples) to every shard holding some of it;
+        returns (shard, reply ref) pairs. None pushes a skipped gradient (nan_guard: skip) in the
+        bucket's place.
 
         Ray copies the arguments into its object store before `remote` returns, so the gradient
         buffers (which TensorFlow reuses once the hook returns) may change right after.
@@ -55,7 +61,7 @@ class PushPlan:
                     gradients[variable] if whole else gradients[variable][start:stop]
                     for variable, start, stop, whole in mine
                 ]
-            sent.append((s, shard.push.remote(rows, versions[s], worker, bucket)))
+            sent.append((s, shard.push.remote(rows, versions[s], worker, bucket, examples)))
         return sent
 
 
@@ -64,6 +70,7 @@ class StepPushes:
     """What one training step pushed, filled in from the tower graph's push hooks."""
 
     versions: list[int]  # per shard, the version the gradients were computed against
+    examples: int = 0  # in the batch the gradients are of
     sent: list[tuple[int, int, Any]] = field(default_factory=list)  # (shard, bucket, reply ref)
     nonfinite: bool = False  # the loss was NaN or infinite: nothing was pushed
     error: BaseException | None = None  # raised by a hook; re-raised by the worker after the step

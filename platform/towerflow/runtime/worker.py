@@ -243,13 +243,16 @@ class TowerWorker:
                 step.nonfinite = True
                 if cfg.skip_nonfinite:  # the shards count this worker in the step, with no gradient
                     for bucket_id in range(len(self._bucket_variables)):
-                        for shard, ref in self._plan.send(bucket_id, None, step.versions, cfg.worker_id):
+                        sent = self._plan.send(bucket_id, None, step.versions, cfg.worker_id, step.examples)
+                        for shard, ref in sent:
                             step.sent.append((shard, bucket_id, ref))
                 return np.int64(0)
             if bucket == 0 and self._faults.delay(cfg.worker_id):
                 time.sleep(self._faults.delay(cfg.worker_id))
             by_variable = dict(zip(self._bucket_variables[bucket], gradients, strict=True))
-            for shard, ref in self._plan.send(bucket, by_variable, step.versions, cfg.worker_id):
+            for shard, ref in self._plan.send(
+                bucket, by_variable, step.versions, cfg.worker_id, step.examples
+            ):
                 step.sent.append((shard, bucket, ref))
         except BaseException as exc:  # noqa: BLE001 - handed to the worker's own thread
             step.error = exc
@@ -323,7 +326,7 @@ class TowerWorker:
                 t1 = time.perf_counter()
                 self._assign(ray.get(param_refs), placement, staging)
                 t2 = time.perf_counter()
-                self._step = step = StepPushes(versions)
+                self._step = step = StepPushes(versions, rows)
                 try:
                     loss, metrics, _ = self.towers(inputs, labels)  # pushes each bucket as it is ready
                 except self._misfit_errors as exc:
