@@ -83,3 +83,13 @@ def test_the_elastic_rule_keeps_the_backup_workers_and_starts_within_the_range()
     assert (policy.fewest, policy.target) == (1, 1)
     # 8 CPUs less the shard's 0.5 and Ray Data's 1.0 hold 6 workers of 1 CPU.
     assert workers_that_fit(spec.cluster, {"CPU": 8.0}) == 6
+
+
+def test_the_policy_asks_for_spares_up_to_the_target_and_lets_the_newest_workers_go():
+    policy = ElasticPolicy(fewest=1, most=4)
+    assert policy.spares_wanted(running=2, pending=1) == 1
+    assert policy.resize([0, 1], started_spares=[5, 6, 7]) == ([], [5, 6])
+    assert policy.resize([0, 1, 2, 3], started_spares=[]) is None
+    policy.scale_to(2)
+    assert policy.spares_wanted(running=3, pending=2) == -3  # withdraw both spares, one worker goes
+    assert policy.resize([3, 0, 2], started_spares=[]) == ([3], [])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -26,7 +25,7 @@ from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, FailurePolicy, LossKind
 from towerflow.runtime.faults import FaultInjector
-from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo
+from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, end_hooks
 from towerflow.runtime.model_state import average_model_states
 from towerflow.runtime.result import TrainResult, staleness_summary
 from towerflow.runtime.run_control import ControlPoint
@@ -156,42 +155,11 @@ class Driver:
             raise error from exc
         finally:
             try:
-                failed_at_end = self._end_hooks(begun, outcome)
+                failed_at_end = end_hooks(begun, self.session, outcome)
             finally:
                 self._release()
             if failed_at_end is not None:
                 raise failed_at_end
-
-    def _end_hooks(self, begun: list[Hook], outcome: RunOutcome) -> BaseException | None:
-        """End every begun hook, last begun first, even when some fail or are interrupted.
-
-        A hook that fails at the end of a finished run (an export, say) fails the run: the hooks
-        still to end (the tracker last) see FAILED, and the error is returned to raise. After a
-        failed run the first error stays the one reported; later ones are only printed. A second
-        stop signal interrupts the hook ending then (a final checkpoint, say); the others still end,
-        the tracker marks the run KILLED.
-        """
-        failure: BaseException | None = None
-        for hook in reversed(begun):
-            try:
-                hook.end(self.session, outcome)
-            except KeyboardInterrupt as exc:  # the hooks still to end see KILLED, and save nothing more
-                print(f"towerflow: hook {type(hook).__name__}.end interrupted", file=sys.stderr)
-                if outcome.status == "FINISHED":
-                    failure = exc  # raised once every hook has ended
-                if outcome.status != "FAILED":
-                    outcome = RunOutcome("KILLED", outcome.global_step, exc)
-            except Exception as exc:
-                name = type(hook).__name__
-                if outcome.status != "FINISHED":
-                    print(f"towerflow: hook {name}.end failed after the run had failed: {exc}")
-                    continue
-                failure = TrainingError(
-                    f"the run trained to step {outcome.global_step}, then hook {name} failed at its end: {exc}"
-                )
-                failure.__cause__ = exc
-                outcome = RunOutcome("FAILED", outcome.global_step, failure)
-        return failure
 
     # -- set-up ----------------------------------------------------------------------------------
     def _starting_workers(self) -> int:
@@ -309,10 +277,9 @@ class Driver:
             events, self._ready_events = self._ready_events + self.aggregator.add(records), []
             self._report(events)
             if self.stop_signals.received is not None and not stopping:
-                print(
-                    f"towerflow: {self.stop_signals.name}: stopping after the steps in flight "
-                    "(send it again to stop at once)",
-                    file=sys.stderr,
+                log.warning(
+                    "%s: stopping after the steps in flight (send it again to stop at once)",
+                    self.stop_signals.name,
                 )
                 self.context.request_stop(f"stopped by {self.stop_signals.name}")
             if self.context.stop_requested and not stopping:
@@ -385,13 +352,11 @@ class Driver:
         if wanted is not None:
             log.info("towerflow scale: %d worker(s) wanted, %d running", wanted, len(group.running))
             self.elastic.scale_to(wanted)
-        members, target = group.running, self.elastic.target
-        group.drop_spares(len(members) + len(group.spares) - target)
-        for _ in range(target - len(members) - len(group.spares)):
+        wanted = self.elastic.spares_wanted(len(group.running), len(group.spares))
+        group.drop_spares(-wanted)
+        for _ in range(wanted):
             group.request_spare()
-        leaving = members[target:]  # the newest ids go first
-        joining = group.ready_spares()[: max(0, target - len(members))]
-        return (leaving, joining) if leaving or joining else None
+        return self.elastic.resize(group.running, group.ready_spares())
 
     def _resize(self, *, leaving: list[int], joining: list[int], records: list[Any]) -> None:
         """Stop every worker between steps, take in `joining`, let `leaving` (and any lost) go, and

@@ -53,6 +53,17 @@ class ElasticPolicy:
     def replicas_to_aggregate(self, workers: int) -> int:
         return max(1, workers - self.backups)
 
+    def spares_wanted(self, running: int, pending: int) -> int:
+        """Spares to ask Ray for (negative: to withdraw) so that running + pending meets the target."""
+        return self.target - running - pending
+
+    def resize(self, members: list[int], started_spares: list[int]) -> tuple[list[int], list[int]] | None:
+        """(workers to let go, started spares to take in) toward the target; None: no change.
+        The newest workers go first; worker 0 stays while any does."""
+        leaving = sorted(members)[self.target :]
+        joining = started_spares[: max(0, self.target - len(members))]
+        return (leaving, joining) if leaving or joining else None
+
 
 def workers_that_fit(cluster: Any, available: dict[str, float]) -> int:
     """How many workers the free resources hold once the shards and Ray Data have theirs."""

@@ -7,8 +7,13 @@ checkpoints, stop conditions) composes the supervision story.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from towerflow.errors import TrainingError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,3 +130,35 @@ class Hook:
 
     def on_fault(self, event: FaultEvent) -> None:
         """A worker or parameter server was lost; the controller has acted (event.action says how)."""
+
+
+def end_hooks(begun: list[Hook], session: SessionInfo, outcome: RunOutcome) -> BaseException | None:
+    """End every begun hook, last begun first, even when some fail or are interrupted.
+
+    A hook that fails at the end of a finished run (an export, say) fails the run: the hooks
+    still to end (the tracker last) see FAILED, and the error is returned to raise. After a
+    failed run the first error stays the one reported; later ones are only printed. A second
+    stop signal interrupts the hook ending then (a final checkpoint, say); the others still end,
+    the tracker marks the run KILLED.
+    """
+    failure: BaseException | None = None
+    for hook in reversed(begun):
+        try:
+            hook.end(session, outcome)
+        except KeyboardInterrupt as exc:  # the hooks still to end see KILLED, and save nothing more
+            log.warning("hook %s.end interrupted", type(hook).__name__)
+            if outcome.status == "FINISHED":
+                failure = exc  # raised once every hook has ended
+            if outcome.status != "FAILED":
+                outcome = RunOutcome("KILLED", outcome.global_step, exc)
+        except Exception as exc:
+            name = type(hook).__name__
+            if outcome.status != "FINISHED":
+                log.warning("hook %s.end failed after the run had failed: %s", name, exc)
+                continue
+            failure = TrainingError(
+                f"the run trained to step {outcome.global_step}, then hook {name} failed at its end: {exc}"
+            )
+            failure.__cause__ = exc
+            outcome = RunOutcome("FAILED", outcome.global_step, failure)
+    return failure
