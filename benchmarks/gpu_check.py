@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     print(f"# towerflow GPU check, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}")
 
-    from towerflow.runtime.tf_import import import_tensorflow
+    from towerflow.tf_import import import_tensorflow
     from towerflow.tracking.gpu import read_gpus
 
     import_tensorflow(gpus=False)  # as towerflow's driver does (the data generation imports it first)

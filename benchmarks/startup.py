@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 IMPORTS = {  # plain first, then ours
     "plain import tensorflow": "import tensorflow",
-    "towerflow import_tensorflow()": "from towerflow.runtime.tf_import import import_tensorflow; import_tensorflow()",
+    "towerflow import_tensorflow()": "from towerflow.tf_import import import_tensorflow; import_tensorflow()",
 }
 SHAPES = ((1, 1), (2, 2))
 

@@ -22,3 +22,20 @@ def test_models_and_pipelines_are_not_installed_packages():
     code = "import importlib.util as u; print(u.find_spec('models'))"
     out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
+
+
+def test_data_and_checkpoint_import_nothing_of_the_runtime():
+    """They share types with it through towerflow/shared_types.py, never its internals."""
+    import ast
+
+    package = REPO / "platform" / "towerflow"
+    found = []
+    for layer in ("data", "checkpoint"):
+        for path in sorted((package / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                found += [
+                    f"{path.relative_to(package)}: {n}" for n in names if n.startswith("towerflow.runtime")
+                ]
+    assert found == []

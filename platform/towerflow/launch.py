@@ -39,9 +39,9 @@ def train(
     `output_dir` (default `runs/<job name>`), and `resume` is that directory. `parent_run_id`
     makes the run a child of that MLflow run. A failed export (`export.saved_model`) is raised
     after the run is closed. Where this process has not imported TensorFlow yet, it is imported
-    with every GPU hidden from it (runtime/tf_import.py): import it first to keep this process's GPUs.
+    with every GPU hidden from it (tf_import.py): import it first to keep this process's GPUs.
     """
-    from towerflow.runtime.tf_import import import_tensorflow
+    from towerflow.tf_import import import_tensorflow
 
     import_tensorflow(gpus=False)  # first, as tf_import says: the driver checkpoints with TensorFlow
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore

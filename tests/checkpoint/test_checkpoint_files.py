@@ -21,7 +21,8 @@ from towerflow.checkpoint import (
 from towerflow.checkpoint.retention import checkpoints_to_delete
 from towerflow.checkpoint.stores import LocalCheckpointStore, latest_step
 from towerflow.runtime.ps import ShardSnapshot
-from towerflow.runtime.sharding import GreedyBytes, VariableInfo, cut_variables, shard_variables
+from towerflow.runtime.sharding import GreedyBytes, cut_variables, shard_variables
+from towerflow.shared_types import VariableInfo
 
 
 def _variables():

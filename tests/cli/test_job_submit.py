@@ -152,7 +152,7 @@ def test_a_submitted_job_trains_tracks_and_registers_its_model(ray_head, tmp_pat
     summary = [line for line in logs.splitlines() if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0], logs
     assert "towerflow: warning" not in logs  # the store is the one the job was given
-    # The job's log carries every actor's: none has TensorFlow's early C++ lines (runtime/tf_import.py),
+    # The job's log carries every actor's: none has TensorFlow's early C++ lines (tf_import.py),
     # nor Ray Data's execution plan.
     assert "absl::InitializeLog" not in logs and "I0000 00:00" not in logs, logs
     assert "Execution plan of Dataset" not in logs, logs

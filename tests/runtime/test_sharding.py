@@ -3,12 +3,12 @@ import pytest
 from towerflow.runtime.sharding import (
     GreedyBytes,
     RoundRobin,
-    VariableInfo,
     cut_variables,
     gradient_buckets,
     make_sharding,
     shard_variables,
 )
+from towerflow.shared_types import VariableInfo
 
 
 def _vars(*sizes):

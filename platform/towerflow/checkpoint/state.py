@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from towerflow.runtime.sharding import join_pieces
+from towerflow.shared_types import join_pieces
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from towerflow.errors import DataError
-from towerflow.runtime.batches import NOT_INPUTS  # never model inputs (contract), like the label
+from towerflow.shared_types import NOT_INPUTS  # never model inputs (contract), like the label
 
 _FEATURE_DEFAULTS = {
     "shape": [],

@@ -40,7 +40,7 @@ from towerflow.data.sources import examples_per_file, read_manifest, resolve_fil
 from towerflow.data.splits import resumable_streaming_split
 from towerflow.data.tfrecord import read_tfrecord_file
 from towerflow.errors import DataError
-from towerflow.runtime.batches import StreamOptions, WorkerStream
+from towerflow.shared_types import StreamOptions, WorkerStream
 
 UNBOUNDED_EPOCHS = 1000  # data.epochs: null with an unknown data set size
 # One Ray Data block (one read task) per file to read, up to this many; beyond it, blocks of several

@@ -215,7 +215,7 @@ _configured = False
 def _tensorflow():
     """Import TensorFlow once per Ray Data worker process, with one thread (tasks run side by side)."""
     global _configured
-    from towerflow.runtime.tf_import import import_tensorflow
+    from towerflow.tf_import import import_tensorflow
 
     tf = import_tensorflow(gpus=False)
     if not _configured:

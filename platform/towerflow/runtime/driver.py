@@ -30,15 +30,13 @@ from towerflow.runtime.model_state import average_model_states
 from towerflow.runtime.result import TrainResult, staleness_summary
 from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.shard_group import ShardGroup
-from towerflow.runtime.sharding import (
-    join_pieces,
-)
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import Rejoin, worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
 from towerflow.runtime.worker_group import ACTOR_GONE, WorkerGroup
+from towerflow.shared_types import join_pieces
 
 log = logging.getLogger(__name__)
 

@@ -8,39 +8,9 @@ its publication run in parallel instead of on one shard while the others idle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
-
-@dataclass(frozen=True)
-class VariableInfo:
-    """A trainable variable as the driver sees it: position in the model, name, shape, size."""
-
-    index: int
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows [start, stop) of variable `variable` (the whole variable when not cut); `index` is its id."""
-
-    index: int
-    variable: int
-    start: int
-    stop: int
-    shape: tuple[int, ...]
-    nbytes: int
-    name: str
-
-    def covers(self, info: VariableInfo) -> bool:
-        return self.start == 0 and self.stop == (info.shape[0] if info.shape else 1)
-
-    def of(self, value):
-        """This piece's rows of the whole variable's value (a view, not a copy)."""
-        return value[self.start : self.stop] if self.shape else value
+from towerflow.shared_types import Piece, VariableInfo
 
 
 def cut_variables(variables: list[VariableInfo], num_shards: int, min_slice_bytes: int | None) -> list[Piece]:
@@ -134,20 +104,3 @@ def shard_variables(strategy: ShardingStrategy, pieces: list, num_shards: int) -
     if any(not shard for shard in shards):
         raise AssertionError(f"{type(strategy).__name__} left a shard empty")
     return shards
-
-
-def join_pieces(per_shard: list[list], pieces: list[Piece], assignment: list[list[int]]) -> dict[int, object]:
-    """Whole variables (by variable index) from each shard's piece values, in `assignment` order."""
-    import numpy as np
-
-    parts: dict[int, list[tuple[int, object]]] = {}
-    for indices, values in zip(assignment, per_shard, strict=True):
-        for index, value in zip(indices, values, strict=True):
-            piece = pieces[index]
-            parts.setdefault(piece.variable, []).append((piece.start, value))
-    return {
-        variable: np.concatenate([v for _, v in sorted(chunks, key=lambda c: c[0])])
-        if len(chunks) > 1
-        else np.array(chunks[0][1])
-        for variable, chunks in parts.items()
-    }

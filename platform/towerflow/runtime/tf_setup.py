@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from towerflow.runtime.tf_import import import_tensorflow
+from towerflow.tf_import import import_tensorflow
 
 
 @dataclass(frozen=True)

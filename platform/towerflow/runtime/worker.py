@@ -18,14 +18,14 @@ import numpy as np
 import ray
 
 from towerflow.errors import SpecError
-from towerflow.runtime.batches import BatchAdapter, TowerModel, as_stream, leftover_batches
+from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
-from towerflow.runtime.sharding import VariableInfo
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow
 from towerflow.runtime.worker_config import WorkerConfig
+from towerflow.shared_types import VariableInfo, as_stream
 
 
 @dataclass

@@ -277,7 +277,7 @@ def export_run(run_id: str, tracking_uri: str | None = None) -> ExportedModel:
     Imports TensorFlow with every GPU hidden, as `launch.train` does, where it is not imported yet."""
     from mlflow.tracking import MlflowClient
 
-    from towerflow.runtime.tf_import import import_tensorflow
+    from towerflow.tf_import import import_tensorflow
 
     import_tensorflow(gpus=False)  # first: reading the checkpoint makes TensorFlow variables
     from towerflow.checkpoint.resume import latest_state

@@ -69,7 +69,7 @@ class _TFRecordShard:
     """One TFRecord file; a single Example is reused per record (building fresh protos is the slow part)."""
 
     def __init__(self, path: Path, features: dict[str, dict[str, Any]]):
-        from towerflow.runtime.tf_import import import_tensorflow
+        from towerflow.tf_import import import_tensorflow
 
         tf = import_tensorflow(gpus=False)  # lazily: the CLI must not pay for TensorFlow before it is needed
 

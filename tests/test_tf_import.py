@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from towerflow.runtime.tf_import import UNUSED_WHILE_TENSORFLOW_LOADS, kept_early_log
+from towerflow.tf_import import UNUSED_WHILE_TENSORFLOW_LOADS, kept_early_log
 
 _IMPORT_AS_AN_ACTOR = f"""
 import sys
@@ -65,7 +65,7 @@ def test_an_actor_loads_tensorflow_without_kerass_optional_packages_which_stay_i
 def test_a_process_without_gpus_imports_tensorflow_quietly_with_gpus_hidden():
     code = (
         "import sys\n"
-        "from towerflow.runtime.tf_import import import_tensorflow\n"
+        "from towerflow.tf_import import import_tensorflow\n"
         "tf = import_tensorflow(gpus=False)\n"
         "print('visible GPUs:', tf.config.get_visible_devices('GPU'))\n"
         "print('after the import', file=sys.stderr)\n"
