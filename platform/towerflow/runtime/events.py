@@ -6,6 +6,7 @@ import collections
 import time
 
 from towerflow.runtime.hooks import StepEvent
+from towerflow.runtime.protocol import Verdict
 from towerflow.runtime.worker import StepRecord
 
 PHASES = ("data", "pull", "compute", "push", "apply")
@@ -53,15 +54,15 @@ class StepAggregator:
     def add(self, records: list[StepRecord]) -> list[StepEvent]:
         nonfinite = []
         for record in records:
-            if record.verdict == "nonfinite":
+            if record.verdict == Verdict.NONFINITE:
                 nonfinite.append(self._nonfinite_event(record))
             elif record.step > 0:
                 self._pending[record.step].append(record)
                 self._first_heard.setdefault(record.step, time.monotonic())
-            elif record.verdict == "stale":
+            elif record.verdict == Verdict.STALE:
                 self._dropped += 1
                 self.dropped_total += 1
-            elif record.verdict in ("rejected", "partial"):
+            elif record.verdict in (Verdict.REJECTED, Verdict.PARTIAL):
                 self.rejected_total += 1
         return self._emit(final=False) + nonfinite
 

@@ -8,16 +8,32 @@ Workers ask the same object which version they must wait for before their next s
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Literal
 
-Verdict = Literal["held", "apply", "stale", "rejected"]
+
+class Verdict(str, enum.Enum):
+    """What becomes of a pushed gradient, from the protocol's decision to the worker's step record.
+    A str, so records, counters and logs read as the plain word."""
+
+    HELD = "held"  # the protocol: added to the step being built; wait for it
+    APPLY = "apply"  # the protocol: apply the step now
+    APPLIED = "applied"  # the shard's reply: it went into an update
+    STALE = "stale"  # computed against an older version than the protocol takes: dropped
+    REJECTED = "rejected"  # a second push for one step: a protocol bug, dropped
+    SKIPPED = "skipped"  # its loss was not finite (nan_guard: skip): counted, nothing added
+    DONE = "done"  # the shard had finished: no more steps
+    PARTIAL = "partial"  # the worker's record: the shards answered differently
+    NONFINITE = "nonfinite"  # the worker's record: its loss was not finite, nothing pushed
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
 class Decision:
     verdict: Verdict
-    count: int = 0  # when verdict == "apply": how many gradients the update averages
+    count: int = 0  # when verdict is APPLY: how many gradients the update averages
     staleness: int = 0
 
 
@@ -42,10 +58,10 @@ class SyncProtocol:
 
     def on_push(self, version_read: int, version: int, worker: int) -> Decision:
         if version_read < version:
-            return Decision("stale", staleness=version - version_read)
+            return Decision(Verdict.STALE, staleness=version - version_read)
         if worker in self._held:
             # A worker contributes once per step; a second push for the same version is a protocol bug.
-            return Decision("rejected")
+            return Decision(Verdict.REJECTED)
         self._held.add(worker)
         return self._maybe_complete()
 
@@ -65,9 +81,9 @@ class SyncProtocol:
 
     def _maybe_complete(self) -> Decision:
         if not self._held or len(self._held) < self.required:
-            return Decision("held")
+            return Decision(Verdict.HELD)
         count, self._held = len(self._held), set()
-        return Decision("apply", count=count)
+        return Decision(Verdict.APPLY, count=count)
 
     def next_version_to_read(self, version_read: int) -> int:
         # Wait for the update this gradient went into: a worker never computes twice on one version.
@@ -83,11 +99,11 @@ class AsyncProtocol:
     def on_push(self, version_read: int, version: int, worker: int) -> Decision:
         staleness = version - version_read
         if self.max_staleness is not None and staleness > self.max_staleness:
-            return Decision("stale", staleness=staleness)
-        return Decision("apply", count=1, staleness=staleness)
+            return Decision(Verdict.STALE, staleness=staleness)
+        return Decision(Verdict.APPLY, count=1, staleness=staleness)
 
     def on_retire(self, worker: int) -> Decision:
-        return Decision("held")
+        return Decision(Verdict.HELD)
 
     def on_join(self, worker: int) -> None:
         return None

@@ -23,7 +23,7 @@ import numpy as np
 import ray
 
 from towerflow.runtime.accumulator import GradientAccumulator
-from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol
+from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
 
@@ -47,7 +47,7 @@ class ShardSnapshot:
 
 @dataclass
 class PushReply:
-    verdict: str  # applied | stale | rejected | skipped | done
+    verdict: Verdict  # APPLIED, STALE, REJECTED, SKIPPED or DONE
     step: int  # the global step this gradient went into; -1 when it was not applied
     staleness: int
     apply_s: float  # time of the apply this gradient went into
@@ -173,35 +173,35 @@ class ParameterShard:
         counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
         if self._done or self._bucket_exhausted(bucket):
             self._counts["after_done"] += counted
-            return PushReply("done", -1, 0, 0.0, self._params_reply())
+            return PushReply(Verdict.DONE, -1, 0, 0.0, self._params_reply())
         self._taken[worker] += examples if counted else 0
         protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
         if gradients is None and isinstance(protocol, AsyncProtocol):
             self._counts["skipped"] += counted
-            return PushReply("skipped", -1, 0, 0.0, self._params_reply())
+            return PushReply(Verdict.SKIPPED, -1, 0, 0.0, self._params_reply())
         decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker)
         verdict, step = decision.verdict, -1
         if (
-            decision.verdict == "apply"
+            decision.verdict is Verdict.APPLY
             and gradients is not None
             and decision.count == 1
             and not accumulator.count
         ):
-            step, verdict = self._apply(bucket, list(gradients), 1), "applied"  # async, or one replica
-        elif decision.verdict == "apply":
+            step, verdict = self._apply(bucket, list(gradients), 1), Verdict.APPLIED  # async, or one replica
+        elif decision.verdict is Verdict.APPLY:
             if gradients is not None:
                 accumulator.add(gradients)
-            step, verdict = self._apply_held(bucket), "applied"
-        elif decision.verdict == "held":
+            step, verdict = self._apply_held(bucket), Verdict.APPLIED
+        elif decision.verdict is Verdict.HELD:
             if gradients is not None:
                 accumulator.add(gradients)
             await self._wait_for(lambda: self._bucket_versions[bucket] > version_read or self._done)
             applied = self._bucket_versions[bucket] > version_read
-            step, verdict = (version_read + 1, "applied") if applied else (-1, "done")
+            step, verdict = (version_read + 1, Verdict.APPLIED) if applied else (-1, Verdict.DONE)
         else:
             self._counts[decision.verdict] += counted
-        if gradients is None and verdict == "applied":
-            verdict, self._counts["skipped"] = "skipped", self._counts["skipped"] + counted
+        if gradients is None and verdict is Verdict.APPLIED:
+            verdict, self._counts["skipped"] = Verdict.SKIPPED, self._counts["skipped"] + counted
         next_version = protocol.next_version_to_read(version_read)
         await self._wait_for(lambda: self._version >= next_version or self._done)
         return PushReply(
@@ -217,7 +217,7 @@ class ParameterShard:
         """A worker stopped pushing (done, failed or lost); sync aggregation goes on with the others."""
         for bucket, protocol in self._protocols.items():
             decision = protocol.on_retire(worker)
-            if decision.verdict == "apply" and not self._done:
+            if decision.verdict is Verdict.APPLY and not self._done:
                 self._apply_held(bucket)
 
     def join(self, worker: int) -> None:

@@ -21,6 +21,7 @@ from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
+from towerflow.runtime.protocol import Verdict
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow
@@ -34,7 +35,7 @@ class StepRecord:
 
     worker: int
     step: int  # global step it went into, -1 if dropped
-    verdict: str
+    verdict: Verdict  # APPLIED, STALE, REJECTED, SKIPPED, DONE (the shards'), PARTIAL or NONFINITE
     version_read: int
     loss: float
     metrics: dict[str, float]
@@ -361,7 +362,7 @@ class TowerWorker:
                     self._records.append(_nonfinite_record(cfg.worker_id, step.versions[0], loss, rows))
                     continue
                 lead = replies[0]
-                verdict = lead.verdict if all(r.verdict == lead.verdict for r in every) else "partial"
+                verdict = lead.verdict if all(r.verdict == lead.verdict for r in every) else Verdict.PARTIAL
                 self._records.append(
                     StepRecord(
                         worker=cfg.worker_id,
@@ -403,7 +404,7 @@ class TowerWorker:
 
 def _nonfinite_record(worker: int, version_read: int, loss: float, rows: int) -> StepRecord:
     """A step whose loss was NaN/inf: nothing of it was applied (its batch was used all the same)."""
-    return StepRecord(worker, -1, "nonfinite", version_read, loss, {}, rows, 0, finished_at=time.time())
+    return StepRecord(worker, -1, Verdict.NONFINITE, version_read, loss, {}, rows, 0, finished_at=time.time())
 
 
 def _gpu_peak_mb(devices: list[str]) -> dict[str, float]:
