@@ -185,6 +185,7 @@ def tfdata(kind: str, folder: Path, epochs: int) -> dict:
 def towerflow_run(ray, kind: str, folder: Path, epochs: int, data_cpus: float) -> dict:
     from towerflow.data.ingest import build_training_data
     from towerflow.runtime.batches import BatchAdapter
+    from towerflow.runtime.protocol import step_shape
     from towerflow.spec import validate_spec
 
     train = {"paths": str(folder / "train-*"), "format": kind, "label": "label"}
@@ -200,7 +201,7 @@ def towerflow_run(ray, kind: str, folder: Path, epochs: int, data_cpus: float) -
         }
     )
     start = time.perf_counter()
-    data = build_training_data(spec, 1)
+    data = build_training_data(spec, 1, step_shape(spec.training.mode, spec.replicas_to_aggregate))
     per_epoch = data.examples_per_epoch
     input_name = "image" if kind == "tfrecord" else "x"
 

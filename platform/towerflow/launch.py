@@ -12,6 +12,7 @@ from pathlib import Path
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.runtime.result import TrainResult
+from towerflow.shared_types import StepShape
 from towerflow.spec import JobSpec, load_spec
 
 AUTO_RESUME = "auto"  # resume=: the newest unfinished run of the job, if any (tracking/auto_resume.py)
@@ -98,10 +99,10 @@ def train(
     all_hooks += build_supervision_hooks(spec, checkpoint_store=checkpoint_store, artifact_sink=artifact_sink)
     all_hooks.extend(hooks)
 
-    def make_data(num_workers: int, examples_seen: int | None = None):
+    def make_data(num_workers: int, examples_seen: int | None, shape: StepShape):
         seen = initial_state.examples_seen if initial_state is not None else 0
         seen = seen if examples_seen is None else examples_seen  # a rollback's checkpoint position
-        data = build_training_data(spec, num_workers, examples_seen=seen)
+        data = build_training_data(spec, num_workers, shape, examples_seen=seen)
         if data.resume_note:
             print(f"towerflow: {data.resume_note}")
         if skipped is not None:

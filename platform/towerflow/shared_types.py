@@ -62,6 +62,17 @@ def join_pieces(per_shard: list[list], pieces: list[Piece], assignment: list[lis
     }
 
 
+# -- the shape of an update, as the data plan needs it ---------------------------------------------
+@dataclass(frozen=True)
+class StepShape:
+    """What planning the data needs of the update protocol (runtime/protocol.py decides it): whether
+    every worker takes part in every update (each then gets an equal share of the data), and how
+    many batches one update takes."""
+
+    lockstep: bool
+    batches_per_update: int
+
+
 # -- a worker's stream of training data ------------------------------------------------------------
 @dataclass
 class StreamOptions:

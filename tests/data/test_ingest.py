@@ -14,6 +14,7 @@ from support import tabular_header, tabular_rows, write_csv, write_uneven_shards
 
 from towerflow.data.ingest import ResumePoint, build_training_data, read_runs, resume_point, steps_allowed
 from towerflow.errors import DataError
+from towerflow.runtime.protocol import step_shape
 from towerflow.spec import validate_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,7 +55,7 @@ def test_sync_every_example_of_every_epoch_once(ray_cluster, tmp_path, drop_rema
     write_uneven_shards(tmp_path, SIZES)
     workers, epochs, batch = 2, 3, 16
     spec = _spec(str(tmp_path / "train-*"), epochs=epochs, drop_remainder=drop_remainder)
-    data = build_training_data(spec, workers)
+    data = build_training_data(spec, workers, _shape(spec))
     per_worker = _consume_all(ray_cluster, data.splits, batch_size=batch, drop_last=drop_remainder)
 
     assert len(per_worker[0]) == len(per_worker[1])  # equal shares: nobody runs dry at a sync step
@@ -71,7 +72,7 @@ def test_sync_every_example_of_every_epoch_once(ray_cluster, tmp_path, drop_rema
 def test_async_workers_at_different_speeds_never_stall(ray_cluster, tmp_path):
     write_uneven_shards(tmp_path, SIZES)
     spec = _spec(str(tmp_path / "train-*"), mode="async", epochs=2, drop_remainder=False)
-    data = build_training_data(spec, 2)
+    data = build_training_data(spec, 2, _shape(spec))
     started = time.monotonic()
     fast, slow = _consume_all(ray_cluster, data.splits, batch_size=8, drop_last=False, delays=[0.0, 0.05])
     assert time.monotonic() - started < 120
@@ -105,7 +106,7 @@ def test_readahead_stays_within_its_budget(ray_cluster, tmp_path):
     spec.data.train.features = validate_spec(
         {**spec.model_dump(), "data": {"train": {"paths": "x", "features": features}}}
     ).data.train.features
-    data = build_training_data(spec, 1)
+    data = build_training_data(spec, 1, _shape(spec))
     baseline = store_bytes()
     samples = []
     stop = threading.Event()
@@ -135,7 +136,7 @@ def test_csv_with_groups_and_inferred_columns(ray_cluster, tmp_path, capsys):
     spec = _spec(str(tmp_path / "train-*.csv"), workers=1, epochs=1, drop_remainder=False)
     spec.data.train.format = "csv"
     spec.data.train.groups = {"features": ["f*"]}
-    data = build_training_data(spec, 1)
+    data = build_training_data(spec, 1, _shape(spec))
     printed = capsys.readouterr().out
     assert "inferred from" in printed and "f0: float32 []" in printed and "example_id: int64 []" in printed
     assert data.groups == {"features": ["f0", "f1", "f2"]}
@@ -161,7 +162,7 @@ def test_manifest_csv_settings_and_file_urls(ray_cluster, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     spec = _spec(f"file://{tmp_path}/train-*.csv", workers=1, epochs=1, drop_remainder=False)
     spec.data.train.format = "csv"  # no header, no csv.columns: the manifest's features give them
-    data = build_training_data(spec, 1)
+    data = build_training_data(spec, 1, _shape(spec))
     assert data.examples_per_epoch == 12
     batch = next(data.splits[0].batches(batch_size=64, drop_last=False, shuffle_buffer=0, seed=0))
     assert sorted(batch["example_id"].tolist()) == list(range(12))
@@ -173,7 +174,7 @@ def test_seeded_shuffles_repeat_and_differ_per_epoch(ray_cluster, tmp_path):
 
     def order(seed):
         spec = _spec(str(tmp_path / "train-*"), workers=1, epochs=2, deterministic=True, seed=seed)
-        (stream,) = build_training_data(spec, 1).splits
+        (stream,) = build_training_data(spec, 1, _shape(spec)).splits
         ids = []
         for batch in stream.batches(batch_size=16, drop_last=False, shuffle_buffer=64, seed=seed):
             ids.extend(batch["example_id"].tolist())
@@ -186,19 +187,27 @@ def test_seeded_shuffles_repeat_and_differ_per_epoch(ray_cluster, tmp_path):
     assert first[:n] != first[n:]  # a different order in the second epoch
 
 
+def _shape(spec):
+    return step_shape(spec.training.mode, spec.replicas_to_aggregate)
+
+
+def _allowed(spec, workers: int, examples: int) -> int:
+    return steps_allowed(spec, workers, examples, _shape(spec))
+
+
 def test_steps_the_data_allows():
     def spec(mode="sync", workers=2, drop_remainder=True, **training):
         raw = _spec("x", mode=mode, workers=workers, drop_remainder=drop_remainder)
         return raw.model_copy(update={"training": raw.training.model_copy(update=training)})
 
     # Sync: equal shares (1,000 / 2 = 500 each), whole batches of 16 (31 each), one update per round.
-    assert steps_allowed(spec(), 2, 1000) == 31
-    assert steps_allowed(spec(drop_remainder=False), 2, 1000) == 32  # 31 full batches and one of 4
+    assert _allowed(spec(), 2, 1000) == 31
+    assert _allowed(spec(drop_remainder=False), 2, 1000) == 32  # 31 full batches and one of 4
     # Backup workers: 3 workers x 20 batches (333 each), 2 gradients an update.
-    assert steps_allowed(spec(workers=3, replicas_to_aggregate=2), 3, 1000) == 30
+    assert _allowed(spec(workers=3, replicas_to_aggregate=2), 3, 1000) == 30
     # Async: every batch is an update; each worker's last partial batch is dropped, or one more.
-    assert steps_allowed(spec("async"), 2, 1000) == 62
-    assert steps_allowed(spec("async", drop_remainder=False), 2, 1000) == 64
+    assert _allowed(spec("async"), 2, 1000) == 62
+    assert _allowed(spec("async", drop_remainder=False), 2, 1000) == 64
 
 
 def test_file_reads_are_cut_into_runs_that_start_small():
@@ -249,9 +258,9 @@ def test_a_batch_larger_than_the_data_allows_no_step_and_is_named(ray_cluster, t
     with pytest.raises(
         DataError, match=r"data.batch_size: 400 examples per worker make no training step out of the 634 "
     ):
-        build_training_data(spec, 2)
+        build_training_data(spec, 2, _shape(spec))
     smaller = spec.model_copy(update={"data": spec.data.model_copy(update={"batch_size": 300})})
-    assert build_training_data(smaller, 2).steps == 1  # one sync step of both workers' batches
+    assert build_training_data(smaller, 2, _shape(smaller)).steps == 1  # one sync step of both workers' batches
 
 
 def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
@@ -260,7 +269,7 @@ def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
     _write_uneven_shards_with_manifest(tmp_path)
     spec = _spec(str(tmp_path / "train-*"), workers=2, epochs=2, shuffle_files=False, drop_remainder=False)
     seen = sum(SIZES) + SIZES[0] + 50
-    data = build_training_data(spec, 2, examples_seen=seen)
+    data = build_training_data(spec, 2, _shape(spec), examples_seen=seen)
     assert (
         "epoch 2 of 2, after 1 file(s)" in data.resume_note
         and f"{sum(SIZES) + SIZES[0]} of {seen}" in data.resume_note
@@ -273,4 +282,4 @@ def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
 
     done = sum(SIZES) * 2
     with pytest.raises(DataError, match=r"nothing left to read.*all 2 epoch\(s\).*Raise data.epochs"):
-        build_training_data(spec, 2, examples_seen=done)
+        build_training_data(spec, 2, _shape(spec), examples_seen=done)

@@ -1,4 +1,7 @@
-from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol, make_protocol
+import pytest
+
+from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol, make_protocol, protocol_for, step_shape
+from towerflow.shared_types import StepShape
 
 
 def test_sync_applies_once_enough_replicas_arrive():
@@ -64,3 +67,11 @@ def test_make_protocol():
         make_protocol("async", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=2).max_staleness
         == 2
     )
+
+
+def test_the_protocol_says_what_differs_between_the_modes():
+    assert protocol_for("sync").lockstep and not protocol_for("async").lockstep
+    assert step_shape("sync", 3) == StepShape(lockstep=True, batches_per_update=3)
+    assert step_shape("async", 3) == StepShape(lockstep=False, batches_per_update=1)
+    with pytest.raises(ValueError, match="choose sync or async"):
+        protocol_for("hogwild")

@@ -48,7 +48,7 @@ def _fixed_splits(ray, columns, per_worker):
         ds.context.execution_options.preserve_order = True
         return ds.iterator()
 
-    def make(num_workers):
+    def make(num_workers, examples_seen=None, shape=None):
         assert num_workers == len(per_worker)
         return DataFeed([one_split(rows) for rows in per_worker], {})
 

@@ -40,7 +40,7 @@ from towerflow.data.sources import examples_per_file, read_manifest, resolve_fil
 from towerflow.data.splits import resumable_streaming_split
 from towerflow.data.tfrecord import read_tfrecord_file
 from towerflow.errors import DataError
-from towerflow.shared_types import StreamOptions, WorkerStream
+from towerflow.shared_types import StepShape, StreamOptions, WorkerStream
 
 UNBOUNDED_EPOCHS = 1000  # data.epochs: null with an unknown data set size
 # One Ray Data block (one read task) per file to read, up to this many; beyond it, blocks of several
@@ -138,8 +138,11 @@ def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: A
     return PreparedSplit(files, manifest, features, groups, reader)
 
 
-def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) -> TrainingData:
-    """The workers' streams; `examples_seen` (a resumed checkpoint's) makes them start after those."""
+def build_training_data(
+    spec: Any, num_workers: int, shape: StepShape, *, examples_seen: int = 0
+) -> TrainingData:
+    """The workers' streams for updates of `shape`; `examples_seen` (a resumed checkpoint's) makes
+    them start after those."""
     import ray
 
     from towerflow.data.pacing import pace_scheduling_loop
@@ -174,7 +177,7 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
             f"epoch(s) ({examples_seen:,} examples). Raise {bound} to train further."
         )
     to_read = None if counts is None else sum(counts[path] for path in ordered)
-    steps = None if to_read is None else steps_allowed(spec, num_workers, to_read)
+    steps = None if to_read is None else steps_allowed(spec, num_workers, to_read, shape)
     if steps == 0:
         raise DataError(
             f"data.batch_size: {data.batch_size:,} examples per worker make no training step out of the "
@@ -191,9 +194,9 @@ def build_training_data(spec: Any, num_workers: int, *, examples_seen: int = 0) 
     # Not the execution plan at INFO in every job's log: Ray forwards the split coordinator's lines
     # to a connected driver. Ray Data's own log file under the session's logs/ still has them.
     ds.context.print_on_execution_start = False
-    # Sync: every worker gets the same number of examples (equal). Async: faster workers take more.
+    # Lockstep (sync): every worker gets the same number of examples. Async: faster workers take more.
     # A lost worker's replacement takes its split over, with what it had not used (data/splits.py).
-    iterators = resumable_streaming_split(ds, num_workers, equal=spec.training.mode == "sync")
+    iterators = resumable_streaming_split(ds, num_workers, equal=shape.lockstep)
     options = StreamOptions(
         prefetch_batches=data.prefetch_batches,
         varlen=split.varlen,
@@ -297,15 +300,15 @@ def resume_point(orders: list[list[str]], counts: dict[str, int], examples_seen:
     return ResumePoint(epoch, files, examples_seen - within)
 
 
-def steps_allowed(spec: Any, num_workers: int, examples: int) -> int:
+def steps_allowed(spec: Any, num_workers: int, examples: int, shape: StepShape) -> int:
     """The most global steps that `examples`, split over the workers as build_training_data splits
-    them, can make. Sync: each worker gets an equal share, and each update takes
-    replicas_to_aggregate of their batches. Async: every batch is an update."""
+    them, can make. Lockstep (sync): each worker gets an equal share, and each update takes
+    `shape.batches_per_update` of their batches. Async: every batch is an update."""
     batch, whole_batches_only = spec.data.batch_size, spec.data.drop_remainder
-    if spec.training.mode == "sync":
+    if shape.lockstep:
         share = examples // num_workers
         batches = share // batch if whole_batches_only else -(-share // batch)
-        return num_workers * batches // spec.replicas_to_aggregate
+        return num_workers * batches // shape.batches_per_update
     # A worker's own last partial batch: dropped, or one more (smaller) update each.
     return examples // batch + (0 if whole_batches_only else num_workers)
 

@@ -27,6 +27,7 @@ from towerflow.runtime.failure import ActorLoss, Decision, FailurePolicy, LossKi
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, end_hooks
 from towerflow.runtime.model_state import average_model_states
+from towerflow.runtime.protocol import protocol_for, step_shape
 from towerflow.runtime.result import TrainResult, staleness_summary
 from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.shard_group import ShardGroup
@@ -36,7 +37,7 @@ from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import Rejoin, worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
 from towerflow.runtime.worker_group import ACTOR_GONE, WorkerGroup
-from towerflow.shared_types import join_pieces
+from towerflow.shared_types import StepShape, join_pieces
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Driver:
         failure = spec.training.failure
         self.failure_policy = FailurePolicy(failure.max_worker_failures, failure.max_ps_failures)
         self.group = WorkerGroup(self._new_worker, failure.worker_timeout_s)
+        self.protocol = protocol_for(spec.training.mode)  # asked what differs between sync and async
         self.shard_group = ShardGroup(spec, self._apply_threads())
         self.elastic = ElasticPolicy.for_spec(spec)
         self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
@@ -108,7 +110,7 @@ class Driver:
         self._evaluator: Any = None
         self._model_has_state: bool | None = None  # known from the first answer of the workers
         self.aggregator = StepAggregator(
-            replicas_per_step=spec.replicas_to_aggregate if spec.training.mode == "sync" else 1,
+            replicas_per_step=self._step_shape(spec.cluster.workers).batches_per_update,
             first_step=self.session.start_step + 1,
             examples_seen=initial_state.examples_seen if initial_state is not None else 0,
         )
@@ -128,7 +130,7 @@ class Driver:
             self.stop_signals.check()
             check_model(self.spec.model)
             count = self._starting_workers()
-            feed = self.make_data(count)
+            feed = self.make_data(count, None, self._step_shape(count))
             self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
             if feed.steps is not None:
                 self.session.data_steps = self.session.start_step + feed.steps
@@ -178,8 +180,10 @@ class Driver:
 
     def _set_worker_count(self, count: int) -> None:
         self.session.num_workers = count
-        sync = self.spec.training.mode == "sync"
-        self.aggregator.replicas_per_step = self.elastic.replicas_to_aggregate(count) if sync else 1
+        self.aggregator.replicas_per_step = self._step_shape(count).batches_per_update
+
+    def _step_shape(self, workers: int) -> StepShape:
+        return step_shape(self.spec.training.mode, self.elastic.replicas_to_aggregate(workers))
 
     def _create_actors(self, count: int) -> None:
         session = self.session
@@ -229,14 +233,14 @@ class Driver:
         """Push gradients in buckets during backprop only where it pays: sync mode, where every
         worker waits for the update, and no clipping, whose norm needs the whole gradient first."""
         training = self.spec.training
-        if training.mode != "sync" or training.optimizer.clip_global_norm is not None:
+        if not self.protocol.lockstep or training.optimizer.clip_global_norm is not None:
             return None
         return self.spec.cluster.push_bucket_bytes
 
     def _apply_threads(self) -> int | None:
         """Sync workers wait while the shards apply: lend the shards their cores meanwhile."""
         cluster = self.spec.cluster
-        if self.spec.training.mode != "sync":
+        if not self.protocol.lockstep:
             return None
         return max(1, int(cluster.workers * cluster.cpus_per_worker // cluster.ps))
 
@@ -386,7 +390,7 @@ class Driver:
         replicas = self.elastic.replicas_to_aggregate(len(members))
         ray.get([shard.resize.remote(len(members), replicas) for shard in self.shards])
         try:
-            feed = self.make_data(len(members), self.aggregator.examples_seen)
+            feed = self.make_data(len(members), self.aggregator.examples_seen, self._step_shape(len(members)))
         except DataError as exc:  # nothing left to read: the run ends here
             log.info("resize at step %d: %s", version, exc)
             for slot in self.group.slots.values():
@@ -465,7 +469,7 @@ class Driver:
         ray.get(self._load_shards(state, version))
         seen = state.examples_seen if state is not None else 0
         members = sorted(self.group.slots)
-        feed = self.make_data(len(members), seen)
+        feed = self.make_data(len(members), seen, self._step_shape(len(members)))
         self.data_splits = dict(zip(members, feed.splits))
         self.aggregator = StepAggregator(
             replicas_per_step=self.aggregator.replicas_per_step, first_step=version + 1, examples_seen=seen

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from towerflow.shared_types import StepShape
 
 
 class Verdict(str, enum.Enum):
@@ -46,6 +49,9 @@ class SyncProtocol:
     that (backup workers) the slowest gradients of each step are the ones dropped.
     """
 
+    # Every worker waits for each update: workers get equal data shares, pushing gradients in
+    # buckets during backprop pays, and the shards may use the waiting workers' cores to apply.
+    lockstep: ClassVar[bool] = True
     replicas_to_aggregate: int
     total_num_replicas: int
     _held: set[int] = field(default_factory=set)  # workers whose gradient the step being built holds
@@ -94,6 +100,7 @@ class SyncProtocol:
 class AsyncProtocol:
     """Downpour: every push is applied at once; with `max_staleness`, older gradients are rejected."""
 
+    lockstep: ClassVar[bool] = False  # no worker waits for another; staleness is what to watch
     max_staleness: int | None = None
 
     def on_push(self, version_read: int, version: int, worker: int) -> Decision:
@@ -118,11 +125,23 @@ class AsyncProtocol:
 UpdateProtocol = SyncProtocol | AsyncProtocol
 
 
+def protocol_for(mode: str) -> type[SyncProtocol] | type[AsyncProtocol]:
+    """The protocol class of a training mode: what the rest of the system asks instead of the mode's name."""
+    protocols = {"sync": SyncProtocol, "async": AsyncProtocol}
+    if mode not in protocols:
+        raise ValueError(f"unknown training mode {mode!r}; choose sync or async")
+    return protocols[mode]
+
+
+def step_shape(mode: str, replicas_to_aggregate: int) -> StepShape:
+    """A sync update takes `replicas_to_aggregate` batches, one from each of as many workers; async, one."""
+    lockstep = protocol_for(mode).lockstep
+    return StepShape(lockstep, replicas_to_aggregate if lockstep else 1)
+
+
 def make_protocol(
     mode: str, *, replicas_to_aggregate: int, total_num_replicas: int, max_staleness: int | None
 ) -> UpdateProtocol:
-    if mode == "sync":
+    if protocol_for(mode).lockstep:
         return SyncProtocol(replicas_to_aggregate, total_num_replicas)
-    if mode == "async":
-        return AsyncProtocol(max_staleness)
-    raise ValueError(f"unknown training mode {mode!r}; choose sync or async")
+    return AsyncProtocol(max_staleness)

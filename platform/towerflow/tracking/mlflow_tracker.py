@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, StepEvent
+from towerflow.runtime.protocol import protocol_for
 from towerflow.spec import flatten_spec
 from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.step_metrics import StepWindow
@@ -50,7 +51,7 @@ class MLflowTracker(Hook):
         self._buffer: list[Any] = []
         self._last_flush = 0.0
         self._last_logged_step = 0
-        self._window = StepWindow(staleness=spec.training.mode == "async")
+        self._window = StepWindow(staleness=not protocol_for(spec.training.mode).lockstep)
         self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
         self._faults = 0  # fault tags written
 
