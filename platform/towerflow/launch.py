@@ -47,7 +47,7 @@ def train(
     import_tensorflow(gpus=False)  # first, as tf_import says: the driver checkpoints with TensorFlow
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
     from towerflow.data.ingest import build_training_data
-    from towerflow.runtime.cluster import budget_for, ensure_ray
+    from towerflow.runtime.cluster import budget_for, check_actors_fit_nodes, ensure_ray, live_node_resources
     from towerflow.runtime.driver import DataFeed, Driver
     from towerflow.supervision import build_supervision_hooks
     from towerflow.supervision.artifacts import LocalArtifactSink, MlflowArtifactSink
@@ -92,6 +92,7 @@ def train(
             return LocalArtifactSink(local_root)
 
     ensure_ray(budget_for(spec.cluster), budget_for(spec.cluster, spec.cluster.fewest_workers))
+    check_actors_fit_nodes(spec.cluster, live_node_resources())
     skipped = SkippedRecordsHook() if spec.data.on_bad_record == "skip" else None
     # Hooks end in reverse order: the skipped-records hook comes right after the tracker, so that its
     # last counts reach the tracker before the tracker closes the run.

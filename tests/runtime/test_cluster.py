@@ -62,3 +62,17 @@ def test_an_address_where_nothing_listens_fails_at_once_naming_it():
     with pytest.raises(ClusterError, match="RAY_ADDRESS=nohost.invalid:6379"):
         check_reachable("nohost.invalid:6379", timeout_s=5)
     check_reachable("ray://nohost.invalid:10001")  # Ray Client: left to Ray
+
+
+def test_a_worker_bigger_than_any_node_fails_up_front_naming_it():
+    from towerflow.runtime.cluster import check_actors_fit_nodes
+    from towerflow.spec.schema import ClusterSpec
+
+    nodes = [{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 4.0, "GPU": 1.0}]  # 8 CPUs in all, 4 at most on one
+    check_actors_fit_nodes(ClusterSpec(workers=2, cpus_per_worker=4, gpus_per_worker=1), nodes)
+    with pytest.raises(ClusterError, match=r"a worker asks for 6 CPU.*the largest: 4 CPU, 1 GPU over 3 node"):
+        check_actors_fit_nodes(ClusterSpec(workers=1, cpus_per_worker=6), nodes)
+    with pytest.raises(ClusterError, match=r"a worker asks for 1 CPU, 2 GPU \(cluster.cpus_per_worker"):
+        check_actors_fit_nodes(ClusterSpec(workers=1, gpus_per_worker=2, towers=2), nodes)
+    with pytest.raises(ClusterError, match=r"a parameter server asks for 5 CPU"):
+        check_actors_fit_nodes(ClusterSpec(cpus_per_ps=5), nodes)

@@ -146,6 +146,37 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
     )
 
 
+def live_node_resources() -> list[dict[str, float]]:
+    """Each live node's total resources (Ray's `ray.nodes()`)."""
+    import ray
+
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+def check_actors_fit_nodes(cluster, nodes: list[dict[str, float]]) -> None:
+    """Fail up front where one worker or shard needs more than any single node has: Ray would leave
+    it pending for ever, though the cluster's total looks big enough. `cluster` is the ClusterSpec."""
+    needs = {
+        "worker": (
+            {"CPU": cluster.cpus_per_worker, "GPU": cluster.gpus_per_worker},
+            "cluster.cpus_per_worker / gpus_per_worker",
+        ),
+        "parameter server": ({"CPU": cluster.cpus_per_ps}, "cluster.cpus_per_ps"),
+    }
+    for actor, (wanted, keys) in needs.items():
+        if any(
+            all(node.get(r, 0.0) + 1e-9 >= amount for r, amount in wanted.items() if amount) for node in nodes
+        ):
+            continue
+        asked = ", ".join(f"{amount:g} {r}" for r, amount in wanted.items() if amount)
+        biggest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)), default={})
+        raise ClusterError(
+            f"a {actor} asks for {asked} ({keys}), more than any node of the Ray cluster has (the largest: "
+            f"{biggest.get('CPU', 0.0):g} CPU, {biggest.get('GPU', 0.0):g} GPU over {len(nodes)} node(s)); it "
+            "would wait for ever. Lower it, or add a node that big."
+        )
+
+
 def check_capacity(budget: ResourceBudget, resources: dict[str, float]) -> None:
     have_cpu, have_gpu = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
     if have_cpu + 1e-9 < budget.cpus:
