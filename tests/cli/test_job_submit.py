@@ -240,3 +240,49 @@ def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray
     assert [step for step, _ in MlflowCheckpointStore(client, run.info.run_id).list()] == [final_step], text
     assert f"saved a checkpoint of step {final_step} before stopping" in text, text
     assert f"--resume {run.info.run_id}" in text, text
+
+
+def test_towerflow_submit_sends_the_job_follows_it_and_names_its_run(ray_head, tmp_path):
+    address, env = ray_head
+    synth_tabular(tmp_path / "data", shards=2, examples=1_000, eval_examples=100, seed=2, fmt="csv")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    settings = [
+        f"data.train.paths={tmp_path}/data/train-*.csv",
+        f"data.eval.paths={tmp_path}/data/eval-*.csv",
+        "data.batch_size=64",
+        "cluster.workers=1",
+        "training.max_steps=6",
+        "export.saved_model=false",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "towerflow", "submit", "pipelines/tabular_csv.yaml", "--address", address]
+        + ["--set", *settings],
+        cwd=REPO,
+        env={**env, "MLFLOW_TRACKING_URI": store},  # what the job is given to track to
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs
+    job_id = logs.split("towerflow: submitted job ", 1)[1].split()[0]
+    assert f"ray job logs -f --address {address} {job_id}" in logs
+    assert f"towerflow: job {job_id} SUCCEEDED" in logs
+    run_id = logs.split("towerflow: the job tracks MLflow run ", 1)[1].split()[0]
+    run = MlflowClient(store).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 6
+
+
+def test_towerflow_submit_refuses_a_bad_spec_before_sending_anything(ray_head):
+    address, env = ray_head
+    out = subprocess.run(
+        [sys.executable, "-m", "towerflow", "submit", "pipelines/tabular_csv.yaml", "--address", address]
+        + ["--set", "training.mode=hogwild"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "training.mode" in out.stderr and "submitted job" not in out.stdout

@@ -154,6 +154,21 @@ def _parser() -> argparse.ArgumentParser:
     gpus = sub.add_parser("gpus", help="list every GPU in the Ray cluster with the processes on it")
     gpus.set_defaults(handler=_gpus)
 
+    submit = sub.add_parser(
+        "submit",
+        help="submit a training job to a Ray cluster's job server (this directory as its working directory)",
+        description=(
+            "Checks the spec here, then submits `python -m towerflow train SPEC --resume auto` with "
+            "cluster/runtime_env.yaml and this shell's MLFLOW_TRACKING_URI. Token authentication: "
+            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the environment."
+        ),
+    )
+    submit.add_argument("spec", type=Path, help="job spec (YAML), inside this directory")
+    submit.add_argument("--address", help="the job server, http://HEAD:8265 (default: RAY_ADDRESS)")
+    _add_overrides_option(submit)
+    submit.add_argument("--no-wait", action="store_true", help="return once submitted; do not follow the log")
+    submit.set_defaults(handler=_submit)
+
     scale = sub.add_parser(
         "scale",
         help="set a running job's worker count: it grows as the cluster has room, or shrinks now",
@@ -251,6 +266,8 @@ class _RunIdHook(Hook):
 
     def begin(self, session: SessionInfo) -> None:
         self.run_id = session.tags.get("run_id")
+        if self.run_id:  # for `towerflow scale`, and for `towerflow submit` to find in the job's log
+            print(f"towerflow: MLflow run {self.run_id}", flush=True)
 
 
 def _runnable(command: str) -> str:
@@ -361,6 +378,25 @@ def _gpus(args: argparse.Namespace) -> int:
     ensure_ray(ResourceBudget(worker_cpus=0, ps_cpus=0, data_cpus=0, gpus=0))
     print(format_table(probe_cluster()))
     return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from towerflow.submit import follow, submit
+
+    job = submit(args.spec, address=args.address, overrides=args.overrides)
+    print(f"towerflow: submitted job {job.job_id} to {job.address} (its dashboard)", flush=True)
+    print(f"towerflow: follow it with: {job.follow_command()}", flush=True)
+    print(f"towerflow: stop it with:   {job.stop_command()}", flush=True)
+    if args.no_wait:
+        print("towerflow: its log names the MLflow run once training starts", flush=True)
+        return 0
+
+    def run_id(found: str) -> None:
+        print(f"towerflow: the job tracks MLflow run {found}", flush=True)
+
+    final = follow(job, lambda line: print(line, flush=True), run_id)
+    print(f"towerflow: job {job.job_id} {final}", flush=True)
+    return 0 if final == "SUCCEEDED" else 1
 
 
 def _scale(args: argparse.Namespace) -> int:
