@@ -33,6 +33,9 @@ def test_the_runtime_env_is_the_repository_with_the_shells_tracking_uri(monkeypa
     assert env["env_vars"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     assert env["env_vars"]["TF_CPP_MIN_LOG_LEVEL"] == "2"  # from cluster/runtime_env.yaml
     assert "data/" in env["excludes"]
+    assert runtime_env(REPO, "http://mlflow.towerflow:5000")["env_vars"]["MLFLOW_TRACKING_URI"] == (
+        "http://mlflow.towerflow:5000"
+    )
 
 
 def test_the_entrypoint_trains_with_resume_auto_and_quotes_each_override():

@@ -50,9 +50,11 @@ def job_server_address(address: str | None) -> str:
     return found
 
 
-def runtime_env(root: Path) -> dict[str, Any]:
+def runtime_env(root: Path, tracking_uri: str | None = None) -> dict[str, Any]:
     """cluster/runtime_env.yaml (if the repository has one), the repository as working directory,
-    and this shell's MLFLOW_TRACKING_URI, so the job tracks where the user looks."""
+    and `tracking_uri` (default: this shell's MLFLOW_TRACKING_URI), so the job tracks where the user
+    looks. Where the cluster's pods reach the server by another address than this shell (a
+    port-forward), give that address, or unset the variable to keep the pods' own."""
     path = root / RUNTIME_ENV_FILE
     env: dict[str, Any] = {}
     if path.exists():
@@ -62,8 +64,9 @@ def runtime_env(root: Path) -> dict[str, Any]:
         env = loaded
     env = {**env, "working_dir": str(root)}
     env_vars = dict(env.get("env_vars") or {})
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        env_vars["MLFLOW_TRACKING_URI"] = os.environ["MLFLOW_TRACKING_URI"]
+    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if tracking_uri:
+        env_vars["MLFLOW_TRACKING_URI"] = tracking_uri
     if env_vars:
         env["env_vars"] = env_vars
     return env
@@ -77,7 +80,12 @@ def entrypoint(spec: Path, overrides: Sequence[str]) -> str:
 
 
 def submit(
-    spec: Path, *, address: str | None = None, overrides: Sequence[str] = (), root: Path | None = None
+    spec: Path,
+    *,
+    address: str | None = None,
+    overrides: Sequence[str] = (),
+    tracking_uri: str | None = None,
+    root: Path | None = None,
 ) -> Submitted:
     """Check the spec here, then submit its training job; returns the job's id and server."""
     from ray.job_submission import JobSubmissionClient
@@ -94,7 +102,9 @@ def submit(
     server = job_server_address(address)
     try:
         client = JobSubmissionClient(server)
-        job_id = client.submit_job(entrypoint=entrypoint(relative, overrides), runtime_env=runtime_env(root))
+        job_id = client.submit_job(
+            entrypoint=entrypoint(relative, overrides), runtime_env=runtime_env(root, tracking_uri)
+        )
     except (
         ConnectionError,
         RuntimeError,

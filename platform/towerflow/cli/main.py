@@ -165,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("spec", type=Path, help="job spec (YAML), inside this directory")
     submit.add_argument("--address", help="the job server, http://HEAD:8265 (default: RAY_ADDRESS)")
+    submit.add_argument(
+        "--tracking-uri",
+        help="the MLflow server as the cluster's nodes reach it (default: this shell's MLFLOW_TRACKING_URI)",
+    )
     _add_overrides_option(submit)
     submit.add_argument("--no-wait", action="store_true", help="return once submitted; do not follow the log")
     submit.set_defaults(handler=_submit)
@@ -383,7 +387,7 @@ def _gpus(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from towerflow.submit import follow, submit
 
-    job = submit(args.spec, address=args.address, overrides=args.overrides)
+    job = submit(args.spec, address=args.address, overrides=args.overrides, tracking_uri=args.tracking_uri)
     print(f"towerflow: submitted job {job.job_id} to {job.address} (its dashboard)", flush=True)
     print(f"towerflow: follow it with: {job.follow_command()}", flush=True)
     print(f"towerflow: stop it with:   {job.stop_command()}", flush=True)
