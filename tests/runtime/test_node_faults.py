@@ -94,7 +94,7 @@ def _finish(driver: subprocess.Popen, timeout: float = 300) -> str:
 
 def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
-    spec, uri = _spec_file(tmp_path, blob_data, "node-loss", max_steps=200)
+    spec, uri = _spec_file(tmp_path, blob_data, "node-loss", max_steps=150)
     driver = _train(cluster, spec)
     run_id = _wait_for_step(uri, "node-loss", 20, driver)
     head = cluster.head.node_id
@@ -116,16 +116,16 @@ def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_clus
     assert "worker" in out and "replaced" in out
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["global_step"] == 200
+    assert run.data.metrics["global_step"] == 150
     assert run.data.metrics["workers_lost"] == 1
     assert any(k.startswith("towerflow.fault.") and "replaced" in v for k, v in run.data.tags.items())
 
 
 def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
-    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=160)
+    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=100)
     driver = _train(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
-    run_id = _wait_for_step(uri, "driver-loss", 45, driver)
+    run_id = _wait_for_step(uri, "driver-loss", 30, driver)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
     driver.wait()
     client = MlflowClient(uri)
@@ -136,7 +136,7 @@ def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_dat
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["global_step"] == 160
+    assert run.data.metrics["global_step"] == 100
     assert int(run.data.tags["towerflow.resumed_from_step"]) >= 20
 
 
