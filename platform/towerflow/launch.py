@@ -48,7 +48,8 @@ def train(
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
     from towerflow.data.ingest import build_training_data
     from towerflow.runtime.cluster import budget_for, check_actors_fit_nodes, ensure_ray, live_node_resources
-    from towerflow.runtime.driver import DataFeed, Driver
+    from towerflow.runtime.driver import Driver
+    from towerflow.shared_types import DataFeed
     from towerflow.supervision import build_supervision_hooks
     from towerflow.supervision.artifacts import LocalArtifactSink, MlflowArtifactSink
     from towerflow.supervision.skipped_records import SkippedRecordsHook

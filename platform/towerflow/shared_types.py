@@ -6,9 +6,9 @@ runtime's shards hold. Plain data and small behaviour only; nothing here starts 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,6 +71,15 @@ class StepShape:
 
     lockstep: bool
     batches_per_update: int
+
+
+class DataFeed(NamedTuple):
+    """What the driver's `make_data` gives it (data/ makes the streams): one stream per worker, the features' scales, and the
+    most global steps the streams make from where they start (None: unknown)."""
+
+    splits: Sequence[Any]
+    feature_scales: dict[str, float]
+    steps: int | None = None
 
 
 # -- a worker's stream of training data ------------------------------------------------------------

@@ -129,17 +129,22 @@ def _submit(address: str, env: dict, runtime_env: str, *train_args: str) -> subp
     )
 
 
-def test_a_submitted_job_trains_tracks_and_registers_its_model(ray_head, tmp_path):
-    address, env = ray_head
+def _tabular_job(tmp_path: Path, *settings: str) -> tuple[str, list[str]]:
+    """A small CSV data set and a store both this test and the job can reach; the --set values that
+    point the tabular pipeline at them (one worker, batches of 64), then `settings`."""
     synth_tabular(tmp_path / "data", shards=2, examples=1_000, eval_examples=100, seed=2, fmt="csv")
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a store both this test and the job can reach
-    settings = [
+    data = [
         f"data.train.paths={tmp_path}/data/train-*.csv",
         f"data.eval.paths={tmp_path}/data/eval-*.csv",
         "data.batch_size=64",
         "cluster.workers=1",
-        "training.max_steps=6",
     ]
+    return f"sqlite:///{tmp_path / 'mlflow.db'}", data + list(settings)
+
+
+def test_a_submitted_job_trains_tracks_and_registers_its_model(ray_head, tmp_path):
+    address, env = ray_head
+    store, settings = _tabular_job(tmp_path, "training.max_steps=6")
     out = _submit(
         address,
         env,
@@ -188,18 +193,13 @@ def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray
     # `ray job stop` sends SIGTERM and, 3 s later (RAY_JOB_STOP_WAIT_TIME_S), SIGKILL. The run
     # stops after its steps in flight and saves them; its periodic checkpoints are far apart.
     address, env = ray_head
-    synth_tabular(tmp_path / "data", shards=2, examples=1_000, eval_examples=100, seed=2, fmt="csv")
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    settings = [
-        f"data.train.paths={tmp_path}/data/train-*.csv",
-        f"data.eval.paths={tmp_path}/data/eval-*.csv",
-        "data.batch_size=64",
+    store, settings = _tabular_job(
+        tmp_path,
         "data.epochs=null",
-        "cluster.workers=1",
         "training.max_steps=1000000",
         "supervision.checkpoint.every_steps=100000",
         "export.saved_model=false",
-    ]
+    )
     job_id = f"towerflow-stop-{secrets.token_hex(4)}"
     submitted = subprocess.run(
         [RAY_CLI, "job", "submit", f"--address={address}", f"--submission-id={job_id}", "--no-wait"]
@@ -244,16 +244,7 @@ def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray
 
 def test_towerflow_submit_sends_the_job_follows_it_and_names_its_run(ray_head, tmp_path):
     address, env = ray_head
-    synth_tabular(tmp_path / "data", shards=2, examples=1_000, eval_examples=100, seed=2, fmt="csv")
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    settings = [
-        f"data.train.paths={tmp_path}/data/train-*.csv",
-        f"data.eval.paths={tmp_path}/data/eval-*.csv",
-        "data.batch_size=64",
-        "cluster.workers=1",
-        "training.max_steps=6",
-        "export.saved_model=false",
-    ]
+    store, settings = _tabular_job(tmp_path, "training.max_steps=6", "export.saved_model=false")
     out = subprocess.run(
         [sys.executable, "-m", "towerflow", "submit", "pipelines/tabular_csv.yaml", "--address", address]
         + ["--set", *settings],

@@ -10,9 +10,10 @@ from sample_hooks import StopAtStepHook
 from support import blob_spec, blobs
 
 from models import mlp
-from towerflow.runtime.driver import DataFeed, Driver
+from towerflow.runtime.driver import Driver
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
+from towerflow.shared_types import DataFeed
 from towerflow.spec import validate_spec
 
 

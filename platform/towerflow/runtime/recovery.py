@@ -1,0 +1,187 @@
+"""What the controller does when the cluster changes under a run: replace lost workers, roll the
+shards back after a lost parameter server, and resize an elastic run. The driver (runtime/driver.py)
+mixes these in; it owns the loop, the hooks and the run's state."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import ray
+
+from towerflow.errors import DataError, TrainingError
+from towerflow.runtime.events import StepAggregator
+from towerflow.runtime.failure import ActorLoss, Decision, LossKind
+from towerflow.runtime.hooks import FaultEvent
+from towerflow.runtime.worker import Rejoin
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    RESIZING = "resizing"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+    ERRORED = "errored"
+
+
+class RecoveryActions:
+    """The controller's actions on lost actors and resizes (a mixin of the Driver, whose state they use)."""
+
+    def _membership_change(self) -> tuple[list[int], list[int]] | None:
+        """Workers to let go and started spares to take in, toward the elastic target; None: no change.
+        Not once a worker has finished (its data ended: the run is ending) or a stop was asked for."""
+        group = self.group
+        if self.context.stop_requested or any(s.finished or s.lost for s in group.slots.values()):
+            return None
+        wanted = self.control.new_worker_count() if self.control is not None else None
+        if wanted is not None:
+            log.info("towerflow scale: %d worker(s) wanted, %d running", wanted, len(group.running))
+            self.elastic.scale_to(wanted)
+        wanted = self.elastic.spares_wanted(len(group.running), len(group.spares))
+        group.drop_spares(-wanted)
+        for _ in range(wanted):
+            group.request_spare()
+        return self.elastic.resize(group.running, group.ready_spares())
+
+    def _resize(self, *, leaving: list[int], joining: list[int], records: list[Any]) -> None:
+        """Stop every worker between steps, take in `joining`, let `leaving` (and any lost) go, and
+        start the new set on data re-planned from the position reached. The shards keep their state
+        and version; no actor restarts but those that leave."""
+        self.state = State.RESIZING
+        before = len(self.group.slots)
+        self._close_data()  # a worker waiting at an epoch barrier for a lost split's consumer goes on
+        status = self.group.stop_and_drain(timeout_s=self.group.timeout_s)
+        if status.user_error is not None:
+            raise status.user_error
+        if self.failure_policy.decide(status) is Decision.FAIL:
+            raise TrainingError(self.failure_policy.failure_message())
+        self._summaries.update(status.finished)
+        drained = sorted(self._backlog + records + status.records, key=lambda r: (r.step, r.finished_at))
+        self._backlog = []
+        self._ready_events += self.aggregator.add(drained) + self.aggregator.flush()
+        lost = [i for i, slot in self.group.slots.items() if slot.lost]
+        keep_lost = max(
+            0, self.elastic.fewest - (len(self.group.slots) - len(lost) - len(leaving) + len(joining))
+        )
+        for worker_id in leaving + lost[keep_lost:]:  # the lost beyond min go; those under it are replaced
+            self.group.remove(worker_id)
+        for worker_id in joining:
+            self.group.adopt(worker_id)
+            self._start_steps[worker_id] = 0
+        members = sorted(self.group.slots)
+        version = ray.get(self.shards[0].ping.remote())
+        replicas = self.elastic.replicas_to_aggregate(len(members))
+        ray.get([shard.resize.remote(len(members), replicas) for shard in self.shards])
+        try:
+            feed = self.make_data(len(members), self.aggregator.examples_seen, self._step_shape(len(members)))
+        except DataError as exc:  # nothing left to read: the run ends here
+            log.info("resize at step %d: %s", version, exc)
+            for slot in self.group.slots.values():
+                slot.finished = True
+            self.state = State.RUNNING
+            return
+        if feed.steps is not None:
+            self.session.data_steps = version + feed.steps
+        self.data_splits = dict(zip(members, feed.splits))
+        self._set_worker_count(len(members))
+        model_state = self.model_state()
+        for worker_id in members:
+            self.group.rerun(
+                worker_id,
+                self.shards,
+                self._placement(),
+                self.shard_group.buckets,
+                self.data_splits[worker_id],
+                Rejoin([], model_state),
+            )
+        log.warning("resized from %d to %d worker(s) at step %d", before, len(members), version)
+        self.session.log_metrics({"workers": float(len(members))}, version)
+        self.state = State.RUNNING
+
+    def _close_data(self) -> None:
+        for split in list(self.data_splits.values())[:1]:  # one coordinator serves every split
+            if hasattr(split, "close"):
+                split.close()
+
+    def _log_losses(self) -> None:
+        lost = sum(1 for loss in self.failure_policy.history if loss.kind is LossKind.WORKER)
+        replaced = self.group.replacements
+        self.session.log_metrics(
+            {"workers_lost": float(lost), "workers_replaced": float(replaced)}, self._global_step()
+        )
+
+    def _replace_workers(self, losses: list[ActorLoss]) -> None:
+        """Each lost worker's steps go on without it at once (the shards retire it); a new actor
+        takes its id, its split and its unused rows, and joins the steps when it has started."""
+        ids = [loss.index for loss in losses]
+        ray.get([s.retire.remote(worker_id) for s in self.shards for worker_id in ids])
+        model_state = self.model_state()
+        # The chief hears of steps a poll late; the shard counted every gradient the worker sent.
+        taken = ray.get(self.shards[-1].examples_taken.remote())
+        for loss in losses:
+            split, heard = self.data_splits[loss.index], self.group.slots[loss.index].used_rows
+            used = max(heard, taken.get(loss.index, 0))
+            leftover = split.leftover(used) if hasattr(split, "leftover") else []
+            handed_over = used + sum(piece.rows for piece in leftover)
+            taken = split.taken_over(handed_over) if hasattr(split, "taken_over") else split
+            self.group.replace(
+                loss.index,
+                self.shards,
+                self._placement(),
+                self.shard_group.buckets,
+                taken,
+                Rejoin(leftover, model_state),
+            )
+            self._fault(loss, "replaced")
+        self._log_losses()
+
+    def _roll_back(self, losses: list[ActorLoss]) -> None:
+        """A shard is lost: every shard goes back to the newest checkpoint together (never a mix of
+        versions), a new shard takes each lost one's place, and the workers train on from there,
+        on the data from that checkpoint's position. Workers and the other shards are not restarted."""
+        heard = max(self.group.global_step, self._global_step())
+        self._close_data()
+        for shard in self.shards:  # release every worker waiting on a live shard; each run ends
+            shard.finish.remote()
+        self.group.wait_ended(timeout_s=60)
+        state = self.latest_checkpoint() if self.latest_checkpoint is not None else None
+        state = state or self.initial_state
+        version = state.global_step if state is not None else 0
+        for loss in losses:
+            self.shard_group.replace(loss.index)
+        ray.get(self._load_shards(state, version))
+        seen = state.examples_seen if state is not None else 0
+        members = sorted(self.group.slots)
+        feed = self.make_data(len(members), seen, self._step_shape(len(members)))
+        self.data_splits = dict(zip(members, feed.splits))
+        self.aggregator = StepAggregator(
+            replicas_per_step=self.aggregator.replicas_per_step, first_step=version + 1, examples_seen=seen
+        )
+        self.aggregator.start()
+        model_state = state.model_state if state is not None else {}
+        for worker_id, split in self.data_splits.items():
+            rejoin = Rejoin([], model_state)
+            self.group.rerun(
+                worker_id, self.shards, self._placement(), self.shard_group.buckets, split, rejoin
+            )
+        self._rollbacks += 1
+        self._steps_redone += max(0, heard - version)
+        self.session.log_metrics(
+            {"ps_rollbacks": float(self._rollbacks), "steps_redone": float(self._steps_redone)}, version
+        )
+        for loss in losses:
+            self._fault(loss, f"rolled back to step {version}, {max(0, heard - version)} step(s) to redo")
+
+    def _lost_shards(self) -> list[ActorLoss]:
+        return self.shard_group.lost(self._global_step())
+
+    def _fault(self, loss: ActorLoss, action: str) -> None:
+        event = FaultEvent(loss.at_step, loss.describe(), action)
+        log.warning("%s: %s", event.what, action)
+        for hook in self.hooks:
+            hook.on_fault(event)
