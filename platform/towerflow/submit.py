@@ -94,11 +94,11 @@ def submit(
 
     root = (root or Path.cwd()).resolve()
     load_spec(spec, overrides)  # a bad spec fails here, naming the key, not minutes later in the job
-    relative = spec.resolve().relative_to(root) if spec.resolve().is_relative_to(root) else None
-    if relative is None:
+    if not spec.resolve().is_relative_to(root):
         raise SpecError(
             f"{spec}: the spec must lie in the working directory ({root}), which is shipped to the job"
         )
+    relative = spec.resolve().relative_to(root)
     server = job_server_address(address)
     try:
         client = JobSubmissionClient(server)
