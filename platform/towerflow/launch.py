@@ -80,10 +80,10 @@ def train(
         def artifact_sink(session: SessionInfo):
             return MlflowArtifactSink(tracker.client, tracker.run_id)
     else:
-        from towerflow.checkpoint.resume import latest_state
+        from towerflow.checkpoint.resume import latest_checkpoint
 
         initial_state = (
-            latest_state(LocalCheckpointStore(Path(resume) / "checkpoints"), resume) if resume else None
+            latest_checkpoint(LocalCheckpointStore(Path(resume) / "checkpoints"), resume) if resume else None
         )
 
         def checkpoint_store(session: SessionInfo):
@@ -120,7 +120,7 @@ def train(
         else:
             store = LocalCheckpointStore(local_root / "checkpoints")
         step = latest_step(store)
-        return store.load(step) if step is not None else None
+        return store.open(step) if step is not None else None
 
     driver = Driver(
         spec,

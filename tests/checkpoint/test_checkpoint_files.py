@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -18,8 +20,16 @@ from towerflow.checkpoint import (
     split_for_shards,
     write_checkpoint,
 )
+from towerflow.checkpoint.files import (
+    MODEL_PART,
+    PartLayout,
+    checkpoint_meta,
+    read_meta,
+    shard_part_name,
+    write_part,
+)
 from towerflow.checkpoint.retention import checkpoints_to_delete
-from towerflow.checkpoint.stores import LocalCheckpointStore, latest_step
+from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore, latest_step
 from towerflow.runtime.ps import ShardSnapshot
 from towerflow.runtime.sharding import GreedyBytes, cut_variables, shard_variables
 from towerflow.shared_types import VariableInfo
@@ -112,8 +122,130 @@ def test_files_round_trip_and_are_tensorflow_checkpoints(tmp_path):
     )
     np.testing.assert_array_equal(back.variables["a/kernel"], state.variables["a/kernel"])
     np.testing.assert_array_equal(back.slots["m"]["a/kernel"], state.slots["m"]["a/kernel"])
-    names = dict(tf.train.list_variables(str(directory / "state")))
-    assert names["variables/a.Skernel/.ATTRIBUTES/VARIABLE_VALUE"] == [2, 3]  # readable by plain TF tools
+    names = dict(tf.train.list_variables(str(directory / "shard-00000" / "state")))
+    assert names["values/0/.ATTRIBUTES/VARIABLE_VALUE"] == [2, 3]  # readable by plain TF tools
+    assert read_meta(directory)["parts"] == [
+        {"name": "shard-00000", "pieces": [["a/kernel", 0, 2], ["b", 0, 1]]}
+    ]
+
+
+def _write_in_parts(store, infos, values, num_shards, step=7, model_state=None):
+    """A checkpoint written as the shards write it: one part each, through the store's writer,
+    then meta.json. Returns the writer (committed)."""
+    pieces, assignment, snapshots = _snapshots(infos, values, num_shards, version=step)
+    writer = store.writer(step)
+    layouts = []
+    for shard, (indices, snapshot) in enumerate(zip(assignment, snapshots)):
+        name = shard_part_name(shard)
+        with tempfile.TemporaryDirectory() as scratch:
+            write_part(scratch, snapshot.values, [snapshot.slots["m"]])
+            writer.write_part(name, scratch)
+        layouts.append(
+            PartLayout(
+                name,
+                tuple((infos[pieces[i].variable].name, pieces[i].start, pieces[i].stop) for i in indices),
+            )
+        )
+    assert store.list() == []  # nothing complete before meta.json
+    if model_state:
+        with tempfile.TemporaryDirectory() as scratch:
+            write_part(scratch, list(model_state.values()), [])
+            writer.write_part(MODEL_PART, scratch)
+    meta = checkpoint_meta(
+        step,
+        "adam",
+        [(i.name, i.shape, i.dtype) for i in infos],
+        ["m"],
+        layouts,
+        model_state,
+        {"examples_seen": 640},
+    )
+    writer.commit(meta)
+    return pieces, assignment
+
+
+def _check_reads_back(store, infos, values, pieces, assignment):
+    ((step, _),) = store.list()
+    opened = store.open(step)
+    assert opened.global_step == 7 and opened.examples_seen == 640 and opened.slot_names == ["m"]
+    np.testing.assert_array_equal(opened.model_state["bn/mean"], np.arange(3, dtype=np.float32))
+    for shard, indices in enumerate(assignment):  # what a shard reads of its own part
+        part_values, (part_m,) = opened.read_part(shard_part_name(shard))
+        for index, value, slot in zip(indices, part_values, part_m):
+            expected = pieces[index].of(values[pieces[index].variable])
+            np.testing.assert_array_equal(value, expected)
+            np.testing.assert_array_equal(slot, expected * 2)
+    whole = store.load(step)  # joined part by part
+    for info, value in zip(infos, values):
+        np.testing.assert_array_equal(whole.variables[info.name], value)
+        np.testing.assert_array_equal(whole.slots["m"][info.name], value * 2)
+    assert whole.model_state.keys() == {"bn/mean"}
+
+
+def test_a_checkpoint_written_in_parts_reads_back_whole_and_part_by_part(tmp_path):
+    infos, values = _variables()
+    store = LocalCheckpointStore(tmp_path)
+    pieces, assignment = _write_in_parts(
+        store, infos, values, 3, model_state={"bn/mean": np.arange(3, dtype=np.float32)}
+    )
+    assert any(p.name.endswith("part_1") for p in pieces)
+    _check_reads_back(store, infos, values, pieces, assignment)
+    assert sorted(p.name for p in (tmp_path / "ckpt-000000007").iterdir()) == [
+        "meta.json",
+        "model",
+        "shard-00000",
+        "shard-00001",
+        "shard-00002",
+    ]
+
+
+def test_a_checkpoint_written_in_parts_to_an_mlflow_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("parts", artifact_location=(tmp_path / "artifacts").as_uri())
+    run = client.create_run(experiment)
+    infos, values = _variables()
+    store = MlflowCheckpointStore(client, run.info.run_id)
+    pieces, assignment = _write_in_parts(
+        store, infos, values, 2, model_state={"bn/mean": np.arange(3, dtype=np.float32)}
+    )
+    _check_reads_back(store, infos, values, pieces, assignment)
+    store.delete(7)
+    assert store.list() == []
+
+
+def test_an_aborted_checkpoint_leaves_nothing(tmp_path):
+    store = LocalCheckpointStore(tmp_path)
+    writer = store.writer(3)
+    with tempfile.TemporaryDirectory() as scratch:
+        write_part(scratch, [np.ones(2, np.float32)], [])
+        writer.write_part(shard_part_name(0), scratch)
+    writer.abort()
+    assert store.list() == [] and list(tmp_path.iterdir()) == []
+
+
+def test_format_1_checkpoints_still_read(tmp_path):
+    """Checkpoints written before shards wrote their own parts: one TF checkpoint of whole variables."""
+    from towerflow.checkpoint.files import _format_1_object
+
+    state = TrainingState(5, "sgd", ["w"], {"w": np.arange(4, dtype=np.float32)}, {}, {"examples_seen": 10})
+    directory = tmp_path / "ckpt-000000005"
+    directory.mkdir()
+    _format_1_object(state).write(str(directory / "state"))
+    meta = {
+        "format": 1,
+        "global_step": 5,
+        "optimizer": "sgd",
+        "variables": [{"name": "w", "shape": [4], "dtype": "float32"}],
+        "slots": [],
+        "data_position": {"examples_seen": 10},
+        "written_at": 1.0,
+    }
+    (directory / "meta.json").write_text(json.dumps(meta))
+    opened = LocalCheckpointStore(tmp_path).open(5)
+    assert opened.parts == [] and opened.examples_seen == 10
+    np.testing.assert_array_equal(opened.read().variables["w"], state.variables["w"])
 
 
 def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_pick(tmp_path):

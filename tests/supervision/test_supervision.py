@@ -65,6 +65,8 @@ def test_checkpoints_every_n_steps_and_at_the_end(first_run):
     for name, value in zip(final.names, result.parameters):
         np.testing.assert_array_equal(final.variables[name], value)
     assert final.data_position["examples_seen"] > 0
+    # Each shard wrote its own part; meta.json says which rows of which variable each part holds.
+    assert [part.name for part in store.open(8).parts] == ["shard-00000", "shard-00001"]
 
 
 def test_evaluation_metrics_are_logged_at_the_evaluated_step(first_run):
@@ -119,6 +121,7 @@ def test_resume_onto_more_shards_restores_exactly(first_run, blob_data):
         spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"ps": 3})}), resume=result.run_id
     )
     assert resumed.run_id == result.run_id and resumed.global_step == 8
+    assert {s["loaded_from"] for s in resumed.shards} == {"values from the driver"}  # re-cut: 2 parts onto 3
     for before, after in zip(result.parameters, resumed.parameters):
         np.testing.assert_array_equal(before, after)
     store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
@@ -164,6 +167,7 @@ def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, 
     resumed = train(longer, hooks=hooks[1:], track=False, resume=str(run_dir), output_dir=run_dir)
     assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in capsys.readouterr().out
     assert resumed.global_step == 16 and resumed.examples_seen == 1024
+    assert resumed.shards[0]["loaded_from"] == "shard-00000 of step 12"  # the shard read its own part
     # Both runs knew from the files' counts that the data ends at step 16 (the progress bar's total).
     assert [hook.data_steps for hook in hooks] == [16, 16]
     assert LocalCheckpointStore(run_dir / "checkpoints").load(16).data_position["examples_seen"] == 1024

@@ -1,26 +1,75 @@
 """Where checkpoints live: a local directory, or the MLflow run's artifacts under `checkpoints/`.
 
-Both write a checkpoint locally first (atomically, see files.py). The MLflow store then uploads
-the TensorFlow files before `meta.json`, and lists only directories that hold a `meta.json`, so an
-upload cut short is never picked by a resume.
+A checkpoint is written in parts (files.py): `store.writer(step)` gives a small picklable writer
+that each parameter-server shard uses to write its own part from its own node, and that the driver
+commits by writing `meta.json` last. The driver never holds a whole checkpoint. A local store
+builds the checkpoint in a hidden directory and renames it into place; the MLflow store uploads
+every part before `meta.json` and lists only directories that hold one, so a write cut short is
+never picked by a resume. `store.open(step)` reads `meta.json` only; the parts are read where they
+are needed (on the shards, for a resume).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import shutil
+import socket
 import tempfile
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from towerflow.checkpoint.files import META, checkpoint_name, read_checkpoint, read_meta, write_checkpoint
+import numpy as np
+
+from towerflow.checkpoint.files import (
+    META,
+    MODEL_PART,
+    PartArrays,
+    PartLayout,
+    checkpoint_name,
+    meta_parts,
+    publish,
+    read_checkpoint,
+    read_meta,
+    read_part,
+    staging_directory,
+    state_from_parts,
+    write_checkpoint,
+    write_meta_durably,
+)
 from towerflow.checkpoint.state import TrainingState
 
 ARTIFACT_DIR = "checkpoints"
 
 
+class CheckpointWriter(Protocol):
+    """One checkpoint being written, from any process: parts first, then `commit`."""
+
+    step: int
+
+    def reachable(self) -> bool: ...  # can this process write parts itself?
+    def write_part(self, name: str, local_directory: str) -> None: ...
+    def commit(self, meta: dict[str, Any]) -> None: ...
+    def abort(self) -> None: ...
+
+
+class PartReader(Protocol):
+    """One complete checkpoint's parts, read from any process."""
+
+    def reachable(self) -> bool: ...
+    @contextlib.contextmanager
+    def local_part(self, name: str) -> Iterator[Path]: ...  # the part's files in a local directory
+
+
 class CheckpointStore(Protocol):
-    def save(self, state: TrainingState) -> str: ...
+    def save(self, state: TrainingState) -> str: ...  # a whole state, in one part
+    def writer(self, step: int) -> CheckpointWriter: ...
     def list(self) -> list[tuple[int, float]]: ...  # (step, written_at), complete checkpoints only
+    def open(self, step: int) -> StoredCheckpoint: ...
     def load(self, step: int) -> TrainingState: ...
     def delete(self, step: int) -> None: ...
 
@@ -30,12 +79,126 @@ def latest_step(store: CheckpointStore) -> int | None:
     return max(steps) if steps else None
 
 
+@dataclass
+class StoredCheckpoint:
+    """A complete checkpoint in a store, opened by its `meta.json` alone. It answers what a resume
+    needs first (step, data position, model state) as a whole TrainingState would; its variables are
+    read part by part, where they are needed."""
+
+    meta: dict[str, Any]
+    reader: PartReader
+    _model_state: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def global_step(self) -> int:
+        return int(self.meta["global_step"])
+
+    @property
+    def optimizer(self) -> str:
+        return str(self.meta["optimizer"])
+
+    @property
+    def data_position(self) -> dict[str, Any]:
+        return dict(self.meta.get("data_position") or {})
+
+    @property
+    def examples_seen(self) -> int:
+        return int(self.data_position.get("examples_seen") or 0)
+
+    @property
+    def slot_names(self) -> list[str]:
+        return list(self.meta.get("slots") or [])
+
+    @property
+    def parts(self) -> list[PartLayout]:
+        """Its parts ([] for a format-1 checkpoint, which is read whole)."""
+        return meta_parts(self.meta)
+
+    @property
+    def model_state(self) -> dict[str, np.ndarray]:
+        if self._model_state is None:
+            listed = self.meta.get("model_state") or []
+            self._model_state = {}
+            if listed and self.parts:
+                values, _ = self._read_arrays(MODEL_PART, len(listed), 0)
+                self._model_state = {v["name"]: value for v, value in zip(listed, values)}
+            elif listed:
+                self._model_state = self.read().model_state
+        return self._model_state
+
+    def read_part(self, name: str, with_slots: bool = True) -> PartArrays:
+        """One part's values and (per slot, in `slot_names` order) slots."""
+        part = next((p for p in self.parts if p.name == name), None)
+        if part is None:
+            raise KeyError(f"checkpoint of step {self.global_step} has no part {name!r}")
+        return self._read_arrays(name, len(part.pieces), len(self.slot_names) if with_slots else 0)
+
+    def read(self) -> TrainingState:
+        """The whole state, joined part by part."""
+        if self.parts:
+            return state_from_parts(self.meta, self._read_arrays)
+        with self.reader.local_part("") as directory:  # format 1: one file set of whole variables
+            return read_checkpoint(directory)
+
+    def _read_arrays(self, name: str, count: int, slot_count: int) -> PartArrays:
+        with self.reader.local_part(name) as directory:
+            return read_part(directory, count, slot_count)
+
+
+# -- a local directory -----------------------------------------------------------------------------
+@functools.cache
+def _host() -> str:
+    return socket.gethostname()
+
+
+@dataclass
+class LocalCheckpointWriter:
+    """Parts go straight into a hidden staging directory; `commit` renames it into place. A process on
+    another machine cannot reach that directory (no shared disk): `reachable` says so."""
+
+    directory: str
+    step: int
+    staging: str
+    host: str
+
+    def reachable(self) -> bool:
+        return _host() == self.host and Path(self.staging).is_dir()
+
+    def write_part(self, name: str, local_directory: str) -> None:
+        target = Path(self.staging) / name
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(local_directory, target)
+
+    def commit(self, meta: dict[str, Any]) -> None:
+        publish(Path(self.staging), meta)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+@dataclass
+class LocalPartReader:
+    checkpoint: str  # the ckpt-<step> directory
+    host: str
+
+    def reachable(self) -> bool:
+        return _host() == self.host and (Path(self.checkpoint) / META).is_file()
+
+    @contextlib.contextmanager
+    def local_part(self, name: str) -> Iterator[Path]:
+        yield Path(self.checkpoint) / name
+
+
 class LocalCheckpointStore:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
 
     def save(self, state: TrainingState) -> str:
         return str(write_checkpoint(state, self.directory))
+
+    def writer(self, step: int) -> LocalCheckpointWriter:
+        staging = staging_directory(self.directory, step)
+        return LocalCheckpointWriter(str(self.directory.resolve()), step, str(staging.resolve()), _host())
 
     def list(self) -> list[tuple[int, float]]:
         if not self.directory.is_dir():
@@ -47,11 +210,87 @@ class LocalCheckpointStore:
                 found.append((int(meta["global_step"]), float(meta["written_at"])))
         return sorted(found)
 
+    def open(self, step: int) -> StoredCheckpoint:
+        path = (self.directory / checkpoint_name(step)).resolve()
+        if not (path / META).is_file():
+            raise FileNotFoundError(f"{path} is not a complete towerflow checkpoint (no {META})")
+        return StoredCheckpoint(read_meta(path), LocalPartReader(str(path), _host()))
+
     def load(self, step: int) -> TrainingState:
         return read_checkpoint(self.directory / checkpoint_name(step))
 
     def delete(self, step: int) -> None:
         shutil.rmtree(self.directory / checkpoint_name(step), ignore_errors=True)
+
+
+# -- an MLflow run's artifacts ---------------------------------------------------------------------
+def _local_artifact_path(artifact_uri: str) -> Path | None:
+    """The directory of a run's artifacts where they are a local path; None for a server or bucket."""
+    if artifact_uri.startswith("/"):
+        return Path(artifact_uri)
+    parsed = urllib.parse.urlparse(artifact_uri)
+    return Path(urllib.request.url2pathname(parsed.path)) if parsed.scheme == "file" else None
+
+
+@dataclass
+class MlflowCheckpointWriter:
+    """Parts go to `checkpoints/ckpt-<step>/<part>/` of the run's artifacts from whichever node makes
+    them: through the tracking server where it proxies artifacts (the process needs the server's
+    credentials in its environment, as any MLflow client), straight into the directory where the
+    artifacts are a local path. `meta.json` last marks the checkpoint complete."""
+
+    tracking_uri: str
+    run_id: str
+    step: int
+    artifact_uri: str
+    host: str
+
+    @property
+    def path(self) -> str:
+        return f"{ARTIFACT_DIR}/{checkpoint_name(self.step)}"
+
+    def reachable(self) -> bool:
+        return _local_artifact_path(self.artifact_uri) is None or _host() == self.host
+
+    def write_part(self, name: str, local_directory: str) -> None:
+        local = _local_artifact_path(self.artifact_uri)
+        if local is not None:  # what MLflow's local artifact repository does, without importing MLflow
+            target = local / self.path / name
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(local_directory, target)
+        else:
+            _client(self.tracking_uri).log_artifacts(self.run_id, local_directory, f"{self.path}/{name}")
+
+    def commit(self, meta: dict[str, Any]) -> None:
+        with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
+            write_meta_durably(Path(scratch) / META, meta)
+            _client(self.tracking_uri).log_artifact(self.run_id, str(Path(scratch) / META), self.path)
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):  # nothing uploaded yet is fine
+            _delete_artifacts(self.tracking_uri, self.run_id, self.path)
+
+
+@dataclass
+class MlflowPartReader:
+    tracking_uri: str
+    run_id: str
+    path: str  # checkpoints/ckpt-<step>
+    artifact_uri: str
+    host: str
+
+    def reachable(self) -> bool:
+        return _local_artifact_path(self.artifact_uri) is None or _host() == self.host
+
+    @contextlib.contextmanager
+    def local_part(self, name: str) -> Iterator[Path]:
+        local = _local_artifact_path(self.artifact_uri)
+        if local is not None:
+            yield local / self.path / name if name else local / self.path
+            return
+        artifact = f"{self.path}/{name}" if name else self.path
+        with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
+            yield Path(_client(self.tracking_uri).download_artifacts(self.run_id, artifact, scratch))
 
 
 class MlflowCheckpointStore:
@@ -61,17 +300,27 @@ class MlflowCheckpointStore:
         self.client = client
         self.run_id = run_id
         self._written_at_by_path: dict[str, float] = {}  # a checkpoint never changes once complete
+        self._artifact_uri: str | None = None
 
     def save(self, state: TrainingState) -> str:
         with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
             local = write_checkpoint(state, scratch)
-            target = f"{ARTIFACT_DIR}/{local.name}"
-            self._written_at_by_path.pop(target, None)
+            writer = self.writer(state.global_step)
             for path in sorted(local.iterdir()):
                 if path.name != META:
-                    self.client.log_artifact(self.run_id, str(path), target)
-            self.client.log_artifact(self.run_id, str(local / META), target)  # last: marks it complete
-        return target
+                    writer.write_part(path.name, str(path))
+            writer.commit(read_meta(local))
+        return writer.path
+
+    def writer(self, step: int) -> MlflowCheckpointWriter:
+        self._written_at_by_path.pop(f"{ARTIFACT_DIR}/{checkpoint_name(step)}", None)
+        return MlflowCheckpointWriter(self.client.tracking_uri, self.run_id, step, self.artifact_uri, _host())
+
+    @property
+    def artifact_uri(self) -> str:
+        if self._artifact_uri is None:
+            self._artifact_uri = self.client.get_run(self.run_id).info.artifact_uri
+        return self._artifact_uri
 
     def list(self) -> list[tuple[int, float]]:
         found = []
@@ -84,28 +333,38 @@ class MlflowCheckpointStore:
                 found.append((step, self._written_at(entry.path)))
         return sorted(found)
 
+    def open(self, step: int) -> StoredCheckpoint:
+        path = f"{ARTIFACT_DIR}/{checkpoint_name(step)}"
+        reader = MlflowPartReader(self.client.tracking_uri, self.run_id, path, self.artifact_uri, _host())
+        return StoredCheckpoint(self._meta(path), reader)
+
     def load(self, step: int) -> TrainingState:
-        with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
-            local = self.client.download_artifacts(
-                self.run_id, f"{ARTIFACT_DIR}/{checkpoint_name(step)}", scratch
-            )
-            return read_checkpoint(local)
+        return self.open(step).read()
 
     def delete(self, step: int) -> None:
-        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
-        run = self.client.get_run(self.run_id)
-        repository = get_artifact_repository(run.info.artifact_uri)
         path = f"{ARTIFACT_DIR}/{checkpoint_name(step)}"
-        repository.delete_artifacts(path)
+        _delete_artifacts(self.client.tracking_uri, self.run_id, path)
         self._written_at_by_path.pop(path, None)
 
     def _written_at(self, path: str) -> float:
         if path not in self._written_at_by_path:
-            self._written_at_by_path[path] = self._download_written_at(path)
+            self._written_at_by_path[path] = float(self._meta(path)["written_at"])
         return self._written_at_by_path[path]
 
-    def _download_written_at(self, path: str) -> float:
+    def _meta(self, path: str) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
             local = self.client.download_artifacts(self.run_id, f"{path}/{META}", scratch)
-            return float(read_meta(Path(local).parent)["written_at"])
+            return read_meta(Path(local).parent)
+
+
+def _client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri)
+
+
+def _delete_artifacts(tracking_uri: str, run_id: str, path: str) -> None:
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    run = _client(tracking_uri).get_run(run_id)
+    get_artifact_repository(run.info.artifact_uri).delete_artifacts(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,12 +21,14 @@ import numpy as np
 import ray
 
 from towerflow.errors import DataError, TrainingError
+from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, end_hooks
 from towerflow.runtime.model_state import average_model_states
+from towerflow.runtime.placement import ActorPlacement
 from towerflow.runtime.protocol import protocol_for, step_shape
 from towerflow.runtime.recovery import RecoveryActions, State
 from towerflow.runtime.result import TrainResult, staleness_summary
@@ -36,13 +39,13 @@ from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
-from towerflow.runtime.worker_group import ACTOR_GONE, WorkerGroup
+from towerflow.runtime.worker_group import WorkerGroup
 from towerflow.shared_types import DataFeed, StepShape, join_pieces
 
 log = logging.getLogger(__name__)
 
 
-class Driver(RecoveryActions):
+class Driver(RecoveryActions, CheckpointActions):
     def __init__(
         self,
         spec: Any,
@@ -65,7 +68,8 @@ class Driver(RecoveryActions):
         self.failure_policy = FailurePolicy(failure.max_worker_failures, failure.max_ps_failures)
         self.group = WorkerGroup(self._new_worker, failure.worker_timeout_s)
         self.protocol = protocol_for(spec.training.mode)  # asked what differs between sync and async
-        self.shard_group = ShardGroup(spec, self._apply_threads())
+        self.actor_placement = ActorPlacement(spec.cluster, f"towerflow-{spec.name}-{uuid.uuid4().hex[:8]}")
+        self.shard_group = ShardGroup(spec, self._apply_threads(), self.actor_placement)
         self.elastic = ElasticPolicy.for_spec(spec)
         self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
         self.state = State.STARTING
@@ -168,6 +172,7 @@ class Driver(RecoveryActions):
 
     def _create_actors(self, count: int) -> None:
         session = self.session
+        self.actor_placement.reserve()  # every shard and worker placed at once, as cluster.placement asks
         self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
         self.group.start(list(range(count)))
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
@@ -183,10 +188,10 @@ class Driver(RecoveryActions):
         )
         if self.initial_state is None:
             group.initial_values = values  # a rollback with no checkpoint yet starts over from these
-        loaded = self._load_shards(self.initial_state, session.start_step)
+        self._load_shards(self.initial_state, session.start_step)
         # Wait until every actor has started (TensorFlow imported, model built, pieces loaded)
         # before the clock runs.
-        ray.get(loaded + [w.devices_used.remote() for w in self.workers])
+        ray.get([w.devices_used.remote() for w in self.workers])
         if self.initial_state is not None and self.initial_state.model_state:
             ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
         for _ in range(self.elastic.target - count):  # Ray starts them as room appears
@@ -194,9 +199,9 @@ class Driver(RecoveryActions):
         if self.elastic.elastic:
             session.log_metrics({"workers": float(count)}, session.start_step)
 
-    def _load_shards(self, state: Any, version: int) -> list[Any]:
+    def _load_shards(self, state: Any, version: int) -> None:
         session, workers = self.session, len(self.group.slots)
-        return self.shard_group.load(
+        self.shard_group.load(
             state,
             version,
             last_step=session.last_step,
@@ -239,7 +244,8 @@ class Driver(RecoveryActions):
         """A worker actor (a replacement too: its GlobalStepWaiter step has passed, it starts at once)."""
         cluster = self.spec.cluster
         config = self._worker_config(worker_id)
-        return worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker).remote(config)
+        actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
+        return actor.options(**self.actor_placement.worker_options(worker_id)).remote(config)
 
     @property
     def workers(self) -> list[Any]:
@@ -372,47 +378,6 @@ class Driver(RecoveryActions):
         return [whole[i] for i in sorted(whole)]
 
     # -- TrainingRuntime: what hooks may ask of the cluster -------------------------------------
-    def capture_state(self, version: int | None = None, data_position: dict[str, Any] | None = None):
-        """All shards' state at one version: a consistent cut, taken without a pause."""
-        from towerflow.checkpoint import assemble_state
-
-        target = version if version is not None else max(ray.get([s.ping.remote() for s in self.shards])) + 1
-        refs = [s.snapshot.remote(target) for s in self.shards]
-        rollbacks = self._rollbacks
-        while True:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-            if len(ready) == len(refs):
-                break
-            if self.state is State.RUNNING:
-                # Keep hearing of the workers meanwhile: a sync step waits for a lost one until the
-                # shards retire it, and the records drained here are reported after this hook.
-                self._backlog.extend(self._turn())
-            if not self.group.running:
-                # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
-                ray.get([s.finish.remote() for s in self.shards])
-        try:
-            snapshots = ray.get(refs) if self._rollbacks == rollbacks else None
-        except ACTOR_GONE:  # a shard died under the cut: the controller rolls the shards back first
-            self._backlog.extend(self._turn(suspect_shards=True))
-            snapshots = None
-        if snapshots is None:
-            return self.capture_state()  # a shard was lost meanwhile: cut the rolled-back shards instead
-        if version is not None and any(s.version != version for s in snapshots):
-            # A shard no longer held `version` (it keeps the last few, and the chief heard of that
-            # step too late) or ended before it; it answered with its state now, which may not match
-            # the others' or the position given for `version`. Cut again, at the next common version.
-            return self.capture_state()
-        state = assemble_state(
-            snapshots,
-            self.session.variables,
-            self.session.pieces,
-            self.session.shard_assignment,
-            self.spec.training.optimizer.name,
-            data_position or self._data_position(),
-        )
-        state.model_state = self.model_state()
-        return state
-
     def model_state(self) -> dict[str, np.ndarray]:
         """The workers' non-trainable variables, averaged (batch-norm statistics); {} if the model has none.
 
@@ -492,3 +457,5 @@ class Driver(RecoveryActions):
             with contextlib.suppress(Exception):  # already dead is fine
                 ray.kill(self._evaluator)
         self._evaluator = None
+        with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
+            self.actor_placement.release()

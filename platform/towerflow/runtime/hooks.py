@@ -8,6 +8,7 @@ checkpoints, stop conditions) composes the supervision story.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -42,8 +43,29 @@ class SessionInfo:
             listener.on_metrics(metrics, step)
 
 
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What `TrainingRuntime.save_checkpoint` did."""
+
+    step: int
+    written: bool  # False: skipped (already saved) or refused (nonfinite)
+    nonfinite: bool = False  # the state held NaN/inf: a checkpoint is never written from it
+
+
 class TrainingRuntime(Protocol):
     """The cluster as hooks see it (the driver implements it)."""
+
+    def save_checkpoint(
+        self,
+        store: Any,
+        version: int | None = None,
+        data_position: dict[str, Any] | None = None,
+        skip: Collection[int] = (),
+    ) -> SavedCheckpoint:
+        """Write a checkpoint of all shards at one version into `store` (checkpoint/stores.py): at
+        `version` when they kept it (a multiple of `snapshot_every`), else at their next common
+        version (or the final one). Each shard writes its own part; nothing is written when that
+        version is in `skip` or holds NaN/inf."""
 
     def capture_state(self, version: int | None = None, data_position: dict[str, Any] | None = None) -> Any:
         """A consistent TrainingState of all shards: at `version` when they kept it (a multiple of

@@ -55,6 +55,27 @@ class PushReply:
     replicas: int = 0  # gradients the step aggregated (fewer than asked once workers retire)
 
 
+@dataclass
+class PartSource:
+    """A shard's pieces to read itself: one part of a stored checkpoint (checkpoint/stores.py)."""
+
+    checkpoint: Any  # StoredCheckpoint: its meta and a reader, picklable
+    part: str
+    with_slots: bool  # False when the optimizer changed: its slots start afresh
+
+
+@dataclass
+class PartReport:
+    """What a shard tells the chief of the checkpoint part it was asked for."""
+
+    version: int  # the version it holds; not the checkpoint's step: nothing was written
+    written: bool = False
+    finite: bool = True  # False: the state holds NaN/inf, nothing was written
+    slot_names: list[str] | None = None  # the order of the slots in the part
+    relayed: Any = None  # ObjectRef of {relative path: bytes} where this node could not write the part
+    relay_reason: str = ""
+
+
 _SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
 _REPLICA_COUNTS_KEPT = 256  # recent steps whose replica count a woken sync push may still ask for
 
@@ -79,7 +100,7 @@ class ParameterShard:
     def load(
         self,
         names: list[str],
-        initial_values: list[np.ndarray],
+        initial_values: list[np.ndarray] | PartSource,
         optimizer: dict[str, Any],
         protocol: UpdateProtocol,
         max_steps: int | None,
@@ -88,10 +109,20 @@ class ParameterShard:
         initial_version: int = 0,
         snapshot_every: int | None = None,
         buckets: list[int] | None = None,
-    ) -> None:
+    ) -> bool:
         """Take this shard's pieces, their optimizer and update protocol; publish the first version.
-        Called once, before any worker pulls or pushes."""
+        Called once, before any worker pulls or pushes. Pieces given as a checkpoint part are read
+        here, from the store; False (nothing loaded) where this node cannot reach it."""
         from towerflow.runtime.optimizers import build_optimizer
+
+        self._loaded_from = "values from the driver"
+        if isinstance(initial_values, PartSource):
+            source = initial_values
+            if not source.checkpoint.reader.reachable():
+                return False
+            initial_values, slots = source.checkpoint.read_part(source.part, source.with_slots)
+            initial_slots = dict(zip(source.checkpoint.slot_names, slots)) if source.with_slots else None
+            self._loaded_from = f"{source.part} of step {source.checkpoint.global_step}"
 
         tf, shard_id = self._tf, self.shard_id
         self._names = names
@@ -150,6 +181,7 @@ class ParameterShard:
         self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
         self._step_replicas: dict[int, int] = {}
         self._publish()
+        return True
 
     # -- the protocol's verbs ------------------------------------------------------------------
     async def pull(self, min_version: int = 0) -> ParamsReply:
@@ -257,6 +289,22 @@ class ParameterShard:
             return kept
         return self._capture()
 
+    async def write_checkpoint(self, version: int, writer: Any, part: str) -> PartReport:
+        """Write this shard's state at `version` (as `snapshot` finds it) as part `part` of the
+        checkpoint `writer` writes (checkpoint/stores.py), from this node, in a thread: training
+        goes on meanwhile. Where this node cannot write to the store, the part's files go back to
+        the chief to write instead."""
+        kept = await self.snapshot(version)
+        if kept.version != writer.step:
+            return PartReport(kept.version)
+        from towerflow.checkpoint.files import all_finite
+
+        slot_names = sorted(kept.slots)
+        if not all_finite(kept.values + [a for name in slot_names for a in kept.slots[name]]):
+            return PartReport(kept.version, finite=False)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, _write_part, kept, slot_names, writer, part)
+
     # -- inspection ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         var_bytes = sum(_nbytes(v) for v in self._variables)
@@ -270,6 +318,7 @@ class ParameterShard:
             "variable_bytes": int(var_bytes),
             "slot_bytes": int(slot_bytes),
             "variables": list(self._names),
+            "loaded_from": self._loaded_from,  # a checkpoint part this shard read itself, or the driver's values
         }
 
     def ping(self) -> int:
@@ -376,6 +425,28 @@ def _nbytes(variable) -> int:
         int(np.prod(variable.shape))
         * np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype)).itemsize
     )
+
+
+def _write_part(kept: ShardSnapshot, slot_names: list[str], writer: Any, part: str) -> PartReport:
+    import tempfile
+    from pathlib import Path
+
+    from towerflow.checkpoint.files import write_part
+
+    report = PartReport(kept.version, written=True, slot_names=slot_names)
+    with tempfile.TemporaryDirectory(prefix="towerflow-part-") as scratch:
+        write_part(scratch, kept.values, [kept.slots[name] for name in slot_names])
+        if writer.reachable():
+            try:
+                writer.write_part(part, scratch)
+                return report
+            except Exception as exc:  # no credentials or no route from this node: the chief writes it
+                report.relay_reason = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        else:
+            report.relay_reason = "the checkpoint store is on another machine's disk"
+        files = {str(p.relative_to(scratch)): p.read_bytes() for p in Path(scratch).rglob("*") if p.is_file()}
+    report.relayed = ray.put(files)
+    return report
 
 
 def _compiled_apply(tf, optimizer, variables, slots):

@@ -5,21 +5,27 @@ ones and put new ones in their places."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import ray
 
+from towerflow.checkpoint.files import PartLayout, shard_part_name
+from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.failure import ActorLoss, LossKind
 from towerflow.runtime.protocol import make_protocol
-from towerflow.runtime.ps import shard_actor
+from towerflow.runtime.ps import PartSource, shard_actor
 from towerflow.runtime.pushes import Placement
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
 from towerflow.runtime.worker_group import ACTOR_GONE
 
+log = logging.getLogger(__name__)
+
 
 class ShardGroup:
-    def __init__(self, spec: Any, apply_threads: int | None) -> None:
+    def __init__(self, spec: Any, apply_threads: int | None, placement: Any) -> None:
         self.spec = spec
+        self.actor_placement = placement  # ActorPlacement: each shard's bundle
         self.apply_threads = apply_threads  # sync shards borrow the waiting workers' cores to apply
         self.actors: list[Any] = []
         self.variables: list[Any] = []  # VariableInfo, in model order
@@ -54,21 +60,15 @@ class ShardGroup:
         snapshot_every: int | None,
         workers: int,
         replicas: int,
-    ) -> list[Any]:
-        """Give every shard its pieces at `version`: from `state` (a TrainingState), else from the
-        model's initial values, for `workers` workers of which sync steps aggregate `replicas`.
-        Returns the load calls' refs. A shard loaded again starts afresh."""
-        spec, pieces, assignment = self.spec, self.pieces, self.assignment
+    ) -> None:
+        """Give every shard its pieces at `version` and wait until all have them: from `state` (a
+        StoredCheckpoint or a whole TrainingState), else from the model's initial values, for
+        `workers` workers of which sync steps aggregate `replicas`. A checkpoint laid out as these
+        shards are is read by each shard itself, part by part; any other is re-cut here. A shard
+        loaded again starts afresh."""
+        spec = self.spec
         optimizer = spec.training.optimizer.model_dump(mode="json")
-        if state is not None:
-            from towerflow.checkpoint import split_for_shards
-
-            initial = split_for_shards(state, self.variables, pieces, assignment, optimizer["name"])
-        else:
-            values = self.initial_values
-            initial = [
-                ([pieces[i].of(values[pieces[i].variable]) for i in indices], None) for indices in assignment
-            ]
+        initial = self._initial_pieces(state, optimizer["name"])
         bounds = [b for b in (spec.training.max_steps, last_step) if b is not None]
         protocol = make_protocol(
             spec.training.mode,
@@ -76,19 +76,67 @@ class ShardGroup:
             total_num_replicas=workers,
             max_staleness=spec.training.max_staleness,
         )
-        return [
-            self.actors[shard].load.remote(
-                [pieces[i].name for i in indices],
-                shard_values,
+
+        def load(shard: int, values: Any, slots: Any) -> Any:
+            return self.actors[shard].load.remote(
+                [self.pieces[i].name for i in self.assignment[shard]],
+                values,
                 optimizer,
                 protocol,
                 min(bounds) if bounds else None,
-                initial_slots=shard_slots,
+                initial_slots=slots,
                 initial_version=version,
                 snapshot_every=snapshot_every,
                 buckets=self.buckets[shard],
             )
-            for shard, (indices, (shard_values, shard_slots)) in enumerate(zip(assignment, initial))
+
+        loaded = ray.get([load(shard, values, slots) for shard, (values, slots) in enumerate(initial)])
+        for shard, done in enumerate(loaded):
+            if not done:  # its node cannot reach the checkpoint store: the driver reads its part for it
+                source = initial[shard][0]
+                log.info(
+                    "shard %d cannot reach the checkpoint store: its part goes through the driver", shard
+                )
+                values, slots = source.checkpoint.read_part(source.part, source.with_slots)
+                named = dict(zip(source.checkpoint.slot_names, slots)) if source.with_slots else None
+                ray.get(load(shard, values, named))
+
+    def _initial_pieces(self, state: Any, optimizer: str) -> list[tuple[Any, Any]]:
+        """Per shard: (values or a PartSource, slots or None)."""
+        pieces, assignment = self.pieces, self.assignment
+        if state is None:
+            values = self.initial_values
+            return [
+                ([pieces[i].of(values[pieces[i].variable]) for i in indices], None) for indices in assignment
+            ]
+        if isinstance(state, StoredCheckpoint) and self._laid_out_as(state):
+            with_slots = state.optimizer == optimizer
+            return [(PartSource(state, shard_part_name(s), with_slots), None) for s in range(len(assignment))]
+        from towerflow.checkpoint import split_for_shards
+
+        if isinstance(state, StoredCheckpoint):
+            log.info("the checkpoint of step %d has another shard layout: re-cutting it", state.global_step)
+            state = state.read()
+        return split_for_shards(state, self.variables, pieces, assignment, optimizer)
+
+    def _laid_out_as(self, checkpoint: Any) -> bool:
+        """Whether the checkpoint's parts are exactly these shards' pieces of these variables."""
+        shapes = {v["name"]: tuple(v["shape"]) for v in checkpoint.meta["variables"]}
+        if shapes != {info.name: tuple(info.shape) for info in self.variables}:
+            return False  # re-cutting it says what differs
+        return sorted(checkpoint.parts, key=lambda part: part.name) == self.part_layouts()
+
+    def part_layouts(self) -> list[PartLayout]:
+        """Per shard, the part of a checkpoint it writes: rows of which variable, in its order."""
+        return [
+            PartLayout(
+                shard_part_name(shard),
+                tuple(
+                    (self.variables[self.pieces[i].variable].name, self.pieces[i].start, self.pieces[i].stop)
+                    for i in indices
+                ),
+            )
+            for shard, indices in enumerate(self.assignment)
         ]
 
     def placement(self) -> Placement:
@@ -136,4 +184,5 @@ class ShardGroup:
 
     def _new(self, index: int) -> Any:
         cpus = self.spec.cluster.cpus_per_ps
-        return shard_actor(cpus).remote(index, cpus, apply_threads=self.apply_threads)
+        actor = shard_actor(cpus).options(**self.actor_placement.shard_options(index))
+        return actor.remote(index, cpus, apply_threads=self.apply_threads)

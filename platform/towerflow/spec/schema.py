@@ -143,6 +143,16 @@ class ClusterSpec(_Strict):
     cpus_per_worker: float = Field(1.0, gt=0)
     cpus_per_ps: float = Field(0.5, gt=0)
     data_cpus: float = Field(1.0, gt=0, description="Logical CPUs kept free for Ray Data's read tasks.")
+    placement: Literal["spread", "pack", "strict_spread", "strict_pack"] = Field(
+        "spread",
+        description=(
+            "How the shards and workers are laid over the nodes (a Ray placement group of that strategy): "
+            "spread (default) over as many nodes as it can, pack onto as few; strict_ insists."
+        ),
+    )
+    placement_timeout_s: float = Field(
+        600, gt=0, description="How long the run waits for Ray to place its shards and workers."
+    )
     sharding: Literal["round_robin", "greedy_bytes"] = "greedy_bytes"
     min_slice_bytes: int | None = Field(
         262144,

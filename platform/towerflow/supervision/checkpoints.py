@@ -7,13 +7,15 @@ always a good one to resume from. A run stopped by SIGTERM or Ctrl-C saves its f
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 
 from towerflow.checkpoint.retention import checkpoints_to_delete
 from towerflow.checkpoint.stores import CheckpointStore
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointSaverHook(Hook):
@@ -71,23 +73,23 @@ class CheckpointSaverHook(Hook):
             # by a SIGKILL is never listed, so the newest complete one stays the one to resume from.
             saved = self.save(session)
             if saved is not None:
-                print(f"towerflow: saved a checkpoint of step {saved} before stopping", file=sys.stderr)
+                log.warning("saved a checkpoint of step %d before stopping", saved)
 
     def save(self, session: SessionInfo, step: int | None = None, position: dict | None = None) -> int | None:
-        """Save the state at `step` (one the shards kept), or at their next version."""
-        state = session.runtime.capture_state(step, position)
-        self._last_step, self._last_time = state.global_step, time.monotonic()
-        if not state.all_finite():
-            self.skipped_nonfinite.append(state.global_step)
-            print(f"towerflow: not saving step {state.global_step}: the parameters hold NaN/inf")
+        """Save the state at `step` (one the shards kept), or at their next version. The shards
+        write their own parts (the driver never holds the model's state)."""
+        saved = session.runtime.save_checkpoint(self.store, step, position, skip=self.saved)
+        self._last_step, self._last_time = saved.step, time.monotonic()
+        if saved.nonfinite:
+            self.skipped_nonfinite.append(saved.step)
+            log.warning("not saving step %d: the parameters hold NaN/inf", saved.step)
             return None
-        if state.global_step in self.saved:
-            return state.global_step
-        self.store.save(state)
-        self.saved.append(state.global_step)
+        if not saved.written:  # this step is saved already
+            return saved.step
+        self.saved.append(saved.step)
         for step in checkpoints_to_delete(
             self.store.list(), self.max_to_keep, self.keep_every_n_hours, started_at=self._started_at
         ):
             self.store.delete(step)
-        session.log_metrics({"checkpoint_step": float(state.global_step)}, state.global_step)
-        return state.global_step
+        session.log_metrics({"checkpoint_step": float(saved.step)}, saved.step)
+        return saved.step

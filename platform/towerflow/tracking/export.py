@@ -280,12 +280,12 @@ def export_run(run_id: str, tracking_uri: str | None = None) -> ExportedModel:
     from towerflow.tf_import import import_tensorflow
 
     import_tensorflow(gpus=False)  # first: reading the checkpoint makes TensorFlow variables
-    from towerflow.checkpoint.resume import latest_state
+    from towerflow.checkpoint.resume import latest_checkpoint
     from towerflow.checkpoint.stores import MlflowCheckpointStore
     from towerflow.tracking.store import default_tracking_uri
 
     uri = default_tracking_uri(tracking_uri)
     spec = load_run_spec(run_id, uri)
-    state = latest_state(MlflowCheckpointStore(MlflowClient(uri), run_id), f"run {run_id}")
+    state = latest_checkpoint(MlflowCheckpointStore(MlflowClient(uri), run_id), f"run {run_id}").read()
     weights = [state.variables[name] for name in state.names]
     return export_model(spec, weights, run_id, tracking_uri=uri, model_state=state.model_state)

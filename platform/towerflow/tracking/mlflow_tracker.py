@@ -64,12 +64,15 @@ class MLflowTracker(Hook):
         return self._client
 
     def restore_state(self):
-        """The latest checkpoint of the run being resumed (a TrainingState)."""
-        from towerflow.checkpoint.resume import latest_state
+        """The latest checkpoint of the run being resumed (a StoredCheckpoint: its parts are read
+        by the shards)."""
+        from towerflow.checkpoint.resume import latest_checkpoint
         from towerflow.checkpoint.stores import MlflowCheckpointStore
 
         run = self._resumable_run()
-        return latest_state(MlflowCheckpointStore(self.client, run.info.run_id), f"run {run.info.run_id}")
+        return latest_checkpoint(
+            MlflowCheckpointStore(self.client, run.info.run_id), f"run {run.info.run_id}"
+        )
 
     def begin(self, session: SessionInfo) -> None:
         import mlflow

@@ -1,0 +1,154 @@
+"""The controller's checkpoint manager (mixed into the Driver): a consistent cut of every shard at one
+version, taken without pausing training, either gathered whole (`capture_state`, for hooks that
+want the state) or written as a checkpoint by the shards themselves (`save_checkpoint`): each shard
+writes its own part from its own node, and the driver writes `meta.json` last, so it never holds
+the model's state. When to checkpoint stays a hook's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from towerflow.errors import TrainingError
+from towerflow.runtime.hooks import SavedCheckpoint
+from towerflow.runtime.recovery import State
+from towerflow.runtime.worker_group import ACTOR_GONE
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointActions:
+    """Checkpointing verbs of the Driver, which provides the shards, the worker group, the state
+    and the poll (`_turn`) these use."""
+
+    def capture_state(self, version: int | None = None, data_position: dict[str, Any] | None = None):
+        """All shards' state at one version: a consistent cut, taken without a pause."""
+        from towerflow.checkpoint import assemble_state
+
+        target = version if version is not None else self._next_version()
+        snapshots = self._cut([s.snapshot.remote(target) for s in self.shards])
+        if snapshots is None or (version is not None and any(s.version != version for s in snapshots)):
+            # A shard was lost meanwhile (cut the rolled-back shards instead), or no longer held
+            # `version` (it keeps the last few, and the chief heard of that step too late) or ended
+            # before it: it answered with its state now. Cut again, at the next common version.
+            return self.capture_state()
+        state = assemble_state(
+            snapshots,
+            self.session.variables,
+            self.session.pieces,
+            self.session.shard_assignment,
+            self.spec.training.optimizer.name,
+            data_position or self._data_position(),
+        )
+        state.model_state = self.model_state()
+        return state
+
+    def save_checkpoint(
+        self,
+        store: Any,
+        version: int | None = None,
+        data_position: dict[str, Any] | None = None,
+        skip: Collection[int] = (),
+    ) -> SavedCheckpoint:
+        """Each shard writes its own part of the checkpoint at one version, from its own node, and
+        this writes `meta.json` last: the driver never holds the model's state."""
+        from towerflow.checkpoint.files import checkpoint_meta, shard_part_name
+
+        target = version if version is not None else self._next_version()
+        if target in skip:
+            return SavedCheckpoint(target, written=False)
+        writer = store.writer(target)
+        try:
+            reports = self._cut(
+                [
+                    s.write_checkpoint.remote(target, writer, shard_part_name(i))
+                    for i, s in enumerate(self.shards)
+                ]
+            )
+            if reports is None or any(r.version != target for r in reports):
+                writer.abort()
+                versions = {r.version for r in reports or ()}
+                if version is None and len(versions) == 1 and versions != {target}:
+                    # every shard ended at the same earlier version (end of data, stop): save that one
+                    return self.save_checkpoint(store, versions.pop(), data_position, skip)
+                if len(versions) > 1 and not self.group.running:  # they will not meet again
+                    raise TrainingError(
+                        f"shards ended at different versions {sorted(versions)}: no consistent cut"
+                    )
+                return self.save_checkpoint(store, None, None, skip)  # cut again, as capture_state does
+            if not all(r.finite for r in reports):
+                writer.abort()
+                return SavedCheckpoint(target, written=False, nonfinite=True)
+            for shard, report in enumerate(reports):
+                if report.relayed is not None:
+                    self._relay_part(writer, shard_part_name(shard), report)
+            model_state = self.model_state()
+            if model_state:
+                self._write_model_part(writer, model_state)
+            session = self.session
+            writer.commit(
+                checkpoint_meta(
+                    target,
+                    self.spec.training.optimizer.name,
+                    [(info.name, info.shape, info.dtype) for info in session.variables],
+                    reports[0].slot_names,
+                    self.shard_group.part_layouts(),
+                    model_state,
+                    data_position or self._data_position(),
+                )
+            )
+        except BaseException:
+            writer.abort()
+            raise
+        return SavedCheckpoint(target, written=True)
+
+    def _next_version(self) -> int:
+        return max(ray.get([s.ping.remote() for s in self.shards])) + 1
+
+    def _cut(self, refs: list[Any]) -> list[Any] | None:
+        """Every shard's answer for one version; None where a shard was lost meanwhile (the shards
+        have been rolled back by then)."""
+        rollbacks = self._rollbacks
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            if len(ready) == len(refs):
+                break
+            if self.state is State.RUNNING:
+                # Keep hearing of the workers meanwhile: a sync step waits for a lost one until the
+                # shards retire it, and the records drained here are reported after this hook.
+                self._backlog.extend(self._turn())
+            if not self.group.running:
+                # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
+                ray.get([s.finish.remote() for s in self.shards])
+        try:
+            return ray.get(refs) if self._rollbacks == rollbacks else None
+        except ACTOR_GONE:  # a shard died under the cut: the controller rolls the shards back first
+            self._backlog.extend(self._turn(suspect_shards=True))
+            return None
+
+    @staticmethod
+    def _relay_part(writer: Any, part: str, report: Any) -> None:
+        """Write a part that its shard could not write (one part in memory at a time)."""
+        log.warning("shard's checkpoint part %s goes through the driver: %s", part, report.relay_reason)
+        files = ray.get(report.relayed)
+        with tempfile.TemporaryDirectory(prefix="towerflow-part-") as scratch:
+            for name, payload in files.items():
+                (Path(scratch) / name).parent.mkdir(parents=True, exist_ok=True)
+                (Path(scratch) / name).write_bytes(payload)
+            del files
+            writer.write_part(part, scratch)
+
+    @staticmethod
+    def _write_model_part(writer: Any, model_state: dict[str, np.ndarray]) -> None:
+        from towerflow.checkpoint.files import MODEL_PART, write_part
+
+        with tempfile.TemporaryDirectory(prefix="towerflow-part-") as scratch:
+            write_part(scratch, list(model_state.values()), [])
+            writer.write_part(MODEL_PART, scratch)

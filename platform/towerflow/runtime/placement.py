@@ -1,0 +1,106 @@
+"""Where the run's actors go: one placement group for the shards and the workers, its strategy
+chosen by `cluster.placement` (SPREAD by default: over as many nodes as Ray can, so that losing a
+node costs as few actors as it can; PACK to keep traffic within nodes; STRICT_ variants to insist).
+
+The group reserves every bundle at once, so a run starts only when all its actors can, instead of
+starting some and waiting for the rest. A replacement takes its predecessor's bundle (Ray moves a
+lost node's bundles to live nodes). An elastic run reserves its shards only: a placement group
+cannot grow or shrink, so its workers, which come and go with the cluster, are spread by Ray's SPREAD
+scheduling strategy (or packed by its default one) instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+from towerflow.errors import ClusterError
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = {
+    "spread": "SPREAD",
+    "pack": "PACK",
+    "strict_spread": "STRICT_SPREAD",
+    "strict_pack": "STRICT_PACK",
+}
+_PROGRESS_EVERY_S = 30.0
+
+
+class ActorPlacement:
+    """The run's placement group, and the scheduling options of each shard and worker."""
+
+    def __init__(self, cluster: Any, name: str) -> None:
+        self.cluster = cluster  # the ClusterSpec
+        self.name = name
+        self.strategy = STRATEGIES[cluster.placement]
+        self.shards = cluster.ps
+        self.grouped_workers = 0 if cluster.elastic else cluster.workers
+        worker = {
+            "CPU": cluster.cpus_per_worker,
+            **({"GPU": cluster.gpus_per_worker} if cluster.gpus_per_worker else {}),
+        }
+        self.bundles = [{"CPU": cluster.cpus_per_ps}] * self.shards + [worker] * self.grouped_workers
+        self.group: Any = None
+
+    def reserve(self) -> None:
+        """Create the placement group and wait until Ray has placed every bundle (a clear error after
+        `cluster.placement_timeout_s`, naming what was asked)."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        self.group = placement_group(self.bundles, strategy=self.strategy, name=self.name)
+        started = time.monotonic()
+        timeout = self.cluster.placement_timeout_s
+        while not ray.wait([self.group.ready()], timeout=min(_PROGRESS_EVERY_S, timeout))[0]:
+            waited = time.monotonic() - started
+            if waited >= timeout:
+                remove_placement_group(self.group)
+                self.group = None
+                raise ClusterError(
+                    f"the Ray cluster could not place the run's {self.describe()} within "
+                    f"{timeout:g} s (cluster.placement_timeout_s): add nodes, lower cluster.cpus_per_worker "
+                    "/ cpus_per_ps, or choose another cluster.placement"
+                )
+            log.info("waiting for Ray to place the run's %s (%.0f s so far)", self.describe(), waited)
+
+    def describe(self) -> str:
+        worker = self.bundles[-1] if self.grouped_workers else None
+        parts = [f"{self.shards} shard(s) of {self.cluster.cpus_per_ps:g} CPU"]
+        if worker:
+            parts.append(f"{self.grouped_workers} worker(s) of {_resources(worker)}")
+        return f"{' and '.join(parts)} with placement {self.cluster.placement} ({self.strategy})"
+
+    def shard_options(self, index: int) -> dict[str, Any]:
+        return self._bundle(index)
+
+    def worker_options(self, worker_id: int) -> dict[str, Any]:
+        """A worker of the starting set (and its replacements) takes its bundle; others (an elastic
+        run's) are spread, or packed, by Ray's scheduler."""
+        if worker_id < self.grouped_workers:
+            return self._bundle(self.shards + worker_id)
+        return {"scheduling_strategy": "SPREAD"} if "SPREAD" in self.strategy else {}
+
+    def release(self) -> None:
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None
+
+    def _bundle(self, index: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self.group is None:
+            return {}
+        return {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=index
+            )
+        }
+
+
+def _resources(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{amount:g} {name}" for name, amount in bundle.items())
