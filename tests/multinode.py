@@ -86,6 +86,9 @@ class LocalCluster:
     health_check_period_ms: int = 1000
     start_timeout: float = 120
     token: str = field(default_factory=lambda: secrets.token_hex(16))
+    # Added to every node's environment (what KubeRay pods get from Secrets): e.g. a tracking
+    # server's credentials, which the job's actors then read as any MLflow client does.
+    node_env: dict[str, str] = field(default_factory=dict, repr=False)
     nodes: list[Node] = field(default_factory=list, init=False)  # the head first, killed ones too
     _gcs_port: int = field(default=0, init=False)
     _dashboard_port: int = field(default=0, init=False)
@@ -122,6 +125,7 @@ class LocalCluster:
     def _node_env(self) -> dict[str, str]:
         return {
             **self._base_env(),
+            **self.node_env,
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once, not after draining for 30 s
             "RAY_health_check_period_ms": str(self.health_check_period_ms),
         }

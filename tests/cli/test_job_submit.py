@@ -1,107 +1,84 @@
-"""`ray job submit`, as the README tells a user to run it, against a real Ray head of its own.
+"""`ray job submit` and `towerflow submit`, as the README tells a user to run them, on the cluster
+path: a real multi-node Ray cluster (tests/multinode.py: three nodes, each its own raylet and object
+store, token authentication on) and a real tracking server (tests/tracking_server.py: PostgreSQL
+backend store, basic-auth, artifacts proxied by the server, so no node needs another's disk).
 
-The head runs as `ray start --head --block` with token authentication on and every server on
-127.0.0.1; the job ships the repository as its working directory and runs `python -m towerflow train`
-there. This is the only test with a second Ray: jobs need the dashboard's job server, which the
-session's Ray does without.
+The nodes hold the tracking server's credentials in their environment, as KubeRay pods get them
+from a Secret; each job is given the tracking URI. Jobs ship the repository as their working
+directory and run `python -m towerflow train` there.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import secrets
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-import mlflow
-import numpy as np
 import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import free_ports, mlflow_uri
+from multinode import RAY_CLI, LocalCluster
+from tracking_server import tracking_server_fixture  # noqa: F401
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
-from towerflow.data.synth import synth_tabular
-from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH
+from towerflow.data.synth import synth_mnist, synth_tabular
 
 pytestmark = pytest.mark.timeout(300)
-RAY_CLI = str(Path(sys.executable).parent / "ray")  # the `ray` command of this environment
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """(dashboard address, environment of a user who holds the cluster's token) of a fresh head."""
-    gcs, dashboard, agent, agent_grpc, client = free_ports(5)
-    workers = (
-        23000 + secrets.randbelow(20) * 100
-    )  # a worker port range of its own, apart from the session's Ray
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),  # `python` is this one
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN=secrets.token_hex(16),
-        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # stop at once, not after draining for up to 30 s
-        **{SINGLE_MACHINE_SWITCH: "0"},  # every server on 127.0.0.1
-    )
-    # Ray's socket paths live under its temp dir: keep it short (Unix sockets allow 107 bytes).
-    temp_dir = tempfile.mkdtemp(prefix="tfjob", dir="/tmp")
-    head = subprocess.Popen(
-        [
-            RAY_CLI,
-            "start",
-            "--head",
-            "--block",
-            f"--port={gcs}",
-            "--num-cpus=4",
-            "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}",
-            f"--dashboard-agent-listen-port={agent}",
-            f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--ray-client-server-port={client}",
-            f"--min-worker-port={workers}",
-            f"--max-worker-port={workers + 99}",
-            f"--temp-dir={temp_dir}",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        _wait_for_job_server(address, env["RAY_AUTH_TOKEN"], head)
-        yield address, env
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops everything it started
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+def ray_head(tracking_server):
+    """(dashboard address, environment of a user who holds the cluster's token) of a three-node
+    cluster whose nodes hold the tracking server's credentials."""
+    credentials = {k: v for k, v in tracking_server.env.items() if k != "MLFLOW_TRACKING_URI"}
+    with LocalCluster(head_cpus=2, node_cpus=(2, 2), node_env=credentials) as cluster:
+        yield cluster.dashboard_url, cluster.env()
 
 
-def _wait_for_job_server(address: str, token: str, head: subprocess.Popen, timeout: float = 120) -> None:
-    request = urllib.request.Request(f"{address}/api/version", headers={"Authorization": f"Bearer {token}"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise RuntimeError(f"ray start exited with {head.returncode}: {head.stderr.read()}")
-        try:
-            with urllib.request.urlopen(request, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the job server at {address} did not answer within {timeout:.0f} s")
+@pytest.fixture(scope="module")
+def mnist_data(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("mnist")
+    synth_mnist(str(folder), shards=2, examples=512, eval_examples=128, seed=0)
+    return folder
+
+
+def _mnist_settings(data: Path, experiment: str) -> list[str]:
+    """The mnist pipeline, small: 6 steps, checkpoints at 3 and 6, one evaluation, export and register."""
+    return [
+        f"data.train.paths={data}/train-*",
+        f"data.eval.paths={data}/eval-*",
+        "data.batch_size=32",
+        "training.max_steps=6",
+        "supervision.checkpoint.every_steps=3",
+        "supervision.eval.every_steps=6",
+        "supervision.eval.max_batches=2",
+        "supervision.log_every_steps=1",
+        f"tracking.experiment={experiment}",
+    ]
+
+
+def _check_tracked_on_the_server(tracking_server, run_id: str, monkeypatch) -> MlflowClient:
+    """The run, its metrics and checkpoints (one part per shard) on the server; artifacts written
+    through it into its artifacts destination."""
+    for key, value in tracking_server.env.items():
+        monkeypatch.setenv(key, value)
+    client = MlflowClient(tracking_server.uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 6
+    assert "loss" in run.data.metrics and "eval_accuracy" in run.data.metrics
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:"), run.info.artifact_uri
+    store = MlflowCheckpointStore(client, run_id)
+    assert [step for step, _ in store.list()] == [3, 6]
+    assert [part.name for part in store.open(6).parts] == ["shard-00000", "shard-00001"]
+    stored = list(
+        Path(tracking_server.server.artifacts_dir).rglob(f"{run_id}/artifacts/checkpoints/*/shard-*/*")
+    )
+    assert stored, "the checkpoint parts did not reach the server's artifacts destination"
+    assert run.data.tags["towerflow.registered_model"] == "models:/mnist-lenet@champion"
+    return client
 
 
 def _submit(address: str, env: dict, runtime_env: str, *train_args: str) -> subprocess.CompletedProcess:
@@ -142,35 +119,76 @@ def _tabular_job(tmp_path: Path, *settings: str) -> tuple[str, list[str]]:
     return f"sqlite:///{tmp_path / 'mlflow.db'}", data + list(settings)
 
 
-def test_a_submitted_job_trains_tracks_and_registers_its_model(ray_head, tmp_path):
+def test_ray_job_submit_trains_on_the_cluster_tracks_to_the_server_and_registers_its_model(
+    ray_head, tracking_server, mnist_data, tmp_path, monkeypatch
+):
     address, env = ray_head
-    store, settings = _tabular_job(tmp_path, "training.max_steps=6")
+    settings = _mnist_settings(mnist_data, "cluster-path")
     out = _submit(
         address,
         env,
-        f'{{"env_vars": {{"MLFLOW_TRACKING_URI": "{store}"}}}}',
-        "pipelines/tabular_csv.yaml",
+        json.dumps({"env_vars": {"MLFLOW_TRACKING_URI": tracking_server.uri}}),
+        "pipelines/mnist_sync.yaml",
         *[a for s in settings for a in ("--set", s)],
     )
     logs = out.stdout + out.stderr
-    assert out.returncode == 0, logs
+    assert out.returncode == 0, logs  # the CLI exits 0 once the job SUCCEEDED
+    assert "SUCCEEDED" in logs, logs
     summary = [line for line in logs.splitlines() if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0], logs
-    assert "towerflow: warning" not in logs  # the store is the one the job was given
+    assert "towerflow: warning" not in logs and "goes through the driver" not in logs, logs
     # The job's log carries every actor's: none has TensorFlow's early C++ lines (tf_import.py),
     # nor Ray Data's execution plan.
     assert "absl::InitializeLog" not in logs and "I0000 00:00" not in logs, logs
     assert "Execution plan of Dataset" not in logs, logs
-    run_id = summary[0].split()[2]
+    _check_tracked_on_the_server(tracking_server, summary[0].split()[2], monkeypatch)
 
-    client = MlflowClient(store)
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 6
-    assert run.data.tags["towerflow.registered_model"] == "models:/tabular-mlp@champion"
-    with mlflow_uri(store):
-        served = mlflow.pyfunc.load_model("models:/tabular-mlp@champion")
-        logits = served.predict({"x": np.zeros((3, 30), np.float32), "category": np.array([0, 1, 2])})
-    assert logits.shape == (3, 2) and np.isfinite(logits).all()
+    # Served from the registry by a process that has only the server (not the job's directory).
+    predict = (
+        "import mlflow, numpy as np\n"
+        "model = mlflow.pyfunc.load_model('models:/mnist-lenet@champion')\n"
+        "out = model.predict({'image': np.zeros((3, 28, 28, 1), np.float32)})\n"
+        "print(np.asarray(out).shape, bool(np.isfinite(out).all()))\n"
+    )
+    served = subprocess.run(
+        [sys.executable, "-c", predict],
+        cwd=tmp_path,
+        env={"PATH": env["PATH"], "HOME": str(tmp_path), **tracking_server.env},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert served.returncode == 0, served.stderr[-4000:]
+    assert served.stdout.strip().splitlines()[-1] == "(3, 10) True", served.stdout
+
+
+def test_towerflow_submit_trains_on_the_cluster_and_tracks_to_the_server(
+    ray_head, tracking_server, mnist_data, monkeypatch
+):
+    address, env = ray_head
+    out = subprocess.run(
+        [sys.executable, "-m", "towerflow", "submit", "pipelines/mnist_sync.yaml", "--address", address]
+        + [
+            "--tracking-uri",
+            tracking_server.uri,
+            "--set",
+            *_mnist_settings(mnist_data, "cluster-path-submit"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs
+    job_id = logs.split("towerflow: submitted job ", 1)[1].split()[0]
+    assert f"ray job logs -f --address {address} {job_id}" in logs
+    assert f"towerflow: job {job_id} SUCCEEDED" in logs
+    run_id = logs.split("towerflow: the job tracks MLflow run ", 1)[1].split()[0]
+    client = _check_tracked_on_the_server(tracking_server, run_id, monkeypatch)
+    champion = client.get_model_version_by_alias("mnist-lenet", "champion")
+    assert champion.run_id == run_id  # the newest registration took the alias
 
 
 def test_a_submitted_job_with_missing_data_fails_with_the_pattern_named(ray_head, tmp_path):
@@ -240,28 +258,6 @@ def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray
     assert [step for step, _ in MlflowCheckpointStore(client, run.info.run_id).list()] == [final_step], text
     assert f"saved a checkpoint of step {final_step} before stopping" in text, text
     assert f"--resume {run.info.run_id}" in text, text
-
-
-def test_towerflow_submit_sends_the_job_follows_it_and_names_its_run(ray_head, tmp_path):
-    address, env = ray_head
-    store, settings = _tabular_job(tmp_path, "training.max_steps=6", "export.saved_model=false")
-    out = subprocess.run(
-        [sys.executable, "-m", "towerflow", "submit", "pipelines/tabular_csv.yaml", "--address", address]
-        + ["--set", *settings],
-        cwd=REPO,
-        env={**env, "MLFLOW_TRACKING_URI": store},  # what the job is given to track to
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    logs = out.stdout + out.stderr
-    assert out.returncode == 0, logs
-    job_id = logs.split("towerflow: submitted job ", 1)[1].split()[0]
-    assert f"ray job logs -f --address {address} {job_id}" in logs
-    assert f"towerflow: job {job_id} SUCCEEDED" in logs
-    run_id = logs.split("towerflow: the job tracks MLflow run ", 1)[1].split()[0]
-    run = MlflowClient(store).get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 6
 
 
 def test_towerflow_submit_refuses_a_bad_spec_before_sending_anything(ray_head):

@@ -117,8 +117,12 @@ def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_clus
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["global_step"] == 150
-    assert run.data.metrics["workers_lost"] == 1
-    assert any(k.startswith("towerflow.fault.") and "replaced" in v for k, v in run.data.tags.items())
+    faults = {k: v for k, v in run.data.tags.items() if k.startswith("towerflow.fault.")}
+    assert run.data.metrics["workers_lost"] == 1, (
+        faults,
+        out[-3000:],
+    )  # its replacement waited for a live node
+    assert any("replaced" in v for v in faults.values()), faults
 
 
 def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_data, tmp_path):

@@ -282,6 +282,27 @@ def test_stop_at_step_stops_exactly(ray_cluster, blob_data, tmp_path):
     assert result.global_step == 5
 
 
+class WaitForTheEnd(Hook):
+    """At step 1, waits until training has ended, as the runtime's own waits in a hook do (a
+    checkpoint's cut): hearing of the workers meanwhile, and holding the steps it hears of until the
+    hook returns. A slow checkpoint near the end of a run does exactly this."""
+
+    def after_run(self, context, event) -> None:
+        runtime = context.session.runtime
+        while event.global_step == 1 and runtime.group.running:
+            runtime._backlog.extend(runtime._turn())
+
+
+def test_steps_heard_while_a_hook_waits_are_reported_even_when_training_ended_meanwhile(
+    ray_cluster, blob_data, tmp_path
+):
+    recorder = RecordingHook()
+    spec = _spec(blob_data, None, cluster=ONE_OF_EACH, training={"max_steps": 6})
+    result = train(spec, hooks=[WaitForTheEnd(), recorder], track=False, output_dir=tmp_path)
+    assert result.global_step == 6
+    assert [e.global_step for e in recorder.events] == [1, 2, 3, 4, 5, 6]  # none lost after the wait
+
+
 def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_path):
     RecordingHook.instances.clear()
     spec = _spec(

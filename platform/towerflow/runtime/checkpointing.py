@@ -136,7 +136,7 @@ class CheckpointActions:
     @staticmethod
     def _relay_part(writer: Any, part: str, report: Any) -> None:
         """Write a part that its shard could not write (one part in memory at a time)."""
-        log.warning("shard's checkpoint part %s goes through the driver: %s", part, report.relay_reason)
+        log.warning("checkpoint part %s goes through the driver: %s", part, report.relay_reason)
         files = ray.get(report.relayed)
         with tempfile.TemporaryDirectory(prefix="towerflow-part-") as scratch:
             for name, payload in files.items():

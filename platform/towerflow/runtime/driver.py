@@ -284,7 +284,8 @@ class Driver(RecoveryActions, CheckpointActions):
                 # a stop or the end of the data): nothing is in flight, so end the shards to let them go.
                 ray.get([s.finish.remote() for s in self.shards])
                 released = True
-            if not running:
+            if not running and not self._backlog and not self._ready_events:
+                # (steps a hook's wait drained at the very end are reported by one more turn first)
                 self.state = State.FINISHING
         ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
         self._report(self.aggregator.flush())

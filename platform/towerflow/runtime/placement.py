@@ -79,9 +79,33 @@ class ActorPlacement:
     def worker_options(self, worker_id: int) -> dict[str, Any]:
         """A worker of the starting set (and its replacements) takes its bundle; others (an elastic
         run's) are spread, or packed, by Ray's scheduler."""
-        if worker_id < self.grouped_workers:
+        if self.holds_worker(worker_id):
             return self._bundle(self.shards + worker_id)
         return {"scheduling_strategy": "SPREAD"} if "SPREAD" in self.strategy else {}
+
+    def holds_worker(self, worker_id: int) -> bool:
+        """Whether this worker id (and its replacements) has a bundle of its own."""
+        return self.group is not None and worker_id < self.grouped_workers
+
+    def await_declared_dead(self, actor: Any, timeout_s: float = 120.0) -> None:
+        """Wait until Ray has declared a lost actor dead, before its replacement takes the bundle.
+
+        Ray declares a killed process dead at once, but an actor whose node died only once the
+        node's health checks have failed; until then the bundle still points at that node, and a
+        replacement placed there would die with it. After it, Ray moves the bundle to a live node."""
+        if self.group is None:
+            return
+        from ray._private.state import actors
+
+        actor_id = actor._actor_id.hex()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if actors(actor_id=actor_id).get("State") == "DEAD":
+                return
+            time.sleep(0.5)
+        log.warning(
+            "Ray has not declared actor %s dead after %.0f s; replacing it anyway", actor_id, timeout_s
+        )
 
     def release(self) -> None:
         if self.group is not None:

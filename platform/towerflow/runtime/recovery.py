@@ -128,13 +128,15 @@ class RecoveryActions:
             used = max(heard, taken.get(loss.index, 0))
             leftover = split.leftover(used) if hasattr(split, "leftover") else []
             handed_over = used + sum(piece.rows for piece in leftover)
-            taken = split.taken_over(handed_over) if hasattr(split, "taken_over") else split
+            rest = split.taken_over(handed_over) if hasattr(split, "taken_over") else split
+            if self.actor_placement.holds_worker(loss.index):  # the replacement takes its bundle
+                self.actor_placement.await_declared_dead(self.group.slots[loss.index].actor)
             self.group.replace(
                 loss.index,
                 self.shards,
                 self._placement(),
                 self.shard_group.buckets,
-                taken,
+                rest,
                 Rejoin(leftover, model_state),
             )
             self._fault(loss, "replaced")

@@ -170,6 +170,7 @@ class ShardGroup:
         """A new shard in the place of shard `index` (load it before use)."""
         with contextlib.suppress(Exception):
             ray.kill(self.actors[index])
+        self.actor_placement.await_declared_dead(self.actors[index])
         self.actors[index] = self._new(index)
 
     def finish(self) -> list[Any]:
