@@ -60,7 +60,7 @@ def run_one(mode: str, hidden: int, steps: int, every: int, out: Path) -> dict:
             self.after: float | None = None  # right after the last checkpoint (the run's end adds its own)
             self.saves: list[float] = []
 
-        def before_run(self, context) -> None:
+        def before_run(self, context, global_step) -> None:
             if self.before is None and context.session.start_step == 0:
                 self.before = _peak_mb()
 
@@ -168,9 +168,10 @@ def main() -> None:
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"model: wide_model hidden={args.hidden}; {args.steps} steps, a checkpoint every {args.every}")
     print(
-        "| mode | checkpoint (MB) | driver peak before checkpoints (MB) | driver peak at end (MB) | added by checkpointing (MB) |"
+        "| mode | checkpoint (MB) | seconds per checkpoint | driver peak before checkpoints (MB) "
+        "| driver peak after checkpoints (MB) | added by checkpointing (MB) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for mode in MODES:
         runs = results[mode]
         print(
