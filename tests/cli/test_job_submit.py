@@ -65,7 +65,7 @@ def _mnist_settings(data: Path, experiment: str) -> list[str]:
     ]
 
 
-def _check_tracked_on_the_server(tracking_server, run_id: str, monkeypatch) -> MlflowClient:
+def _check_tracked_on_the_server(tracking_server, run_id: str, monkeypatch, full: bool = True) -> None:
     """The run, its metrics and checkpoints (one part per shard) on the server; artifacts written
     through it into its artifacts destination."""
     for key, value in tracking_server.env.items():
@@ -73,7 +73,7 @@ def _check_tracked_on_the_server(tracking_server, run_id: str, monkeypatch) -> M
     client = MlflowClient(tracking_server.uri)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 6
-    assert "loss" in run.data.metrics and "eval_accuracy" in run.data.metrics
+    assert "loss" in run.data.metrics and ("eval_accuracy" in run.data.metrics) == full
     assert run.info.artifact_uri.startswith("mlflow-artifacts:"), run.info.artifact_uri
     store = MlflowCheckpointStore(client, run_id)
     assert [step for step, _ in store.list()] == [3, 6]
@@ -82,8 +82,8 @@ def _check_tracked_on_the_server(tracking_server, run_id: str, monkeypatch) -> M
         Path(tracking_server.server.artifacts_dir).rglob(f"{run_id}/artifacts/checkpoints/*/shard-*/*")
     )
     assert stored, "the checkpoint parts did not reach the server's artifacts destination"
-    assert run.data.tags["towerflow.registered_model"] == "models:/mnist-lenet@champion"
-    return client
+    if full:  # evaluated, exported and registered
+        assert run.data.tags["towerflow.registered_model"] == "models:/mnist-lenet@champion"
 
 
 def _submit(address: str, env: dict, runtime_env: str, *train_args: str) -> subprocess.CompletedProcess:
@@ -178,6 +178,10 @@ def test_towerflow_submit_trains_on_the_cluster_and_tracks_to_the_server(
             tracking_server.uri,
             "--set",
             *_mnist_settings(mnist_data, "cluster-path-submit"),
+            # the registered model and its evaluation are the ray job submit test's: this one is quicker
+            "data.eval=null",
+            "supervision.eval=null",
+            "export.saved_model=false",
         ],
         cwd=REPO,
         env=env,
@@ -191,9 +195,7 @@ def test_towerflow_submit_trains_on_the_cluster_and_tracks_to_the_server(
     assert f"ray job logs -f --address {address} {job_id}" in logs
     assert f"towerflow: job {job_id} SUCCEEDED" in logs
     run_id = logs.split("towerflow: the job tracks MLflow run ", 1)[1].split()[0]
-    client = _check_tracked_on_the_server(tracking_server, run_id, monkeypatch)
-    champion = client.get_model_version_by_alias("mnist-lenet", "champion")
-    assert champion.run_id == run_id  # the newest registration took the alias
+    _check_tracked_on_the_server(tracking_server, run_id, monkeypatch, full=False)
 
 
 def test_a_submitted_job_with_missing_data_fails_with_the_pattern_named(ray_head, tmp_path):

@@ -3,7 +3,8 @@ there and the controller picks it up at its next poll.
 
 It is a named actor with no resources, in the `towerflow` namespace under the run's id, so any
 process connected to the same cluster (a `ray job submit` driver or a shell) finds it; it lives as
-long as the job's driver that created it.
+long as the job's driver that created it. It sits on the driver's node (a node lost with it would
+end the run anyway) and Ray restarts it should it die: losing it must never fail a training run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ class ControlPoint:
     """The controller's side: create the named actor, and ask it without blocking."""
 
     def __init__(self, run_id: str) -> None:
-        self.actor = RunControl.options(name=control_name(run_id), namespace=NAMESPACE).remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.actor = RunControl.options(
+            name=control_name(run_id), namespace=NAMESPACE, scheduling_strategy=here, max_restarts=-1
+        ).remote()
         self._asked: Any = None
         self._seen: int | None = None
 
@@ -48,7 +54,12 @@ class ControlPoint:
         ready, _ = ray.wait([self._asked], timeout=0)
         if not ready:
             return None
-        wanted, self._asked = ray.get(self._asked), None
+        try:
+            wanted = ray.get(self._asked)
+        except ray.exceptions.RayError:  # restarting: ask again next time
+            return None
+        finally:
+            self._asked = None
         if wanted is None or wanted == self._seen:
             return None
         self._seen = wanted
