@@ -107,7 +107,7 @@ def test_spread_actors_land_on_three_nodes_and_read_objects_across_stores(
     assert {owner, reader} <= set(report["locations"]), report  # a copy on the reader's node too
 
 
-STEPS = 30
+STEPS = 20
 
 
 def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str, mode: str, placement: str):
@@ -130,7 +130,7 @@ def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str,
         },
         training={"mode": mode, "max_steps": STEPS, "optimizer": {"name": "sgd", "learning_rate": 0.1}},
         tracking={"tracking_uri": uri, "experiment": name},
-        supervision={"checkpoint": {"every_steps": 15}, "log_every_steps": 1},
+        supervision={"checkpoint": {"every_steps": 10}, "log_every_steps": 1},
     )
     spec = tmp_path / f"{name}.yaml"
     spec.write_text(yaml.safe_dump(raw))
