@@ -39,7 +39,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import free_ports
+import yaml
+from support import blob_spec, free_ports
 
 VENV_BIN = str(Path(sys.executable).parent)
 RAY_CLI = str(Path(VENV_BIN) / "ray")  # the `ray` command of this environment
@@ -336,6 +337,26 @@ def _stop(nodes: list[Node], timeout: float = 30) -> None:
     for process in leftovers:
         with contextlib.suppress(psutil.Error):
             process.kill()
+
+
+def cluster_spec_file(
+    tmp_path: Path, blob_data: Path, name: str, *, cluster: dict, training: dict, supervision: dict
+) -> tuple[Path, str]:
+    """A blob-data job spec for a run on a LocalCluster, tracked to a SQLite store in `tmp_path`
+    (experiment `name`), written as `tmp_path/<name>.yaml`: (its path, the store's URI)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = blob_spec(
+        blob_data,
+        name=name,
+        data={"batch_size": 16, "epochs": None},
+        cluster=cluster,
+        training=training,
+        tracking={"tracking_uri": uri, "experiment": name},
+        supervision=supervision,
+    )
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path, uri
 
 
 @pytest.fixture(scope="module", name="multinode_cluster")

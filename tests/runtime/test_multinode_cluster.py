@@ -15,11 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from multinode import RAY_CLI, LocalCluster, multinode_cluster_fixture  # noqa: F401
-from support import blob_spec
+from multinode import RAY_CLI, LocalCluster, cluster_spec_file, multinode_cluster_fixture  # noqa: F401
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 
@@ -113,11 +111,10 @@ STEPS = 20
 def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str, mode: str, placement: str):
     """`python -m towerflow train` of a 2-worker, 2-shard run on the cluster, as a user runs it;
     returns its loss curve."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    raw = blob_spec(
+    spec, uri = cluster_spec_file(
+        tmp_path,
         blob_data,
-        name=name,
-        data={"batch_size": 16, "epochs": None},
+        name,
         # small reservations: strict_pack puts all four actors on one 2-CPU node
         cluster={
             "workers": 2,
@@ -129,11 +126,8 @@ def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str,
             "min_slice_bytes": 64,
         },
         training={"mode": mode, "max_steps": STEPS, "optimizer": {"name": "sgd", "learning_rate": 0.1}},
-        tracking={"tracking_uri": uri, "experiment": name},
         supervision={"checkpoint": {"every_steps": 10}, "log_every_steps": 1},
     )
-    spec = tmp_path / f"{name}.yaml"
-    spec.write_text(yaml.safe_dump(raw))
     done = subprocess.run(
         [sys.executable, "-m", "towerflow", "train", str(spec), "--no-progress"],
         cwd=REPO,

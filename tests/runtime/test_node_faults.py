@@ -14,11 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from multinode import LocalCluster, multinode_cluster_fixture  # noqa: F401
-from support import blob_spec
+from multinode import LocalCluster, cluster_spec_file, multinode_cluster_fixture  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,11 +24,10 @@ pytestmark = pytest.mark.timeout(600)
 def _spec_file(
     tmp_path: Path, blob_data: Path, name: str, cluster: dict | None = None, **training
 ) -> tuple[Path, str]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    raw = blob_spec(
+    return cluster_spec_file(
+        tmp_path,
         blob_data,
-        name=name,
-        data={"batch_size": 16, "epochs": None},
+        name,
         cluster={
             "workers": 2,
             "ps": 1,
@@ -40,12 +37,8 @@ def _spec_file(
             **(cluster or {}),
         },
         training={"mode": "sync", "optimizer": {"name": "sgd", "learning_rate": 0.05}, **training},
-        tracking={"tracking_uri": uri, "experiment": name},
         supervision={"checkpoint": {"every_steps": 20}, "log_every_steps": 5},
     )
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path, uri
 
 
 def _train(cluster: LocalCluster, spec: Path, *args: str) -> subprocess.Popen:
