@@ -299,7 +299,7 @@ class MlflowCheckpointStore:
     def __init__(self, client, run_id: str) -> None:
         self.client = client
         self.run_id = run_id
-        self._written_at_by_path: dict[str, float] = {}  # a checkpoint never changes once complete
+        self._meta_by_path: dict[str, dict[str, Any]] = {}  # a checkpoint never changes once complete
         self._artifact_uri: str | None = None
 
     def save(self, state: TrainingState) -> str:
@@ -313,7 +313,7 @@ class MlflowCheckpointStore:
         return writer.path
 
     def writer(self, step: int) -> MlflowCheckpointWriter:
-        self._written_at_by_path.pop(f"{ARTIFACT_DIR}/{checkpoint_name(step)}", None)
+        self._meta_by_path.pop(f"{ARTIFACT_DIR}/{checkpoint_name(step)}", None)
         return MlflowCheckpointWriter(self.client.tracking_uri, self.run_id, step, self.artifact_uri, _host())
 
     @property
@@ -330,7 +330,7 @@ class MlflowCheckpointStore:
             names = {Path(f.path).name for f in self.client.list_artifacts(self.run_id, entry.path)}
             if META in names:
                 step = int(Path(entry.path).name.split("-", 1)[1])
-                found.append((step, self._written_at(entry.path)))
+                found.append((step, float(self._meta(entry.path)["written_at"])))
         return sorted(found)
 
     def open(self, step: int) -> StoredCheckpoint:
@@ -344,17 +344,15 @@ class MlflowCheckpointStore:
     def delete(self, step: int) -> None:
         path = f"{ARTIFACT_DIR}/{checkpoint_name(step)}"
         _delete_artifacts(self.client.tracking_uri, self.run_id, path)
-        self._written_at_by_path.pop(path, None)
-
-    def _written_at(self, path: str) -> float:
-        if path not in self._written_at_by_path:
-            self._written_at_by_path[path] = float(self._meta(path)["written_at"])
-        return self._written_at_by_path[path]
+        self._meta_by_path.pop(path, None)
 
     def _meta(self, path: str) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
-            local = self.client.download_artifacts(self.run_id, f"{path}/{META}", scratch)
-            return read_meta(Path(local).parent)
+        """A complete checkpoint's meta.json, downloaded once (listing and opening both need it)."""
+        if path not in self._meta_by_path:
+            with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
+                local = self.client.download_artifacts(self.run_id, f"{path}/{META}", scratch)
+                self._meta_by_path[path] = read_meta(Path(local).parent)
+        return self._meta_by_path[path]
 
 
 def _client(tracking_uri: str):
