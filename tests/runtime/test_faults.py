@@ -134,12 +134,15 @@ def test_nan_guard_skip_drops_nonfinite_gradients_and_trains_on(ray_cluster, blo
 
 
 class KillShardAt(FaultAt):
-    """SIGKILLs shard `shard`'s process when the chief hears of `step`."""
+    """SIGKILLs shard `worker`'s process when the chief hears of `step`; keeps the version the shard
+    had reached then (the chief hears of steps late, async most: the shards may be well past it)."""
 
     def after_run(self, context, event):
         self.events.append(event)
         if not self.killed_at and event.global_step >= self.step:
-            os.kill(ray.get(context.session.runtime.shards[self.worker].pid.remote()), signal.SIGKILL)
+            shard = context.session.runtime.shards[self.worker]
+            self.version_at_kill = ray.get(shard.ping.remote())
+            os.kill(ray.get(shard.pid.remote()), signal.SIGKILL)
             self.killed_at.append(event.global_step)
 
 
@@ -163,7 +166,12 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
     (fault,) = hook.faults
     assert "parameter server 1 lost" in fault.what and "rolled back to step 20" in fault.action
     assert hook.metrics["ps_rollbacks"] == 1
-    assert 0 < hook.metrics["steps_redone"] <= 10 + (hook.killed_at[0] - 20)
+    # Lost: the steps since the checkpoint at 20, up to where the shards were when one died (the
+    # checkpoint at 30 may not exist yet: the chief had heard of step 25 only). Slack: a step applied
+    # between the ping and the kill; async: the survivor may lead by a push per worker, and takes
+    # one more from each before the workers meet the dead shard.
+    slack = 2 * 2 if mode == "async" else 1
+    assert 0 < hook.metrics["steps_redone"] <= hook.version_at_kill + slack - 20
     steps = [e.global_step for e in hook.events]
     assert steps.count(21) == 2  # step 21 was reported, then redone after the rollback
     assert _falls([e.loss for e in hook.events])
