@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: example test install lint clean
+.PHONY: example test bench install lint clean
 
 install: $(STAMP)
 
@@ -30,6 +30,16 @@ test: $(STAMP)
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; \
 	exit $$rc
+
+# towerflow beside its peers (benchmarks/bench.py): about 25 minutes on 2 cores; rewrites the generated
+# section of docs/benchmarks.md and docs/img/bench-*.png.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/bench.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

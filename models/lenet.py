@@ -3,10 +3,16 @@ dense 1024, dense num_classes (logits)."""
 
 from __future__ import annotations
 
-import keras
+from types import ModuleType
+from typing import Any
 
 
-def build(num_classes: int = 10, input_name: str = "image", dropout: float = 0.0) -> keras.Model:
+def build(
+    num_classes: int = 10, input_name: str = "image", dropout: float = 0.0, keras: ModuleType | None = None
+) -> Any:
+    """`keras`: the Keras to build with (default Keras 3; the peers benchmark passes tf_keras)."""
+    if keras is None:
+        import keras
     inputs = keras.Input(shape=(28, 28, 1), name=input_name)
     x = keras.layers.Conv2D(32, 5, padding="same", activation="relu")(inputs)
     x = keras.layers.MaxPooling2D(2)(x)

@@ -245,8 +245,10 @@ def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray
         )
         return out.stdout
 
+    # Training, as the run's metrics show (each `ray job logs` would start a Python process).
+    client = MlflowClient(store)
     deadline = time.monotonic() + 180
-    while not any(line.startswith("step ") for line in logs().splitlines()):  # training, and logged
+    while not _global_step_of_the_only_run(client, "tabular"):
         assert time.monotonic() < deadline, logs()
         time.sleep(1)
     stopped = subprocess.run(
@@ -258,13 +260,18 @@ def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray
     )
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     text = logs()
-    client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("tabular").experiment_id])
     assert run.info.status == "KILLED", text
     final_step = int(run.data.metrics["global_step"])
     assert [step for step, _ in MlflowCheckpointStore(client, run.info.run_id).list()] == [final_step], text
     assert f"saved a checkpoint of step {final_step} before stopping" in text, text
     assert f"--resume {run.info.run_id}" in text, text
+
+
+def _global_step_of_the_only_run(client: MlflowClient, experiment: str) -> float:
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id]) if found is not None else []
+    return runs[0].data.metrics.get("global_step", 0.0) if runs else 0.0
 
 
 def test_towerflow_submit_refuses_a_bad_spec_before_sending_anything(ray_head):

@@ -200,3 +200,22 @@ def test_hooks_can_stop_the_job(ray_cluster, blob_data):
     assert 3 <= result.global_step < 500
     # The stop drains: every shard ends at the same version (the final checkpoint's cut).
     assert {s["version"] for s in result.shards} == {result.global_step}
+
+
+def test_cluster_ps_auto_trains_on_the_shard_count_the_cost_model_picks(ray_cluster, blob_data):
+    from towerflow.launch import train
+    from towerflow.runtime.shard_count import auto_shards
+
+    model = {"params": {"input_dim": 8, "num_classes": 2, "hidden": [2048, 2048], "seed": 1}}
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            model=model,
+            cluster={"workers": 2, "ps": "auto", "cpus_per_ps": 0.1},
+            training={"max_steps": 3},
+        )
+    )
+    expected = auto_shards(spec)
+    assert expected > 1  # a 4.2 M-parameter model with next to no compute per parameter
+    result = train(spec, track=False)
+    assert result.global_step == 3 and len(result.shards) == expected

@@ -137,7 +137,13 @@ class ClusterSpec(_Strict):
         ge=1,
         description="Elastic runs: the fewest workers to train with; set by workers: {min, max}.",
     )
-    ps: int = Field(1, ge=1)
+    ps: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1,
+        description=(
+            "Parameter-server shards; auto: the fewest the cost model says keep the shards off a "
+            "step's critical path (towerflow/runtime/cost_model.py), resolved when the job starts."
+        ),
+    )
     gpus_per_worker: float = Field(0, ge=0)
     towers: int = Field(1, ge=1, description="Towers per worker; with GPUs, one per GPU.")
     cpus_per_worker: float = Field(1.0, gt=0)

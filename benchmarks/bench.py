@@ -1,0 +1,224 @@
+"""`make bench`: towerflow beside its peers in one run, and the report in docs/benchmarks.md.
+
+Systems (benchmarks/peers/): single-process Keras, towerflow sync and async (1, 2 and 4 workers),
+Ray Train's TensorflowTrainer, TensorFlow's ParameterServerStrategy, and a naive driver-relayed Ray
+parameter server; workloads: LeNet at global batch 256 (compute-bound) and the 784-500-10 MLP at
+64 (communication-bound), on the same synthetic MNIST. Each run is a fresh process; the runs that
+a target ratio compares repeat in every round, in rotating order. Every run saves its weights every
+few steps and one evaluator scores them all, for time to a target accuracy and eval loss against
+training time.
+
+    python benchmarks/bench.py              # 3 rounds, writes docs/benchmarks.md and docs/img/bench-*.png
+    python benchmarks/bench.py --rounds 1 --no-docs     # a quick look
+
+Then the cost model's constants are measured (benchmarks/costmodel.py) and the model is checked
+against every towerflow run and projected to 256 workers. The last lines: vs_raytrain=,
+vs_psstrategy=, async_vs_sync_mlp=, async_vs_sync=, sync_vs_keras=, model_error_max=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import costmodel  # noqa: E402
+from common import ensure_mnist, machine, make_log  # noqa: E402
+from cpu_budget import wait_for_quiet  # noqa: E402
+from peers import report  # noqa: E402
+from peers.plan import SYSTEMS, Run, default_plan, evaluate, make_run, rounds_of  # noqa: E402
+from peers.workloads import ROOT, Evaluator  # noqa: E402
+
+log = make_log("bench")
+DOCS = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- make bench: begin -->", "<!-- make bench: end -->"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data", type=Path, default=ROOT / "data" / "bench-mnist")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench", help="run logs and snapshots")
+    parser.add_argument("--only", nargs="*", default=None, help="configuration keys or parts of them to run")
+    parser.add_argument("--run-timeout", type=float, default=300, help="seconds one run may take")
+    parser.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for other jobs to calm")
+    parser.add_argument("--no-docs", action="store_true", help="print the report only")
+    return parser.parse_args(argv)
+
+
+def run_all(args: argparse.Namespace) -> list[Run]:
+    plan = default_plan()
+    if args.only:
+        plan = [c for c in plan if any(part in c.key for part in args.only)]
+    rounds = rounds_of(plan, args.rounds)
+    total = sum(len(r) for r in rounds)
+    evaluators: dict[str, Evaluator] = {}
+    runs: list[Run] = []
+    for number, configs in enumerate(rounds, start=1):
+        for config in configs:
+            load = wait_for_quiet(args.quiet_wait, log)
+            log(f"[{len(runs) + 1}/{total}] round {number}: {config.key} (others used {load:.2f} cores) ...")
+            run = make_run(config, number, args.data, args.out, args.run_timeout, log)
+            if run.ok and SYSTEMS[config.system].probe:
+                log(f"  {'; '.join(run.report.get('notes', []))[:300]}")
+            elif run.ok:
+                if config.workload not in evaluators:
+                    evaluators[config.workload] = Evaluator(config.workload, args.data)
+                evaluate(run, evaluators[config.workload])
+                best = max((e[3] for e in run.evals), default=float("nan"))
+                log(
+                    f"  {run.report['rate']:,.0f} ex/s, start-up {run.report['startup_s']:.1f} s, "
+                    f"best eval accuracy {best:.3f}, {run.wall_s:.0f} s in all"
+                )
+            else:
+                log(f"  FAILED: {run.error} (log: {args.out / (run.folder.name + '.log')})")
+            runs.append(run)
+    return runs
+
+
+def measure_costs(args: argparse.Namespace) -> dict | None:
+    """The cost model's constants, in a fresh process (benchmarks/costmodel.py measure)."""
+    wait_for_quiet(args.quiet_wait, log)
+    log("cost model: measuring a step's parts ...")
+    out = args.out / "costs.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "costmodel.py"), "measure", f"--out={out}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    (args.out / "costs.log").write_text(done.stderr[-200_000:])
+    if done.returncode != 0:
+        log(f"  FAILED (exit {done.returncode}; log: {args.out / 'costs.log'})")
+        return None
+    return json.loads(out.read_text())
+
+
+def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple[list[str], float]:
+    checked = costmodel.check(found, figures)
+    projected = costmodel.project(found)
+    costmodel.plot_check(checked, img / "bench-model-check.png")
+    costmodel.plot_projection(projected, img / "bench-scaling.png")
+    worst = max((abs(r["error"]) for r in checked), default=float("nan"))
+    parts = [
+        "",
+        "### Cost model (platform/towerflow/runtime/cost_model.py)",
+        "",
+        "Constants, each part of a step timed alone (benchmarks/costmodel.py):",
+        "",
+        costmodel.constants_table(found),
+        "",
+        f"Against every towerflow run above (this machine's {os.cpu_count()} cores shared by all processes; "
+        f"worst error {worst:.0%}):",
+        "",
+        costmodel.check_table(checked),
+        "",
+        "Projected, each worker and shard on a machine of its own on a 25 Gbit/s network, "
+        "half the benchmark's global batch per worker (it grows with the workers):",
+        "",
+        costmodel.projection_table(projected),
+        "",
+        f"![predicted against measured]({rel}/bench-model-check.png)",
+        f"![predicted scaling]({rel}/bench-scaling.png)",
+    ]
+    return parts, worst
+
+
+def render(
+    runs: list[Run], found: dict | None, args: argparse.Namespace, started: float, img: Path
+) -> tuple[str, dict]:
+    figures = report.collect(runs)
+    targets, values = report.targets_table(figures)
+    img.mkdir(parents=True, exist_ok=True)
+    report.plot_throughput(figures, img / "bench-throughput.png")
+    report.plot_loss(figures, img / "bench-loss.png")
+    rel = os.path.relpath(img, DOCS.parent)
+    parts = [
+        f"## Peers, `make bench` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))})",
+        "",
+        f"Machine: {machine()}. {args.rounds} interleaved round(s); {len(runs)} runs, each a fresh process; "
+        f"{(time.time() - started) / 60:.1f} minutes in all. Ratios are of medians measured in this run; "
+        "absolute figures hold for this machine and hour only.",
+        "",
+        "### Targets",
+        "",
+        targets,
+    ]
+    for workload in ("lenet", "mlp"):
+        if not any(f.config.workload == workload for f in figures.values()):
+            continue
+        parts += [
+            "",
+            f"### {workload}: examples/sec",
+            "",
+            report.throughput_table(figures, workload),
+            "",
+            f"Step split of the systems that report one (ms, medians; {workload}):",
+            "",
+            report.split_table(figures, workload),
+            "",
+            report.accuracy_table(figures, workload),
+        ]
+    found_by_probes = report.findings(runs)
+    if found_by_probes:
+        parts += ["", "### Findings", "", found_by_probes]
+    parts += [
+        "",
+        f"![examples/sec per system]({rel}/bench-throughput.png)",
+        f"![eval loss against training time]({rel}/bench-loss.png)",
+    ]
+    if found is not None:
+        section, values["model_error_max"] = cost_model_section(found, figures, img, rel)
+        parts += section
+    return "\n".join(parts), values
+
+
+def write_docs(section: str) -> None:
+    """Replace the generated section of docs/benchmarks.md (kept above the hand-written history)."""
+    text = DOCS.read_text()
+    block = f"{BEGIN}\n{section}\n{END}"
+    if BEGIN in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.DOTALL)
+    else:
+        title, _, rest = text.partition("\n")
+        text = f"{title}\n\n{block}\n{rest}"
+    DOCS.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    os.chdir(ROOT)
+    print(f"# towerflow peers benchmark, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}", flush=True)
+    ensure_mnist(args.data, log)
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    runs = run_all(args)
+    found = measure_costs(args)
+    img = (args.out / "img") if args.no_docs else DOCS.parent / "img"
+    section, values = render(runs, found, args, started, img)
+    print("\n" + section)
+    if not args.no_docs:
+        write_docs(section)
+        log(f"wrote {DOCS.relative_to(ROOT)} and {img.relative_to(ROOT)}/bench-*.png")
+    print()
+    keys = (
+        "vs_raytrain",
+        "vs_psstrategy",
+        "async_vs_sync_mlp",
+        "async_vs_sync",
+        "sync_vs_keras",
+        "model_error_max",
+    )
+    for key in keys:
+        value = values.get(key)
+        print(f"{key}={'n/a' if value is None else f'{value:.3f}'}")
+    return 0 if all(r.ok for r in runs) and found is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,459 @@
+"""The cost model's constants, measured, and the model checked against measured runs.
+
+`measure` (a fresh process with a local Ray of its own) times the parts of a step one by one on
+arrays the size of each workload's model: a worker's forward and backward pass alone (wall and CPU)
+at each batch it runs, its gradients into the object store and parameters out of it into its
+variables, a shard taking in one push, TensorFlow's fused Adam over the shard's variables, the
+shard's publication of a version, an actor call's round trip; and, on a two-node Ray
+(`ray.cluster_utils.Cluster`, each node its own object store), an object fetched across nodes.
+`check` sets the model (towerflow/runtime/cost_model.py) against every towerflow run of the peers
+benchmark; `project` predicts 8 to 256 workers on a 25 Gbit/s network.
+
+    python benchmarks/costmodel.py measure --out runs/bench/costs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SINGLE_MACHINE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # towerflow.runtime.cluster's name for it
+BATCHES = {"lenet": (64, 128, 256), "mlp": (16, 32, 64)}  # per-worker batches of 4, 2 and 1 workers
+
+
+def _timed(fn, repeat: int) -> tuple[float, float]:
+    """(median wall seconds, median CPU seconds of this process) of `fn` over `repeat` calls."""
+    walls, cpus = [], []
+    for _ in range(repeat):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def _probe_class():
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Probe:
+        """A process set up as a towerflow worker or shard (1 CPU: one intra-op thread)."""
+
+        def __init__(self, workload: str) -> None:
+            import sys
+
+            sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+            from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
+
+            configure_tensorflow(TFProcessConfig(cpus=1))  # before any op: as a 1-CPU worker's
+            import keras
+            import tensorflow as tf
+            from workloads import build
+
+            from towerflow.runtime.optimizers import build_optimizer
+
+            self.tf = tf
+            self.model = build(workload, keras)
+            self.weights = [np.asarray(w) for w in self.model.get_weights()]
+            self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            self.optimizer = build_optimizer({"name": "adam", "learning_rate": 1e-3})
+            self.slots = [
+                {s: tf.Variable(np.zeros_like(w)) for s in self.optimizer.slot_names} for w in self.weights
+            ]
+            self.variables = [tf.Variable(w) for w in self.weights]
+
+            @tf.function(reduce_retracing=True)
+            def grads(x, y):
+                with tf.GradientTape() as tape:
+                    loss = self.loss(y, self.model(x, training=True))
+                return tape.gradient(loss, self.model.trainable_variables)
+
+            self._grads = grads
+
+        def params(self) -> int:
+            return int(sum(w.size for w in self.weights))
+
+        def compute(self, batch: int, repeat: int = 12) -> tuple[float, float]:
+            x = np.random.rand(batch, 28, 28, 1).astype(np.float32)
+            y = np.random.randint(0, 10, batch)
+            for _ in range(3):
+                self._grads(x, y)
+            return _timed(lambda: [g.numpy() for g in self._grads(x, y)], repeat)
+
+        def gradients_out(self, repeat: int = 12) -> float:
+            import ray
+
+            return _timed(lambda: ray.put(list(self.weights)), repeat)[0]
+
+        def parameters_in(self, ref_holder: list, repeat: int = 12) -> float:
+            import ray
+
+            def pull() -> None:
+                for variable, value in zip(self.model.trainable_variables, ray.get(ref_holder[0])):
+                    variable.assign(value)
+
+            return _timed(pull, repeat)[0]
+
+        def put_version(self):
+            import ray
+
+            return [ray.put(list(self.weights))]
+
+        def take_push(self, *arrays) -> None:
+            total = getattr(self, "_total", None) or [np.zeros_like(a) for a in arrays]
+            for t, a in zip(total, arrays):
+                np.add(t, a, out=t)
+            self._total = total
+
+        def apply(self, repeat: int = 12) -> float:
+            tf = self.tf
+            grads = [tf.constant(w) for w in self.weights]
+            lr, step = tf.constant(1e-3), tf.constant(1.0)
+
+            def once() -> None:
+                for v, s, g in zip(self.variables, self.slots, grads):
+                    self.optimizer.apply(tf, v, s, g, lr, step)
+
+            once()
+            return _timed(once, repeat)[0]
+
+        def publish(self, repeat: int = 12) -> float:
+            import ray
+
+            values = [v.numpy() for v in self.variables]
+            return _timed(lambda: ray.put(values), repeat)[0]
+
+        def nothing(self) -> None:
+            return None
+
+        def fetch(self, holder: list) -> float:
+            import ray
+
+            started = time.perf_counter()
+            ray.get(holder[0])
+            return time.perf_counter() - started
+
+        def node(self) -> str:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+
+    return Probe
+
+
+def measure_workload(workload: str, repeat: int) -> dict:
+    import ray
+
+    probe_cls = _probe_class()
+    worker, shard = probe_cls.remote(workload), probe_cls.remote(workload)
+    params = ray.get(worker.params.remote())
+    nbytes = 4 * params
+    compute = {b: ray.get(worker.compute.remote(b, repeat)) for b in BATCHES[workload]}
+    out_s = ray.get(worker.gradients_out.remote(repeat))
+    version = ray.get(shard.put_version.remote())
+    in_s = ray.get(worker.parameters_in.remote(version, repeat))
+    arrays = [ray.put(w) for w in ray.get(ray.get(shard.put_version.remote())[0])]
+    ray.get(shard.nothing.remote())
+    call_s = _timed(lambda: ray.get(shard.nothing.remote()), repeat * 4)[0]
+    push_s = _timed(lambda: ray.get(shard.take_push.remote(*arrays)), repeat)[0] - call_s
+    apply_s = ray.get(shard.apply.remote(repeat))
+    publish_s = ray.get(shard.publish.remote(repeat))
+    return {
+        "params": params,
+        "compute": {str(b): {"wall_s": w, "cpu_s": c} for b, (w, c) in compute.items()},
+        "gradients_out_s": out_s,
+        "parameters_in_s": in_s,
+        "call_s": call_s,
+        "push_s": max(push_s, 0.0),
+        "apply_s": apply_s,
+        "publish_s": publish_s,
+        "bytes": nbytes,
+    }
+
+
+def measure_across_nodes(nbytes: int, repeat: int = 5) -> dict:
+    """An object of `nbytes` fetched by an actor on another node (each node its own object store)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"a": 1}})
+    cluster.add_node(num_cpus=1, resources={"b": 1})
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+        probe_cls = _probe_class()
+        here = probe_cls.options(resources={"a": 1}, num_cpus=0).remote("mlp")
+        there = probe_cls.options(resources={"b": 1}, num_cpus=0).remote("mlp")
+        assert ray.get(here.node.remote()) != ray.get(there.node.remote())
+        fetches = []
+        for _ in range(repeat):
+            holder = [ray.put(np.random.rand(nbytes // 8))]  # new each time: never cached there
+            fetches.append(ray.get(there.fetch.remote(holder)))
+            del holder
+        local = []
+        for _ in range(repeat):
+            holder = [ray.put(np.random.rand(nbytes // 8))]
+            local.append(ray.get(here.fetch.remote(holder)))
+        seconds = statistics.median(fetches)
+        return {
+            "bytes": nbytes,
+            "across_s": seconds,
+            "within_s": statistics.median(local),
+            "link_bytes_per_s": nbytes / seconds,
+        }
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from towerflow.runtime.cluster import keep_embedded_ray_local
+
+    keep_embedded_ray_local()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    try:
+        found = {w: measure_workload(w, args.repeat) for w in ("lenet", "mlp")}
+    finally:
+        ray.shutdown()
+    # Another process: Ray reads the single-machine switch (set above) at import, and it refuses
+    # a second node.
+    env = {k: v for k, v in os.environ.items() if k != SINGLE_MACHINE_SWITCH}
+    command = [sys.executable, __file__, "across", f"--bytes={found['lenet']['bytes']}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the cross-node measurement failed:\n{done.stderr[-3000:]}")
+    found["across_nodes"] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--repeat", type=int, default=12)
+    across = sub.add_parser("across", help="(internal) the cross-node fetch, in a process of its own")
+    across.add_argument("--bytes", type=int, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "across":
+        print(json.dumps(measure_across_nodes(args.bytes)))
+        return
+    if args.command == "measure":
+        found = measure(args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(found, indent=1))
+        print(json.dumps(found, indent=1))
+
+
+if __name__ == "__main__":
+    main()
+
+
+# -- the model against the runs, and beyond this machine ----------------------------------------------
+def costs_from(found: dict, workload: str):
+    """Costs (towerflow/runtime/cost_model.py) from one workload's measurements."""
+    from towerflow.runtime.cost_model import Costs
+
+    m = found[workload]
+    batches = sorted(int(b) for b in m["compute"])
+    walls = [m["compute"][str(b)]["wall_s"] for b in batches]
+    slope, fixed = np.polyfit(batches, walls, 1)
+    cores = statistics.median(m["compute"][str(b)]["cpu_s"] / m["compute"][str(b)]["wall_s"] for b in batches)
+    nbytes = m["bytes"]
+    return Costs(
+        compute_s_per_example=float(max(slope, 0.0)),
+        compute_fixed_s=float(max(fixed, 0.0)),
+        compute_cores=float(cores),
+        worker_s_per_byte=(m["gradients_out_s"] + m["parameters_in_s"]) / 2 / nbytes,
+        push_s_per_byte=m["push_s"] / nbytes,
+        apply_s_per_byte=m["apply_s"] / nbytes,
+        publish_s_per_byte=m["publish_s"] / nbytes,
+        call_s=m["call_s"],
+    )
+
+
+def check(found: dict, figures: dict) -> list[dict]:
+    """Predicted against measured seconds per global batch for every towerflow configuration run."""
+    from peers.workloads import WORKLOADS
+
+    from towerflow.runtime.cost_model import predict_step
+
+    rows = []
+    for key, fig in sorted(figures.items()):
+        config = fig.config
+        if not config.system.startswith("towerflow_") or fig.rate is None:
+            continue
+        workload = WORKLOADS[config.workload]
+        mode = config.system.removeprefix("towerflow_")
+        step = predict_step(
+            costs_from(found, config.workload),
+            workers=config.workers,
+            shards=1,
+            params=found[config.workload]["params"],
+            batch_per_worker=workload.global_batch // config.workers,
+            mode=mode,
+            cores=os.cpu_count(),
+        )
+        measured = workload.global_batch / fig.rate
+        rows.append(
+            {
+                "key": key,
+                "label": config.label,
+                "measured_s": measured,
+                "predicted_s": step.seconds,
+                "error": step.seconds / measured - 1,
+                "bottleneck": step.bottleneck,
+            }
+        )
+    return rows
+
+
+WORKERS = (8, 16, 32, 64, 128, 256)
+
+
+def project(found: dict, gbit: float = 25.0) -> list[dict]:
+    """Examples/sec from 8 to 256 workers, each on a machine of its own, shards too, on `gbit`."""
+    from peers.workloads import WORKLOADS
+
+    from towerflow.runtime.cost_model import examples_per_s, predict_step, shards_for
+
+    rows = []
+    for workload in ("lenet", "mlp"):
+        costs = costs_from(found, workload).on_network(gbit)
+        params, batch = found[workload]["params"], WORKLOADS[workload].global_batch // 2
+        for mode in ("sync", "async"):
+            for workers in WORKERS:
+                shape = {"workers": workers, "params": params, "batch_per_worker": batch, "mode": mode}
+                needed = shards_for(costs, **shape)
+                one = predict_step(costs, shards=1, **shape)
+                rows.append(
+                    {
+                        "workload": workload,
+                        "mode": mode,
+                        "workers": workers,
+                        "rate_1_shard": examples_per_s(costs, shards=1, **shape),
+                        "bottleneck_1_shard": one.bottleneck,
+                        "shards_needed": needed,
+                        "rate_needed": examples_per_s(costs, shards=needed, **shape),
+                        "rate_ideal": workers * batch / one.worker_s,  # shards that cost nothing
+                    }
+                )
+    return rows
+
+
+def check_table(rows: list[dict]) -> str:
+    lines = [
+        "| configuration | measured, ms per global batch | predicted | error | bound by |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} ({r['key'].split('/')[0]}) | {1000 * r['measured_s']:.1f} | "
+            f"{1000 * r['predicted_s']:.1f} | {r['error']:+.0%} | {r['bottleneck']} |"
+        )
+    return "\n".join(lines)
+
+
+def constants_table(found: dict) -> str:
+    lines = [
+        "| measured on this machine | lenet | mlp |",
+        "|---|---:|---:|",
+    ]
+    costs = {w: costs_from(found, w) for w in ("lenet", "mlp")}
+    rows = [
+        ("parameters", lambda w: f"{found[w]['params']:,}"),
+        (
+            "compute, ms per example (one process, 1 thread)",
+            lambda w: f"{1000 * costs[w].compute_s_per_example:.3f}",
+        ),
+        ("compute, fixed ms per step", lambda w: f"{1000 * costs[w].compute_fixed_s:.2f}"),
+        (
+            "worker: gradients out / parameters in, ms",
+            lambda w: f"{1000 * found[w]['gradients_out_s']:.2f} / {1000 * found[w]['parameters_in_s']:.2f}",
+        ),
+        ("shard: take in one push, ms", lambda w: f"{1000 * found[w]['push_s']:.2f}"),
+        ("shard: Adam over all parameters, ms", lambda w: f"{1000 * found[w]['apply_s']:.2f}"),
+        ("shard: publish a version, ms", lambda w: f"{1000 * found[w]['publish_s']:.2f}"),
+        ("actor call round trip, ms", lambda w: f"{1000 * found[w]['call_s']:.2f}"),
+    ]
+    lines += [f"| {name} | {cell('lenet')} | {cell('mlp')} |" for name, cell in rows]
+    across = found["across_nodes"]
+    lines.append(
+        f"| {across['bytes'] / 1e6:.1f} MB fetched from another node's object store / the same node's, ms | "
+        f"{1000 * across['across_s']:.1f} / {1000 * across['within_s']:.1f} | |"
+    )
+    return "\n".join(lines)
+
+
+def projection_table(rows: list[dict]) -> str:
+    lines = [
+        "| workload | mode | workers | ex/s, 1 shard | bound by | shards needed | ex/s with them | no shard cost |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['mode']} | {r['workers']} | {r['rate_1_shard']:,.0f} | {r['bottleneck_1_shard']} | "
+            f"{r['shards_needed']} | {r['rate_needed']:,.0f} | {r['rate_ideal']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_check(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    measured = [1000 * r["measured_s"] for r in rows]
+    predicted = [1000 * r["predicted_s"] for r in rows]
+    ax.scatter(measured, predicted)
+    for r, x, y in zip(rows, measured, predicted):
+        ax.annotate(r["key"].replace("towerflow_", ""), (x, y), fontsize=7)
+    top = max(measured + predicted) * 1.1
+    ax.plot([0, top], [0, top], "k--", linewidth=0.8)
+    ax.fill_between([0, top], [0, 0.75 * top], [0, 1.25 * top], color="grey", alpha=0.15, label="within 25%")
+    ax.set_xlabel("measured ms per global batch")
+    ax.set_ylabel("predicted ms per global batch")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_projection(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, workload in zip(axes, ("lenet", "mlp")):
+        for mode, style in (("sync", "-"), ("async", "--")):
+            picked = [r for r in rows if r["workload"] == workload and r["mode"] == mode]
+            workers = [r["workers"] for r in picked]
+            ax.plot(workers, [r["rate_1_shard"] for r in picked], style, marker="o", label=f"{mode}, 1 shard")
+            ax.plot(
+                workers, [r["rate_needed"] for r in picked], style, marker="s", label=f"{mode}, shards needed"
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers (a machine each, 25 Gbit/s)")
+        ax.set_ylabel("predicted examples/sec")
+        ax.set_title(workload)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,95 @@
+"""towerflow sync or async, through `towerflow.launch.train` on a local Ray of its own.
+
+The spec is pipelines/mnist_sync.yaml (sync) or mnist_async.yaml (async) with the workload's model
+and batch, no evaluation, checkpoint or export, and no tracking: what is timed is training. Step
+times are the driver's (`StepEvent.elapsed_s`); a snapshot is the shards' state at that very step
+(`capture_state(version)`), taken while training goes on, so nothing is paused.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import statistics  # noqa: E402
+
+from workloads import ROOT, Snapshots, StepTimes, TrainClock, report, runner_args  # noqa: E402
+
+from towerflow.runtime.hooks import Hook  # noqa: E402
+
+
+class Recorder(Hook):
+    """Global batches done (examples seen / global batch) and their time; snapshots at set steps."""
+
+    def __init__(self, times: StepTimes, snaps: Snapshots, updates_per_batch: int) -> None:
+        self.times, self.snaps, self.updates_per_batch = times, snaps, updates_per_batch
+        self.splits: list[dict[str, float]] = []
+
+    def begin(self, session) -> None:
+        if self.snaps.every:
+            session.snapshot_every = self.snaps.every * self.updates_per_batch
+
+    def after_run(self, context, event) -> None:
+        batches = event.examples_seen // self.times.global_batch
+        self.times.record(batches, event.loss, at=event.elapsed_s)
+        if self.times.warmup < batches <= self.times.warmup + self.times.steps:
+            self.splits.append(dict(event.time_split))
+        every = self.snaps.every * self.updates_per_batch
+        if every and event.global_step % every == 0:
+            state = context.session.runtime.capture_state(event.global_step)
+            self.snaps.save(batches, [state.variables[n] for n in state.names], at=event.elapsed_s)
+
+
+def main() -> None:
+    args = runner_args(modes=("sync", "async"))
+    clock = TrainClock()
+    from towerflow.runtime.cluster import keep_embedded_ray_local
+
+    keep_embedded_ray_local()  # before Ray's import: it reads the switches then
+    import ray
+
+    from towerflow.launch import train
+    from towerflow.spec import load_spec
+
+    spec, workers = args.spec, args.workers
+    updates_per_batch = workers if args.mode == "async" else 1  # an async update is one worker's batch
+    overrides = [
+        f"name=bench-{args.workload}-{args.mode}-{workers}w",
+        f"model.ref={spec.model_ref}",
+        f"data.train.paths={args.data}/train-*",
+        "data.eval=null",
+        "data.epochs=null",
+        f"data.batch_size={spec.global_batch // workers}",
+        f"cluster.workers={workers}",
+        f"cluster.ps={args.ps}",
+        "cluster.cpus_per_worker=1",
+        "cluster.cpus_per_ps=0.5",
+        "cluster.data_cpus=1",
+        f"training.max_steps={(args.warmup + args.steps) * updates_per_batch}",
+        f"training.optimizer.learning_rate={spec.learning_rate}",
+        "export.saved_model=false",
+        "export.register_as=null",
+        "supervision.eval=null",
+        "supervision.checkpoint.enabled=false",
+    ]
+    if args.mode == "sync":
+        overrides += [f"training.replicas_to_aggregate={workers}", f"training.total_num_replicas={workers}"]
+    base = ROOT / "pipelines" / f"mnist_{args.mode}.yaml"
+    job = load_spec(base, overrides)
+    times = StepTimes(clock, args.warmup, args.steps, spec.global_batch)
+    snaps = Snapshots(args.out, args.snapshot_every, clock)
+    recorder = Recorder(times, snaps, updates_per_batch)
+    os.chdir(ROOT)  # model refs (models., benchmarks.) import from the repository root
+    ray.init(num_cpus=workers + 2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    try:
+        train(job, hooks=[recorder], track=False, output_dir=args.out / "run")
+    finally:
+        ray.shutdown()
+    split = {p: statistics.median(s[p] for s in recorder.splits) for p in recorder.splits[0]}
+    notes = [f"{args.ps} PS shard(s); async max_staleness {job.training.max_staleness}"]
+    report(f"towerflow_{args.mode}", args, times, snaps, split=split, notes=notes).emit()
+
+
+if __name__ == "__main__":
+    main()

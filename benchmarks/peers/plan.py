@@ -1,0 +1,147 @@
+"""Which runs the peers benchmark makes, in which order, and how one run is made and read.
+
+Every run is a fresh process (`peer_<runner>.py`), so no system inherits another's threads, memory
+or Ray. Configurations compared by a target ratio run in every round, in rotating order; the rest
+run once, spread over the rounds so that each round sees the machine's drift alike.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from peers.workloads import ROOT, Evaluator, read_report
+
+PEERS = ROOT / "benchmarks" / "peers"
+
+
+@dataclass(frozen=True)
+class System:
+    label: str
+    runner: str  # peer_<runner>.py
+    mode: str = "sync"
+    extra: tuple[str, ...] = ()  # more arguments for the runner
+    probe: bool = False  # a finding (does it run at all?), not a timed run
+
+
+SYSTEMS = {
+    "keras": System("Keras model.fit, 1 process", "keras"),
+    "towerflow_sync": System("towerflow sync", "towerflow", "sync"),
+    "towerflow_async": System("towerflow async", "towerflow", "async"),
+    "raytrain": System("Ray Train TensorflowTrainer (tf_keras)", "raytrain"),
+    "psstrategy": System("TF ParameterServerStrategy (tf_keras)", "psstrategy", "async"),
+    "naive_ps": System("naive Ray PS (driver-relayed)", "naive_ps"),
+    "raytrain_keras3": System(
+        "Ray Train TensorflowTrainer with Keras 3", "raytrain", extra=("--keras3-probe",), probe=True
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    system: str
+    workload: str
+    workers: int
+    every_round: bool = False  # compared by a target ratio: measured in every round
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload}/{self.system}/{self.workers}w"
+
+    @property
+    def label(self) -> str:
+        workers = "" if self.system == "keras" else f", {self.workers} worker{'s' * (self.workers > 1)}"
+        oversubscribed = " (oversubscribed)" if self.workers > (os.cpu_count() or 1) else ""
+        return SYSTEMS[self.system].label + workers + oversubscribed
+
+
+@dataclass(frozen=True)
+class Steps:
+    warmup: int  # global batches before the timed window
+    timed: int  # global batches in it
+    snapshot_every: int
+
+
+STEPS = {
+    "lenet": Steps(warmup=10, timed=40, snapshot_every=5),
+    "mlp": Steps(warmup=20, timed=200, snapshot_every=20),
+}
+
+
+def default_plan() -> list[Config]:
+    compared = [
+        Config(system, "lenet", 1 if system == "keras" else 2, every_round=True)
+        for system in ("keras", "towerflow_sync", "towerflow_async", "raytrain", "psstrategy")
+    ]
+    compared += [Config(s, "mlp", 2, every_round=True) for s in ("towerflow_sync", "towerflow_async")]
+    once = [Config("naive_ps", "lenet", 2)]
+    once += [Config(f"towerflow_{m}", "lenet", w) for w in (1, 4) for m in ("sync", "async")]
+    once += [Config("keras", "mlp", 1), Config("raytrain", "mlp", 2), Config("psstrategy", "mlp", 2)]
+    once += [Config("naive_ps", "mlp", 2), Config("raytrain_keras3", "lenet", 2)]
+    return compared + once
+
+
+def rounds_of(plan: list[Config], rounds: int) -> list[list[Config]]:
+    """Each round: the every-round configurations rotated by the round's number, then its share of
+    the others."""
+    every = [c for c in plan if c.every_round]
+    once = [c for c in plan if not c.every_round]
+    return [every[r % len(every) :] + every[: r % len(every)] + once[r::rounds] for r in range(rounds)]
+
+
+@dataclass
+class Run:
+    config: Config
+    round: int
+    folder: Path
+    report: dict = field(default_factory=dict)
+    evals: list[tuple[float, int, float, float]] = field(default_factory=list)  # (train_s, step, loss, acc)
+    wall_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def make_run(
+    config: Config, round_: int, data: Path, out: Path, timeout_s: float, log: Callable[[str], None]
+) -> Run:
+    system, steps = SYSTEMS[config.system], STEPS[config.workload]
+    folder = out / f"r{round_}-{config.key.replace('/', '-')}"
+    command = [sys.executable, str(PEERS / f"peer_{system.runner}.py"), f"--workload={config.workload}"]
+    command += [f"--workers={config.workers}", f"--data={data}", f"--warmup={steps.warmup}"]
+    command += [f"--steps={steps.timed}", f"--snapshot-every={steps.snapshot_every}", f"--out={folder}"]
+    command += [f"--mode={system.mode}", *system.extra]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run, started = Run(config, round_, folder), time.time()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as timed_out:
+        run.error = f"no result within {timeout_s:.0f} s"
+        (out / f"{folder.name}.log").write_text(str(timed_out.stderr or "")[-20000:])
+        return run
+    run.wall_s = time.time() - started
+    (out / f"{folder.name}.log").write_text(done.stderr[-200_000:])
+    try:
+        run.report = read_report(done.stdout)
+    except ValueError:
+        tail = done.stderr.strip().splitlines()[-3:]
+        run.error = f"exit {done.returncode}: " + " | ".join(tail)
+    if done.returncode != 0 and run.ok:
+        run.error = f"exit {done.returncode} after its report"
+    return run
+
+
+def evaluate(run: Run, evaluator: Evaluator) -> None:
+    """Eval loss and accuracy of each of the run's snapshots, then the files go (they are large)."""
+    for train_s, step, name in run.report.get("snapshots", []):
+        path = run.folder / name
+        loss, accuracy = evaluator(path)
+        run.evals.append((train_s, step, loss, accuracy))
+        path.unlink()

@@ -1,0 +1,140 @@
+"""How long a training step takes for W workers, S shards and P parameters: the cost model.
+
+A step of towerflow moves the model twice per worker (the parameters pulled, the gradients pushed)
+and has each shard take in W pushes of its part, apply once (sync) or once per push (async), and
+publish a new version. With B = 4P bytes, b examples per worker and the measured costs in `Costs`:
+
+    worker   = compute(b) + 2 B (worker_s_per_byte) + 2 S call_s + 2 B / link   (link only across nodes)
+    shard    = W (B/S) push_s_per_byte + k (B/S) (apply_s_per_byte + publish_s_per_byte)
+               + W (B/S) / link for its node's link, each way            (k = 1 sync, W async)
+    sync     = worker + shard                       (the barrier: every push lands, then one apply)
+    async    = max(worker, shard)                   (each worker loops on its own; a shard saturates)
+
+per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
+it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores. The benchmark (benchmarks/costmodel.py)
+measures the constants and checks the model against every measured run; `shards_for` is what
+`cluster.ps: auto` asks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GBIT = 1e9 / 8  # bytes per second of one Gbit/s
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-step costs in seconds (per byte where named so); measured by benchmarks/costmodel.py."""
+
+    compute_s_per_example: float  # a worker's forward and backward pass, one process alone
+    compute_fixed_s: float  # its per-step floor (kernel launches, Python)
+    compute_cores: float  # cores a worker's compute keeps busy (CPU seconds / wall seconds)
+    worker_s_per_byte: float  # a worker: gradients out (serialize, object store) or parameters in
+    push_s_per_byte: float  # a shard: take in one push (deserialize, sum into the step's total)
+    apply_s_per_byte: float  # a shard: the optimizer's update (Adam)
+    publish_s_per_byte: float  # a shard: put the new version into the object store
+    call_s: float  # one actor call's round trip
+    other_cpu_s: float = 0.0  # CPU per step of Ray, the driver and the data pipeline
+    link_bytes_per_s: float | None = None  # between nodes; None: all on one node
+
+    def on_network(self, gbit_per_s: float) -> Costs:
+        return replace(self, link_bytes_per_s=gbit_per_s * GBIT)
+
+
+# The per-byte costs of LeNet's 13 MB, measured by benchmarks/costmodel.py on an AMD EPYC, 2 cores
+# (2026-11-24 11:2x UTC, a slow hour); compute is LeNet's at one thread. `cluster.ps: auto` keeps
+# the per-byte figures and estimates compute from the model's size (shard_count.py).
+DEFAULT_COSTS = Costs(
+    compute_s_per_example=1.9e-3,
+    compute_fixed_s=3.0e-3,
+    compute_cores=1.0,
+    worker_s_per_byte=6.5e-10,
+    push_s_per_byte=2.0e-10,
+    apply_s_per_byte=3.6e-10,
+    publish_s_per_byte=8.1e-10,
+    call_s=8.5e-4,
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A predicted step: seconds per global batch, and where they go."""
+
+    seconds: float
+    worker_s: float  # one worker's own part (compute and its traffic)
+    shard_s: float  # one shard's part
+    cpu_bound_s: float  # what the cores allow (0 when the machine has a core per process)
+
+    @property
+    def bottleneck(self) -> str:
+        parts = {"workers": self.worker_s, "shards": self.shard_s, "cpu": self.cpu_bound_s}
+        return max(parts, key=parts.get)
+
+
+def compute_s(costs: Costs, batch: int) -> float:
+    return costs.compute_fixed_s + batch * costs.compute_s_per_example
+
+
+def predict_step(
+    costs: Costs,
+    *,
+    workers: int,
+    shards: int,
+    params: int,
+    batch_per_worker: int,
+    mode: str = "sync",
+    cores: float | None = None,
+) -> Step:
+    """Seconds per global batch (`workers * batch_per_worker` examples). `cores`: the cores all
+    processes share (one machine); None when every worker and shard has a machine of its own."""
+    part = 4 * params / shards  # bytes of one shard's part
+    link = costs.link_bytes_per_s
+    traffic = 2 * 4 * params / link if link else 0.0
+    worker = compute_s(costs, batch_per_worker) + 2 * 4 * params * costs.worker_s_per_byte
+    worker += 2 * shards * costs.call_s + traffic
+    applies = 1 if mode == "sync" else workers
+    shard = workers * part * costs.push_s_per_byte + applies * part * (
+        costs.apply_s_per_byte + costs.publish_s_per_byte
+    )
+    if link:
+        shard = max(shard, workers * part / link)  # its node's link carries W parts each way
+    seconds = worker + shard if mode == "sync" else max(worker, shard)
+    cpu_bound = 0.0
+    if cores:
+        worker_cpu = (
+            compute_s(costs, batch_per_worker) * costs.compute_cores
+            + 2 * 4 * params * costs.worker_s_per_byte
+        )
+        shard_cpu = workers * part * costs.push_s_per_byte + applies * part * (
+            costs.apply_s_per_byte + costs.publish_s_per_byte
+        )
+        cpu_bound = (workers * worker_cpu + shards * shard_cpu + costs.other_cpu_s) / cores
+    return Step(max(seconds, cpu_bound), worker, shard, cpu_bound)
+
+
+def examples_per_s(costs: Costs, **kwargs) -> float:
+    step = predict_step(costs, **kwargs)
+    return kwargs["workers"] * kwargs["batch_per_worker"] / step.seconds
+
+
+def shards_for(
+    costs: Costs,
+    *,
+    workers: int,
+    params: int,
+    batch_per_worker: int,
+    mode: str = "sync",
+    most: int = 64,
+    share: float = 0.1,
+) -> int:
+    """The fewest shards for which the shards' part of a step is at most `share` of a worker's own
+    part (sync), or below a worker's loop (async): more shards would buy little."""
+    for shards in range(1, most + 1):
+        step = predict_step(
+            costs, workers=workers, shards=shards, params=params, batch_per_worker=batch_per_worker, mode=mode
+        )
+        limit = step.worker_s * (share if mode == "sync" else 1.0)
+        if step.shard_s <= limit:
+            return shards
+    return most

@@ -1,0 +1,120 @@
+"""The cost model's arithmetic, and `cluster.ps: auto` resolved from it (no Ray: the model is built here)."""
+
+from __future__ import annotations
+
+import pytest
+from support import blob_spec
+
+from towerflow.errors import SpecError
+from towerflow.runtime.cost_model import DEFAULT_COSTS, Costs, examples_per_s, predict_step, shards_for
+from towerflow.runtime.shard_count import auto_shards, count_parameters, resolve_shards
+from towerflow.spec import validate_spec
+
+COSTS = Costs(
+    compute_s_per_example=1e-3,
+    compute_fixed_s=2e-3,
+    compute_cores=1.0,
+    worker_s_per_byte=1e-9,
+    push_s_per_byte=2e-9,
+    apply_s_per_byte=1e-9,
+    publish_s_per_byte=1e-9,
+    call_s=1e-4,
+)
+SHAPE = {"params": 1_000_000, "batch_per_worker": 32}
+
+
+def test_a_sync_step_is_a_workers_part_then_a_shards_and_async_overlaps_them():
+    sync = predict_step(COSTS, workers=4, shards=1, mode="sync", **SHAPE)
+    async_ = predict_step(COSTS, workers=4, shards=1, mode="async", **SHAPE)
+    worker = 2e-3 + 32e-3 + 2 * 4e6 * 1e-9 + 2 * 1e-4
+    assert sync.worker_s == pytest.approx(worker)
+    assert sync.shard_s == pytest.approx(4 * 4e6 * 2e-9 + 4e6 * 2e-9)  # 4 pushes in, one apply + publish
+    assert sync.seconds == pytest.approx(sync.worker_s + sync.shard_s)
+    assert async_.shard_s == pytest.approx(4 * 4e6 * 2e-9 + 4 * 4e6 * 2e-9)  # an apply per push
+    assert async_.seconds == pytest.approx(max(async_.worker_s, async_.shard_s))
+    assert sync.cpu_bound_s == 0.0  # a machine per process
+
+
+def test_shards_split_the_shard_part_and_the_network_bounds_it():
+    one = predict_step(COSTS, workers=16, shards=1, **SHAPE)
+    four = predict_step(COSTS, workers=16, shards=4, **SHAPE)
+    assert four.shard_s == pytest.approx(one.shard_s / 4)
+    assert one.bottleneck == "shards"
+    slow = COSTS.on_network(0.1)  # 100 Mbit/s: 16 workers' 4 MB each way swamp one shard's link
+    assert predict_step(slow, workers=16, shards=1, **SHAPE).shard_s == pytest.approx(16 * 4e6 / (0.1e9 / 8))
+
+
+def test_shared_cores_bound_a_step_by_the_cpu_all_processes_need():
+    alone = predict_step(COSTS, workers=4, shards=1, **SHAPE)
+    shared = predict_step(COSTS, workers=4, shards=1, cores=1, **SHAPE)
+    assert shared.cpu_bound_s > alone.seconds and shared.seconds == shared.cpu_bound_s
+    assert shared.bottleneck == "cpu"
+    assert predict_step(COSTS, workers=4, shards=1, cores=64, **SHAPE).seconds == pytest.approx(alone.seconds)
+
+
+def test_shards_for_picks_the_fewest_that_keep_the_shards_small_and_grows_with_workers():
+    picked = [shards_for(COSTS, workers=w, **SHAPE) for w in (1, 4, 16)]
+    assert picked == sorted(picked) and picked[0] < picked[-1]
+    for workers, shards in zip((1, 4, 16), picked):
+        step = predict_step(COSTS, workers=workers, shards=shards, **SHAPE)
+        assert step.shard_s <= 0.1 * step.worker_s
+        if shards > 1:
+            fewer = predict_step(COSTS, workers=workers, shards=shards - 1, **SHAPE)
+            assert fewer.shard_s > 0.1 * fewer.worker_s
+    assert examples_per_s(COSTS, workers=16, shards=picked[-1], **SHAPE) > examples_per_s(
+        COSTS, workers=16, shards=1, **SHAPE
+    )
+
+
+def test_the_default_costs_are_measured_figures():
+    for name in (
+        "compute_s_per_example",
+        "worker_s_per_byte",
+        "push_s_per_byte",
+        "apply_s_per_byte",
+        "call_s",
+    ):
+        assert getattr(DEFAULT_COSTS, name) > 0, name
+
+
+def _wide_spec(tmp_path, workers: int, ps="auto", **cluster):
+    model = {"params": {"input_dim": 8, "num_classes": 2, "hidden": [2048, 2048], "seed": 1}}
+    return validate_spec(
+        blob_spec(
+            tmp_path,
+            model=model,
+            cluster={"workers": workers, "ps": ps, **cluster},
+            training={"max_steps": 3},
+        )
+    )
+
+
+def test_cluster_ps_auto_counts_the_model_and_picks_more_shards_for_more_workers(tmp_path):
+    spec = _wide_spec(tmp_path, 2)
+    assert spec.cluster.ps == "auto"
+    params, variables = count_parameters(spec.model)
+    assert (params, variables) == (8 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 2 + 2, 6)
+    resolved = resolve_shards(spec)
+    assert resolved.cluster.ps == auto_shards(spec) >= 1
+    assert auto_shards(_wide_spec(tmp_path, 64)) > resolved.cluster.ps
+    # Without row slices, never more shards than variables.
+    assert auto_shards(_wide_spec(tmp_path, 256, min_slice_bytes=None)) <= variables
+    assert resolve_shards(_wide_spec(tmp_path, 2, ps=3)).cluster.ps == 3
+
+
+def test_cluster_ps_takes_a_number_or_auto_only(tmp_path):
+    for bad in (0, "many"):
+        with pytest.raises(SpecError, match="cluster.ps"):
+            validate_spec(blob_spec(tmp_path, cluster={"ps": bad}))
+
+
+def test_cluster_ps_auto_names_a_model_it_cannot_build(tmp_path):
+    spec = validate_spec(blob_spec(tmp_path, model={"params": {"input_dim": -1}}, cluster={"ps": "auto"}))
+    with pytest.raises(SpecError, match="cluster.ps: auto .* models.mlp:build"):
+        resolve_shards(spec)
+
+
+def test_gpu_workers_compute_faster_so_auto_gives_them_more_shards(tmp_path):
+    cpu = auto_shards(_wide_spec(tmp_path, 8))
+    gpu = auto_shards(_wide_spec(tmp_path, 8, gpus_per_worker=1))
+    assert gpu >= cpu
