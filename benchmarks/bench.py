@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds one run may take")
     parser.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for other jobs to calm")
     parser.add_argument("--no-docs", action="store_true", help="print the report only")
+    parser.add_argument(
+        "--render-from",
+        type=Path,
+        default=None,
+        help="a former run's folder (its runs.json, costs.json): write the report again without running",
+    )
     return parser.parse_args(argv)
 
 
@@ -129,7 +135,7 @@ def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple
 
 
 def render(
-    runs: list[Run], found: dict | None, args: argparse.Namespace, started: float, img: Path
+    runs: list[Run], found: dict | None, args: argparse.Namespace, started: float, elapsed: float, img: Path
 ) -> tuple[str, dict]:
     figures = report.collect(runs)
     targets, values = report.targets_table(figures)
@@ -141,7 +147,7 @@ def render(
         f"## Peers, `make bench` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))})",
         "",
         f"Machine: {machine()}. {args.rounds} interleaved round(s); {len(runs)} runs, each a fresh process; "
-        f"{(time.time() - started) / 60:.1f} minutes in all. Ratios are of medians measured in this run; "
+        f"{elapsed / 60:.1f} minutes in all. Ratios are of medians measured in this run; "
         "absolute figures hold for this machine and hour only.",
         "",
         "### Targets",
@@ -194,13 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     os.chdir(ROOT)
     print(f"# towerflow peers benchmark, {time.strftime('%Y-%m-%d %H:%M')}\nmachine: {machine()}", flush=True)
-    ensure_mnist(args.data, log)
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
-    runs = run_all(args)
-    found = measure_costs(args)
+    if args.render_from:
+        saved = json.loads((args.render_from / "runs.json").read_text())
+        runs = [Run.from_dict(r) for r in saved["runs"]]
+        started, elapsed = saved["started"], saved["elapsed_s"]
+        costs = args.render_from / "costs.json"
+        found = json.loads(costs.read_text()) if costs.is_file() else None
+        args.rounds = max(r.round for r in runs)
+    else:
+        ensure_mnist(args.data, log)
+        shutil.rmtree(args.out, ignore_errors=True)
+        args.out.mkdir(parents=True)
+        runs = run_all(args)
+        found = measure_costs(args)
+        elapsed = time.time() - started
+        saved = {"started": started, "elapsed_s": elapsed, "runs": [r.to_dict() for r in runs]}
+        (args.out / "runs.json").write_text(json.dumps(saved))
     img = (args.out / "img") if args.no_docs else DOCS.parent / "img"
-    section, values = render(runs, found, args, started, img)
+    section, values = render(runs, found, args, started, elapsed, img)
     print("\n" + section)
     if not args.no_docs:
         write_docs(section)

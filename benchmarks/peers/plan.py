@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from peers.workloads import ROOT, Evaluator, read_report
@@ -107,6 +107,15 @@ class Run:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "folder": str(self.folder)}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> Run:
+        fields = {**saved, "config": Config(**saved["config"]), "folder": Path(saved["folder"])}
+        fields["evals"] = [tuple(e) for e in saved["evals"]]
+        return cls(**fields)
 
 
 def make_run(

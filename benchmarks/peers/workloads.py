@@ -225,6 +225,9 @@ class RunReport:
     snapshots: list[tuple[float, int, str]] = field(default_factory=list)
     split: dict[str, float] = field(default_factory=dict)  # seconds per step, by phase, where known
     notes: list[str] = field(default_factory=list)
+    # train_s at the end of the first global batch: the origin time to accuracy is counted from,
+    # the same for every system (some clocks start before the first step, some at it).
+    first_batch_s: float = 0.0
 
     def emit(self) -> None:
         """The last line a runner prints: the parent reads it."""
@@ -285,6 +288,7 @@ def report(system: str, args: argparse.Namespace, times: StepTimes, snaps: Snaps
         startup_s=started - times.clock.process_start,
         curve=times.curve,
         snapshots=snaps.taken,
+        first_batch_s=times.ends.get(1, 0.0),
         **extra,
     )
 
