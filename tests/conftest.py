@@ -66,13 +66,3 @@ def blob_data(tmp_path_factory) -> Path:
     }
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
-
-
-def pytest_runtest_teardown(item, nextitem) -> None:
-    """Stop the shared multi-node cluster (tests/multinode.py) once the next test does not use it."""
-    if "multinode_cluster" in item.fixturenames and (
-        nextitem is None or "multinode_cluster" not in nextitem.fixturenames
-    ):
-        from multinode import release_multinode_cluster
-
-        release_multinode_cluster()

@@ -21,7 +21,6 @@ Ray catches this works around:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -34,7 +33,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -360,28 +359,12 @@ def cluster_spec_file(
     return path, uri
 
 
-_shared: LocalCluster | None = None
-
-
 @pytest.fixture(scope="module", name="multinode_cluster")
-def multinode_cluster_fixture() -> LocalCluster:
-    """`multinode_cluster`: a head and two extra nodes, 2 CPUs each, shared by consecutive test
-    modules (starting one costs about 25 s); tests/conftest.py stops it after the last test in a
-    row that asks for it.
+def multinode_cluster_fixture() -> Iterator[LocalCluster]:
+    """`multinode_cluster`: a head and two extra nodes, 2 CPUs each, for one test module.
 
     A test module imports `multinode_cluster_fixture` (noqa: F401) and asks for `multinode_cluster`:
     importing the fixture under the name its tests ask for would be ruff's F811 in every test.
     """
-    global _shared
-    if _shared is None:
-        _shared = LocalCluster(head_cpus=2, node_cpus=(2, 2)).start()
-        atexit.register(release_multinode_cluster)  # also when the session is cut short
-    return _shared
-
-
-def release_multinode_cluster() -> None:
-    """Stop the shared cluster, if one runs."""
-    global _shared
-    if _shared is not None:
-        cluster, _shared = _shared, None
-        cluster.shutdown()
+    with LocalCluster(head_cpus=2, node_cpus=(2, 2)) as cluster:
+        yield cluster
