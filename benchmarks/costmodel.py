@@ -235,7 +235,33 @@ def measure(args: argparse.Namespace) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"the cross-node measurement failed:\n{done.stderr[-3000:]}")
     found["across_nodes"] = json.loads(done.stdout.strip().splitlines()[-1])
+    found["overhead"] = {mode: measure_overhead(mode) for mode in ("sync", "async")}
     return found
+
+
+def measure_overhead(mode: str, workers: int = 2) -> dict:
+    """A towerflow run of a 7,850-parameter model (benchmarks/tiny_model.py): compute and transfers
+    next to nothing, so its step is the platform's own time per global batch."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "peers" / "peer_towerflow.py"),
+            "--workload=tiny",
+        ]
+        command += [f"--workers={workers}", f"--mode={mode}", "--warmup=20", "--steps=100", f"--out={out}"]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the overhead run ({mode}) failed:\n{done.stderr[-3000:]}")
+    from peers.workloads import read_report
+
+    reported = read_report(done.stdout)
+    return {
+        "workers": workers,
+        "seconds_per_batch": reported["global_batch"] / reported["rate"],
+        "params": 7850,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -263,8 +289,11 @@ if __name__ == "__main__":
 
 # -- the model against the runs, and beyond this machine ----------------------------------------------
 def costs_from(found: dict, workload: str):
-    """Costs (towerflow/runtime/cost_model.py) from one workload's measurements."""
-    from towerflow.runtime.cost_model import Costs
+    """Costs (towerflow/runtime/cost_model.py) from one workload's measurements, with the platform's
+    overhead: the tiny model's measured step less what the parts predict for it."""
+    from dataclasses import replace
+
+    from towerflow.runtime.cost_model import Costs, predict_step
 
     m = found[workload]
     batches = sorted(int(b) for b in m["compute"])
@@ -272,7 +301,7 @@ def costs_from(found: dict, workload: str):
     slope, fixed = np.polyfit(batches, walls, 1)
     cores = statistics.median(m["compute"][str(b)]["cpu_s"] / m["compute"][str(b)]["wall_s"] for b in batches)
     nbytes = m["bytes"]
-    return Costs(
+    costs = Costs(
         compute_s_per_example=float(max(slope, 0.0)),
         compute_fixed_s=float(max(fixed, 0.0)),
         compute_cores=float(cores),
@@ -282,6 +311,21 @@ def costs_from(found: dict, workload: str):
         publish_s_per_byte=m["publish_s"] / nbytes,
         call_s=m["call_s"],
     )
+    if "overhead" not in found:
+        return costs
+    overheads = {}
+    for mode, tiny in found["overhead"].items():
+        no_compute = replace(costs, compute_s_per_example=0.0, compute_fixed_s=0.0)
+        parts = predict_step(
+            no_compute,
+            workers=tiny["workers"],
+            shards=1,
+            params=tiny["params"],
+            batch_per_worker=32,
+            mode=mode,
+        )
+        overheads[f"overhead_{mode}_s"] = max(0.0, tiny["seconds_per_batch"] - parts.seconds)
+    return replace(costs, **overheads)
 
 
 def check(found: dict, figures: dict) -> list[dict]:
@@ -388,6 +432,14 @@ def constants_table(found: dict) -> str:
         ("shard: publish a version, ms", lambda w: f"{1000 * found[w]['publish_s']:.2f}"),
         ("actor call round trip, ms", lambda w: f"{1000 * found[w]['call_s']:.2f}"),
     ]
+    if "overhead" in found:
+        rows += [
+            (
+                f"towerflow's own time per global batch, {mode} (a 7,850-parameter model's step less its parts), ms",
+                lambda w, mode=mode: f"{1000 * getattr(costs[w], f'overhead_{mode}_s'):.1f}",
+            )
+            for mode in ("sync", "async")
+        ]
     lines += [f"| {name} | {cell('lenet')} | {cell('mlp')} |" for name, cell in rows]
     across = found["across_nodes"]
     lines.append(

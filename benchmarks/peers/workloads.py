@@ -45,6 +45,8 @@ class Workload:
 
 WORKLOADS = {
     "lenet": Workload("lenet", "models.lenet:build", 256),  # compute-bound
+    # The cost model's overhead term: a near-empty model's step is the platform's own (towerflow only).
+    "tiny": Workload("tiny", "benchmarks.tiny_model:build", 64),
     "mlp": Workload(
         "mlp", "benchmarks.peers.workloads:mnist_mlp", 64, target_accuracy=0.85
     ),  # communication-bound

@@ -118,3 +118,13 @@ def test_gpu_workers_compute_faster_so_auto_gives_them_more_shards(tmp_path):
     cpu = auto_shards(_wide_spec(tmp_path, 8))
     gpu = auto_shards(_wide_spec(tmp_path, 8, gpus_per_worker=1))
     assert gpu >= cpu
+
+
+def test_the_platforms_own_overhead_comes_on_top_of_each_modes_step():
+    from dataclasses import replace
+
+    with_overhead = replace(COSTS, overhead_sync_s=0.01, overhead_async_s=0.02)
+    for mode, extra in (("sync", 0.01), ("async", 0.02)):
+        plain = predict_step(COSTS, workers=2, shards=1, mode=mode, cores=2, **SHAPE)
+        more = predict_step(with_overhead, workers=2, shards=1, mode=mode, cores=2, **SHAPE)
+        assert more.seconds == pytest.approx(plain.seconds + extra)

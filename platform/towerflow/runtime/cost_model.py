@@ -11,7 +11,8 @@ publish a new version. With B = 4P bytes, b examples per worker and the measured
     async    = max(worker, shard)                   (each worker loops on its own; a shard saturates)
 
 per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
-it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores. The benchmark (benchmarks/costmodel.py)
+it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores. The platform's own overhead per
+step (measured as a near-empty model's step) comes on top. The benchmark (benchmarks/costmodel.py)
 measures the constants and checks the model against every measured run; `shards_for` is what
 `cluster.ps: auto` asks.
 """
@@ -36,6 +37,10 @@ class Costs:
     publish_s_per_byte: float  # a shard: put the new version into the object store
     call_s: float  # one actor call's round trip
     other_cpu_s: float = 0.0  # CPU per step of Ray, the driver and the data pipeline
+    # The platform's own time per global batch beyond the parts above (the driver's bookkeeping,
+    # Ray Data's hand-over of a batch, Python around each phase): a near-empty model's step.
+    overhead_sync_s: float = 0.0
+    overhead_async_s: float = 0.0
     link_bytes_per_s: float | None = None  # between nodes; None: all on one node
 
     def on_network(self, gbit_per_s: float) -> Costs:
@@ -110,7 +115,8 @@ def predict_step(
             costs.apply_s_per_byte + costs.publish_s_per_byte
         )
         cpu_bound = (workers * worker_cpu + shards * shard_cpu + costs.other_cpu_s) / cores
-    return Step(max(seconds, cpu_bound), worker, shard, cpu_bound)
+    overhead = costs.overhead_sync_s if mode == "sync" else costs.overhead_async_s
+    return Step(max(seconds, cpu_bound) + overhead, worker, shard, cpu_bound)
 
 
 def examples_per_s(costs: Costs, **kwargs) -> float:
