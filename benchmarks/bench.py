@@ -30,7 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import costmodel  # noqa: E402
+import costmodel_report  # noqa: E402
 from common import ensure_mnist, machine, make_log  # noqa: E402
 from cpu_budget import wait_for_quiet  # noqa: E402
 from peers import report  # noqa: E402
@@ -72,7 +72,7 @@ def run_all(args: argparse.Namespace) -> list[Run]:
         for config in configs:
             load = wait_for_quiet(args.quiet_wait, log)
             log(f"[{len(runs) + 1}/{total}] round {number}: {config.key} (others used {load:.2f} cores) ...")
-            run = make_run(config, number, args.data, args.out, args.run_timeout, log)
+            run = make_run(config, number, args.data, args.out, args.run_timeout)
             if run.ok and SYSTEMS[config.system].probe:
                 log(f"  {'; '.join(run.report.get('notes', []))[:300]}")
             elif run.ok:
@@ -105,10 +105,10 @@ def measure_costs(args: argparse.Namespace) -> dict | None:
 
 
 def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple[list[str], float]:
-    checked = costmodel.check(found, figures)
-    projected = costmodel.project(found)
-    costmodel.plot_check(checked, img / "bench-model-check.png")
-    costmodel.plot_projection(projected, img / "bench-scaling.png")
+    checked = costmodel_report.check(found, figures)
+    projected = costmodel_report.project(found)
+    costmodel_report.plot_check(checked, img / "bench-model-check.png")
+    costmodel_report.plot_projection(projected, img / "bench-scaling.png")
     worst = max((abs(r["error"]) for r in checked), default=float("nan"))
     parts = [
         "",
@@ -116,17 +116,17 @@ def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple
         "",
         "Constants, each part of a step timed alone (benchmarks/costmodel.py):",
         "",
-        costmodel.constants_table(found),
+        costmodel_report.constants_table(found),
         "",
         f"Against every towerflow run above (this machine's {os.cpu_count()} cores shared by all processes; "
         f"worst error {worst:.0%}):",
         "",
-        costmodel.check_table(checked),
+        costmodel_report.check_table(checked),
         "",
         "Projected, each worker and shard on a machine of its own on a 25 Gbit/s network, "
         "half the benchmark's global batch per worker (it grows with the workers):",
         "",
-        costmodel.projection_table(projected),
+        costmodel_report.projection_table(projected),
         "",
         f"![predicted against measured]({rel}/bench-model-check.png)",
         f"![predicted scaling]({rel}/bench-scaling.png)",

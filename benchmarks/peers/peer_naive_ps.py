@@ -98,7 +98,8 @@ def main() -> None:
             Worker.remote(args.workload, str(args.data), batch, i, args.workers, total)
             for i in range(args.workers)
         ]
-        ray.get([ps.weights.remote(), *[w.compute.remote(ray.get(ps.weights.remote()))[1] for w in workers]])
+        first = ps.weights.remote()
+        ray.get([w.compute.remote(first)[1] for w in workers])  # every actor up and its step traced
         times = StepTimes(clock, args.warmup, args.steps, spec.global_batch)
         snaps = Snapshots(args.out, args.snapshot_every, clock)
         clock.start()

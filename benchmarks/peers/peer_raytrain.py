@@ -48,6 +48,17 @@ def record_path(out: Path, rank: int) -> Path:
 # -- inside the Ray Train workers ------------------------------------------------------------------
 # These run in Ray's worker processes: Ray puts the driver script's folder on their sys.path, so
 # `workloads` imports there as it does here.
+def compiled_model(strategy: Any, workload: str, keras: Any) -> Any:
+    """The workload's model under the strategy, with Adam and sparse cross-entropy, in that Keras."""
+    with strategy.scope():
+        model = build(workload, keras)
+        model.compile(
+            optimizer=keras.optimizers.Adam(learning_rate=WORKLOADS[workload].learning_rate),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
 def train_loop(config: dict[str, Any]) -> None:
     """Every worker: tf_keras `fit` under MultiWorkerMirroredStrategy; rank 0 times it and saves."""
     loop_start = time.time()
@@ -59,12 +70,7 @@ def train_loop(config: dict[str, Any]) -> None:
     rank = ray.train.get_context().get_world_rank()
     world = ray.train.get_context().get_world_size()
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    with strategy.scope():
-        model = build(config["workload"], tf_keras)
-        model.compile(
-            optimizer=tf_keras.optimizers.Adam(learning_rate=spec.learning_rate),
-            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+    model = compiled_model(strategy, config["workload"], tf_keras)
 
     clock = TrainClock()
     clock.process_start = config["process_start"]
@@ -130,12 +136,7 @@ def probe_loop(config: dict[str, Any]) -> None:
     result: dict[str, Any] = {"keras": keras.__version__, "steps": 0}
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        with strategy.scope():
-            model = build(config["workload"], keras)
-            model.compile(
-                optimizer=keras.optimizers.Adam(learning_rate=spec.learning_rate),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+        model = compiled_model(strategy, config["workload"], keras)
         data = (
             ray.train.get_dataset_shard("train")
             .to_tf(

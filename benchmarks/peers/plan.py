@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -118,9 +117,7 @@ class Run:
         return cls(**fields)
 
 
-def make_run(
-    config: Config, round_: int, data: Path, out: Path, timeout_s: float, log: Callable[[str], None]
-) -> Run:
+def make_run(config: Config, round_: int, data: Path, out: Path, timeout_s: float) -> Run:
     system, steps = SYSTEMS[config.system], STEPS[config.workload]
     folder = out / f"r{round_}-{config.key.replace('/', '-')}"
     command = [sys.executable, str(PEERS / f"peer_{system.runner}.py"), f"--workload={config.workload}"]

@@ -18,6 +18,7 @@ the warm-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -172,19 +173,14 @@ class TrainClock:
     def now(self) -> float:
         return 0.0 if self.started is None else time.perf_counter() - self.started - self._paused
 
-    def paused(self) -> _Pause:
-        return _Pause(self)
-
-
-class _Pause:
-    def __init__(self, clock: TrainClock) -> None:
-        self.clock = clock
-
-    def __enter__(self) -> None:
-        self.began = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        self.clock._paused += time.perf_counter() - self.began
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside is left off the clock."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - began
 
 
 class Snapshots:

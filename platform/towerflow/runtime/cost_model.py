@@ -93,28 +93,22 @@ def predict_step(
 ) -> Step:
     """Seconds per global batch (`workers * batch_per_worker` examples). `cores`: the cores all
     processes share (one machine); None when every worker and shard has a machine of its own."""
-    part = 4 * params / shards  # bytes of one shard's part
+    nbytes = 4 * params
+    part = nbytes / shards  # bytes of one shard's part
     link = costs.link_bytes_per_s
-    traffic = 2 * 4 * params / link if link else 0.0
-    worker = compute_s(costs, batch_per_worker) + 2 * 4 * params * costs.worker_s_per_byte
-    worker += 2 * shards * costs.call_s + traffic
+    compute = compute_s(costs, batch_per_worker)
+    worker_traffic = 2 * nbytes * costs.worker_s_per_byte
+    worker = compute + worker_traffic + 2 * shards * costs.call_s + (2 * nbytes / link if link else 0.0)
     applies = 1 if mode == "sync" else workers
-    shard = workers * part * costs.push_s_per_byte + applies * part * (
+    shard_work = workers * part * costs.push_s_per_byte + applies * part * (
         costs.apply_s_per_byte + costs.publish_s_per_byte
     )
-    if link:
-        shard = max(shard, workers * part / link)  # its node's link carries W parts each way
+    shard = max(shard_work, workers * part / link) if link else shard_work  # its link: W parts each way
     seconds = worker + shard if mode == "sync" else max(worker, shard)
     cpu_bound = 0.0
     if cores:
-        worker_cpu = (
-            compute_s(costs, batch_per_worker) * costs.compute_cores
-            + 2 * 4 * params * costs.worker_s_per_byte
-        )
-        shard_cpu = workers * part * costs.push_s_per_byte + applies * part * (
-            costs.apply_s_per_byte + costs.publish_s_per_byte
-        )
-        cpu_bound = (workers * worker_cpu + shards * shard_cpu + costs.other_cpu_s) / cores
+        worker_cpu = compute * costs.compute_cores + worker_traffic
+        cpu_bound = (workers * worker_cpu + shards * shard_work + costs.other_cpu_s) / cores
     overhead = costs.overhead_sync_s if mode == "sync" else costs.overhead_async_s
     return Step(max(seconds, cpu_bound) + overhead, worker, shard, cpu_bound)
 
