@@ -70,14 +70,14 @@ def run_all(args: argparse.Namespace) -> list[Run]:
     runs: list[Run] = []
     for number, configs in enumerate(rounds, start=1):
         for config in configs:
-            load = wait_for_quiet(args.quiet_wait, log)
+            load = wait_for_quiet(args.quiet_wait, log, window_s=1.0)
             log(f"[{len(runs) + 1}/{total}] round {number}: {config.key} (others used {load:.2f} cores) ...")
             run = make_run(config, number, args.data, args.out, args.run_timeout)
             if run.ok and SYSTEMS[config.system].probe:
                 log(f"  {'; '.join(run.report.get('notes', []))[:300]}")
             elif run.ok:
                 if config.workload not in evaluators:
-                    evaluators[config.workload] = Evaluator(config.workload, args.data)
+                    evaluators[config.workload] = Evaluator(config.workload, args.data, examples=1024)
                 evaluate(run, evaluators[config.workload])
                 best = max((e[3] for e in run.evals), default=float("nan"))
                 log(

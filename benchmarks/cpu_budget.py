@@ -90,13 +90,15 @@ def foreign_cores(before: tuple[float, dict[int, float]], seconds: float) -> flo
     return max(0.0, busy - before[0] - ours) / seconds
 
 
-def wait_for_quiet(limit_s: float, log: Callable[[str], None], cores: float = 0.2) -> float:
-    """Wait (up to limit_s) until other processes use under `cores` CPUs over 3 s; return their load."""
+def wait_for_quiet(
+    limit_s: float, log: Callable[[str], None], cores: float = 0.2, window_s: float = 3.0
+) -> float:
+    """Wait (up to limit_s) until other processes use under `cores` CPUs over `window_s`; return their load."""
     deadline = time.time() + limit_s
     while True:
         before = benchmark_snapshot()
-        time.sleep(3)
-        load = foreign_cores(before, 3)
+        time.sleep(window_s)
+        load = foreign_cores(before, window_s)
         if load < cores or time.time() > deadline:
             return load
         log(f"  other processes use {load:.2f} cores; waiting for a quiet machine")
