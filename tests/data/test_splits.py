@@ -25,7 +25,9 @@ def test_a_killed_consumers_split_is_finished_by_its_replacement_with_no_row_los
 
         def take_all(self, split, leftover=()):
             ids = [int(i) for b in leftover_batches(list(leftover), 5) for i in b["id"]]
-            return ids + [int(i) for b in split.iter_batches(batch_size=5, batch_format="numpy") for i in b["id"]]
+            return ids + [
+                int(i) for b in split.iter_batches(batch_size=5, batch_format="numpy") for i in b["id"]
+            ]
 
     ds = ray.data.range(400, override_num_blocks=40).map_batches(lambda b: b)
     first, second = resumable_streaming_split(ds, 2, equal=False)
@@ -50,3 +52,46 @@ def test_leftover_batches_cut_pieces_into_batches_in_order(ray_cluster):
     pieces = [Leftover(blocks[0], 7, 10), Leftover(blocks[1], 0, 10), Leftover(blocks[2], 0, 4)]
     batches = [list(b["id"]) for b in leftover_batches(pieces, 6)]
     assert batches == [[7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18], [19, 20, 21, 22, 23]]
+
+
+def test_close_ends_a_split_whose_consumer_waits_for_a_block_that_does_not_come(ray_cluster):
+    """As when a block is lost with a node and its read task waits to be made again: the
+    controller's close (before a resize or rollback re-plans the data) must not wait for it."""
+    ray = ray_cluster
+    import time
+
+    from towerflow.data.splits import resumable_streaming_split
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def take_all(self, split):
+            return sum(len(b["id"]) for b in split.iter_batches(batch_size=5, batch_format="numpy"))
+
+    def stuck_after_the_first_block(batch):
+        if batch["id"][0] >= 10:
+            time.sleep(3600)
+        return batch
+
+    ds = ray.data.range(40, override_num_blocks=4).map_batches(stuck_after_the_first_block, batch_size=None)
+    splits = resumable_streaming_split(ds, 2, equal=False)
+    taken = [Consumer.remote().take_all.remote(split) for split in splits]
+    ready, _ = ray.wait(taken, num_returns=2, timeout=5)
+    assert not ready  # both wait for blocks that do not come
+    splits[0].close()
+    rows = ray.get(taken, timeout=60)
+    assert sum(rows) <= 10  # the first block at most; then the end of the stream
+
+
+def test_a_split_that_reaches_the_epoch_barrier_after_a_close_does_not_wait(ray_cluster):
+    """A resize right after a grow: a worker's stream may start only after the controller closed
+    the data it was given (the new worker's node was lost before its split came to the barrier)."""
+    ray = ray_cluster
+    from towerflow.data.splits import resumable_streaming_split
+
+    @ray.remote(num_cpus=0)
+    def take_all(split):
+        return sum(len(b["id"]) for b in split.iter_batches(batch_size=5, batch_format="numpy"))
+
+    splits = resumable_streaming_split(ray.data.range(40, override_num_blocks=4), 3, equal=False)
+    ray.get(splits[0].coordinator.close.remote())  # closed before any split arrives
+    assert ray.get([take_all.remote(split) for split in splits[:2]], timeout=60) == [0, 0]

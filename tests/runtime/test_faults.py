@@ -163,6 +163,8 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
     assert hook.killed_at
     assert result.global_step == 80
     assert {s["version"] for s in result.shards} == {80}  # one version on every shard, never a mix
+    # The survivor reloaded its own copy of the checkpoint it wrote; the new shard read the store.
+    assert [s["loaded_from"] for s in result.shards] == ["its own copy of step 20", "shard-00001 of step 20"]
     (fault,) = hook.faults
     assert "parameter server 1 lost" in fault.what and "rolled back to step 20" in fault.action
     assert hook.metrics["ps_rollbacks"] == 1

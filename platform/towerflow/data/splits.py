@@ -41,6 +41,7 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
     """Ray Data's split coordinator, also keeping each split's blocks until their rows are used."""
 
     def __init__(self, dataset: Any, n: int, locality_hints: Any) -> None:
+        self._closed = False
         super().__init__(dataset, n, locality_hints)
         self._ledger_lock = threading.Lock()
         # per split: [block ref, rows] in the order given out, from the first block not wholly used
@@ -50,14 +51,28 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         # its lost consumer's, and what it returns late goes to the next consumer instead
         self._handovers = dict.fromkeys(range(n), 0)
         self._late: dict[int, collections.deque[Any]] = {i: collections.deque() for i in range(n)}
-        self._closed = False
 
     def close(self) -> None:
-        """End every split's stream now: a consumer waiting at the epoch barrier (for a split whose
-        consumer is gone) is let through to an epoch with no data. The controller then re-plans."""
+        """End every split's stream now: a consumer at the epoch barrier, waiting for a split whose
+        consumer is gone, or arriving there later, is let through to an epoch with no data, and one
+        waiting for a block (a block lost with a node, being made again) gets the end of the
+        stream. The executor's tasks stop, which also frees the cores a lost block's re-made read
+        task may be waiting for. The controller then re-plans the data."""
         with self._lock:
             self._closed = True
-            self._num_unarrived_splits_at_barrier = 0
+            executor = self._current_executor
+        if executor is not None:
+            executor.shutdown(force=True)
+
+    # Ray's barrier waits while this count is not 0. Once closed it reads 0 whatever the splits
+    # arriving later subtract from it, so nobody waits (a count set to 0 would go below it).
+    @property
+    def _num_unarrived_splits_at_barrier(self) -> int:
+        return 0 if self._closed else self._unarrived
+
+    @_num_unarrived_splits_at_barrier.setter
+    def _num_unarrived_splits_at_barrier(self, value: int) -> None:
+        self._unarrived = value
 
     def _try_start_new_epoch(self, starting_epoch: int):
         if not self._closed:

@@ -107,6 +107,8 @@ class CheckpointActions:
         except BaseException:
             writer.abort()
             raise
+        for shard in self.shards:  # each keeps its copy of this one, for a rollback
+            shard.checkpoint_committed.remote(target)
         return SavedCheckpoint(target, written=True)
 
     def _next_version(self) -> int:

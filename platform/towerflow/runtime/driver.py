@@ -66,7 +66,7 @@ class Driver(RecoveryActions, CheckpointActions):
         self.faults = faults
         failure = spec.training.failure
         self.failure_policy = FailurePolicy(failure.max_worker_failures, failure.max_ps_failures)
-        self.group = WorkerGroup(self._new_worker, failure.worker_timeout_s)
+        self.group = WorkerGroup(self._new_worker, failure.worker_timeout_s, failure.start_timeout_s)
         self.protocol = protocol_for(spec.training.mode)  # asked what differs between sync and async
         self.actor_placement = ActorPlacement(spec.cluster, f"towerflow-{spec.name}-{uuid.uuid4().hex[:8]}")
         self.shard_group = ShardGroup(spec, self._apply_threads(), self.actor_placement)
@@ -199,7 +199,7 @@ class Driver(RecoveryActions, CheckpointActions):
         if self.elastic.elastic:
             session.log_metrics({"workers": float(count)}, session.start_step)
 
-    def _load_shards(self, state: Any, version: int) -> None:
+    def _load_shards(self, state: Any, version: int, *, rollback: bool = False) -> None:
         session, workers = self.session, len(self.group.slots)
         self.shard_group.load(
             state,
@@ -208,6 +208,7 @@ class Driver(RecoveryActions, CheckpointActions):
             snapshot_every=session.snapshot_every,
             workers=workers,
             replicas=self.elastic.replicas_to_aggregate(workers),
+            rollback=rollback,
         )
 
     @property

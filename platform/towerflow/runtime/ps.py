@@ -62,6 +62,7 @@ class PartSource:
     checkpoint: Any  # StoredCheckpoint: its meta and a reader, picklable
     part: str
     with_slots: bool  # False when the optimizer changed: its slots start afresh
+    own_copy_ok: bool = False  # a rollback: a shard that wrote this part may use its own copy of it
 
 
 @dataclass
@@ -96,6 +97,10 @@ class ParameterShard:
 
         self.shard_id = shard_id
         self._tf = tf
+        # Version -> the state this shard wrote to that checkpoint, from the newest committed one
+        # on: a rollback to it reloads from here, not from the store. Between checkpoints one more
+        # copy of the shard's state in memory (two while the next is being written).
+        self._written: dict[int, ShardSnapshot] = {}
 
     def load(
         self,
@@ -116,6 +121,15 @@ class ParameterShard:
         from towerflow.runtime.optimizers import build_optimizer
 
         self._loaded_from = "values from the driver"
+        # Copies from beyond the version loaded belong to a timeline abandoned by a rollback.
+        self._written = {v: kept for v, kept in self._written.items() if v <= initial_version}
+        own = self._written.get(initial_version)
+        if isinstance(initial_values, PartSource) and initial_values.own_copy_ok and own is not None:
+            source = initial_values
+            if own.version == source.checkpoint.global_step and own.names == names:
+                initial_values = own.values
+                initial_slots = dict(own.slots) if source.with_slots else None
+                self._loaded_from = f"its own copy of step {own.version}"
         if isinstance(initial_values, PartSource):
             source = initial_values
             if not source.checkpoint.reader.reachable():
@@ -303,7 +317,13 @@ class ParameterShard:
         if not all_finite(kept.values + [a for name in slot_names for a in kept.slots[name]]):
             return PartReport(kept.version, finite=False)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, _write_part, kept, slot_names, writer, part)
+        report = await loop.run_in_executor(None, _write_part, kept, slot_names, writer, part)
+        self._written[kept.version] = kept
+        return report
+
+    def checkpoint_committed(self, version: int) -> None:
+        """The checkpoint of `version` is complete: older copies of this shard's part can go."""
+        self._written = {v: kept for v, kept in self._written.items() if v >= version}
 
     # -- inspection ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -156,7 +156,7 @@ class RecoveryActions:
         version = state.global_step if state is not None else 0
         for loss in losses:
             self.shard_group.replace(loss.index)
-        self._load_shards(state, version)
+        self._load_shards(state, version, rollback=True)
         seen = state.examples_seen if state is not None else 0
         members = sorted(self.group.slots)
         feed = self.make_data(len(members), seen, self._step_shape(len(members)))

@@ -60,6 +60,7 @@ class ShardGroup:
         snapshot_every: int | None,
         workers: int,
         replicas: int,
+        rollback: bool = False,
     ) -> None:
         """Give every shard its pieces at `version` and wait until all have them: from `state` (a
         StoredCheckpoint or a whole TrainingState), else from the model's initial values, for
@@ -68,7 +69,7 @@ class ShardGroup:
         loaded again starts afresh."""
         spec = self.spec
         optimizer = spec.training.optimizer.model_dump(mode="json")
-        initial = self._initial_pieces(state, optimizer["name"])
+        initial = self._initial_pieces(state, optimizer["name"], rollback)
         bounds = [b for b in (spec.training.max_steps, last_step) if b is not None]
         protocol = make_protocol(
             spec.training.mode,
@@ -101,7 +102,7 @@ class ShardGroup:
                 named = dict(zip(source.checkpoint.slot_names, slots)) if source.with_slots else None
                 ray.get(load(shard, values, named))
 
-    def _initial_pieces(self, state: Any, optimizer: str) -> list[tuple[Any, Any]]:
+    def _initial_pieces(self, state: Any, optimizer: str, rollback: bool) -> list[tuple[Any, Any]]:
         """Per shard: (values or a PartSource, slots or None)."""
         pieces, assignment = self.pieces, self.assignment
         if state is None:
@@ -111,7 +112,10 @@ class ShardGroup:
             ]
         if isinstance(state, StoredCheckpoint) and self._laid_out_as(state):
             with_slots = state.optimizer == optimizer
-            return [(PartSource(state, shard_part_name(s), with_slots), None) for s in range(len(assignment))]
+            return [
+                (PartSource(state, shard_part_name(s), with_slots, own_copy_ok=rollback), None)
+                for s in range(len(assignment))
+            ]
         from towerflow.checkpoint import split_for_shards
 
         if isinstance(state, StoredCheckpoint):

@@ -40,9 +40,12 @@ class WorkerSlot:
 
 
 class WorkerGroup:
-    def __init__(self, make_actor: Callable[[int], Any], timeout_s: float) -> None:
+    def __init__(
+        self, make_actor: Callable[[int], Any], timeout_s: float, start_timeout_s: float = 600.0
+    ) -> None:
         self._make_actor = make_actor
         self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s  # a replacement not started by then is lost in its turn
         self.slots: dict[int, WorkerSlot] = {}
         self.global_step = 0  # the newest step heard of, for naming when a loss happened
         self.recoveries_s: list[float] = []  # per replacement: loss noticed -> its first step
@@ -99,12 +102,15 @@ class WorkerGroup:
 
     def stop_and_drain(self, timeout_s: float) -> ClusterStatus:
         """Stop every worker after its current step and wait until each run has ended; returns all
-        they reported meanwhile (their last steps, and any worker lost on the way)."""
+        they reported meanwhile (their last steps, and any worker lost on the way). One still
+        running after `timeout_s` is hung: killed, and reported lost."""
         self.request_stop()
         merged = ClusterStatus()
         deadline = time.monotonic() + timeout_s
         while self.running and time.monotonic() < deadline:
             merged.absorb(self.poll(0.2))
+        for worker_id in self.running:
+            self._hang(self.slots[worker_id], merged, f"did not stop within {timeout_s:g} s")
         return merged
 
     @property
@@ -163,6 +169,7 @@ class WorkerGroup:
         for slot in [s for s in self.slots.values() if s.run_ref in done]:
             self._read_run(slot, status)
         self._find_hung(status)
+        self._find_unstarted(status)
         for record in status.records:
             self.global_step = max(self.global_step, record.step)
             slot = self.slots[record.worker]
@@ -245,6 +252,22 @@ class WorkerGroup:
             silent = now - slot.asked_at if slot.drain_ref is not None else 0.0
             if slot.answered and not slot.lost and not slot.finished and silent > self.timeout_s:
                 self._hang(slot, status, f"no answer for {silent:.0f} s")
+
+    def _find_unstarted(self, status: ClusterStatus) -> None:
+        """A replacement that has not started (answered) within the start timeout: most often no
+        node has room for it. It is withdrawn and counts as a loss; the policy decides what next."""
+        now = time.monotonic()
+        for slot in self.slots.values():
+            waited = now - slot.replaced_at if slot.replaced_at is not None else 0.0
+            if not slot.answered and not slot.lost and waited > self.start_timeout_s:
+                with contextlib.suppress(Exception):
+                    ray.kill(slot.actor)
+                self._lose(
+                    slot,
+                    status,
+                    f"its replacement did not start within {waited:.0f} s: no node with room for it? "
+                    f"(training.failure.start_timeout_s: {self.start_timeout_s:g})",
+                )
 
     def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:
         with contextlib.suppress(Exception):

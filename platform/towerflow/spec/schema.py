@@ -286,6 +286,12 @@ class FailureSpec(_Strict):
         gt=0,
         description="A worker with no step (and no answer) for this long is hung: killed, replaced.",
     )
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A replacement worker that has not started by then (no node with room for it) "
+        "counts as one more worker lost.",
+    )
 
 
 class TrainingSpec(_Strict):

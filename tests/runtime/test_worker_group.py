@@ -1,0 +1,80 @@
+"""The worker group's bounds on waiting (runtime/worker_group.py), on real Ray actors standing in
+for workers: a replacement Ray cannot place, and a worker that does not stop when asked."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from towerflow.runtime.worker import WorkerReport
+from towerflow.runtime.worker_group import WorkerGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Worker:
+    """A worker's control surface: `run` trains until stopped (or for ever, if `deaf`)."""
+
+    def __init__(self, deaf: bool = False) -> None:
+        self._stop = threading.Event()
+        self._deaf = deaf
+
+    def run(self, *args) -> dict:
+        while self._deaf or not self._stop.is_set():
+            time.sleep(0.05)
+        return {"steps": 0}
+
+    def drain(self) -> WorkerReport:
+        return WorkerReport([], None)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+
+def _poll_until_lost(group: WorkerGroup, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = group.poll(0.2)
+        if status.losses:
+            return status.losses
+    raise AssertionError(f"no loss within {timeout_s} s")
+
+
+def test_a_replacement_that_no_node_has_room_for_is_lost_after_the_start_timeout(ray_cluster):
+    ray = ray_cluster
+    worker = ray.remote(num_cpus=0, max_concurrency=4)(_Worker)
+    nowhere = worker.options(resources={"a-resource-no-node-has": 1})
+    placeable = iter([True])
+    group = WorkerGroup(
+        lambda _id: (worker if next(placeable, False) else nowhere).remote(), timeout_s=60, start_timeout_s=2
+    )
+    group.start([0])
+    group.run(0)
+    group.poll(0.5)
+    ray.kill(group.slots[0].actor)
+    (lost,) = _poll_until_lost(group, 20)
+    assert lost.index == 0 and not lost.hung
+    group.replace(0)  # Ray cannot place this one
+    (unstarted,) = _poll_until_lost(group, 20)
+    assert unstarted.index == 0 and "did not start within" in unstarted.cause
+    assert "training.failure.start_timeout_s" in unstarted.cause
+    assert group.slots[0].lost
+    group.kill()
+
+
+def test_a_worker_that_does_not_stop_when_asked_is_killed_and_reported_hung(ray_cluster):
+    ray = ray_cluster
+    worker = ray.remote(num_cpus=0, max_concurrency=4)(_Worker)
+    group = WorkerGroup(lambda worker_id: worker.remote(deaf=worker_id == 1), timeout_s=60)
+    group.start([0, 1])
+    group.run(0)
+    group.run(1)
+    group.poll(0.5)
+    status = group.stop_and_drain(timeout_s=3)
+    assert 0 in status.finished  # it stopped after its step
+    (hung,) = status.losses
+    assert hung.index == 1 and hung.hung and "did not stop within 3 s" in hung.cause
+    assert group.running == []
+    group.kill()
