@@ -15,6 +15,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 UNFINISHED = ("RUNNING", "FAILED", "KILLED")
+ORPHAN_NOTE = "--resume auto: its driver was lost before its first checkpoint; a new run started over"
 
 
 def resumable_run(spec: Any, tracking_uri: str) -> str | None:
@@ -50,6 +51,9 @@ def resumable_run(spec: Any, tracking_uri: str) -> str | None:
     step = latest_step(MlflowCheckpointStore(client, run_id))
     if step is None:
         log.info("--resume auto: run %s (%s) left no checkpoint: starting a new run", run_id, status)
+        if status == "RUNNING":  # its driver died before the first checkpoint: nobody will end it
+            client.set_tag(run_id, "towerflow.ended_by", ORPHAN_NOTE)
+            client.set_terminated(run_id, "FAILED")
         return None
     log.info("--resume auto: continuing run %s (%s) from its checkpoint of step %d", run_id, status, step)
     return run_id

@@ -1,0 +1,53 @@
+"""`--resume auto`'s choice (tracking/auto_resume.py) on a real MLflow store: which run of a job
+goes on, and what happens to a run whose driver died before its first checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+from mlflow.tracking import MlflowClient
+from support import blob_spec
+
+from towerflow.checkpoint.state import TrainingState
+from towerflow.checkpoint.stores import MlflowCheckpointStore
+from towerflow.spec import validate_spec
+from towerflow.tracking.auto_resume import resumable_run
+
+
+def _job(tmp_path, blob_data):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = validate_spec(blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "resume-auto"}))
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("resume-auto", artifact_location=str(tmp_path / "artifacts"))
+    return spec, uri, client, experiment
+
+
+def _run(client, experiment, job: str, status: str | None = None) -> str:
+    run = client.create_run(experiment, tags={"towerflow.job": job})
+    if status is not None:
+        client.set_terminated(run.info.run_id, status)
+    return run.info.run_id
+
+
+def test_the_newest_unfinished_run_with_a_checkpoint_goes_on(tmp_path, blob_data):
+    spec, uri, client, experiment = _job(tmp_path, blob_data)
+    _run(client, experiment, spec.name, "FINISHED")
+    killed = _run(client, experiment, spec.name, "KILLED")
+    state = TrainingState(7, "sgd", ["w"], {"w": np.ones(3, np.float32)}, {}, {"examples_seen": 70})
+    MlflowCheckpointStore(client, killed).save(state)
+    _run(client, experiment, "another-job")  # another job's run is never taken
+    assert resumable_run(spec, uri) == killed
+
+
+def test_a_finished_newest_run_means_a_new_run(tmp_path, blob_data):
+    spec, uri, client, experiment = _job(tmp_path, blob_data)
+    _run(client, experiment, spec.name, "FINISHED")
+    assert resumable_run(spec, uri) is None
+
+
+def test_a_running_run_that_left_no_checkpoint_is_ended_failed_and_a_new_one_starts(tmp_path, blob_data):
+    spec, uri, client, experiment = _job(tmp_path, blob_data)
+    orphan = _run(client, experiment, spec.name)  # RUNNING: its driver was SIGKILLed early
+    assert resumable_run(spec, uri) is None
+    run = client.get_run(orphan)
+    assert run.info.status == "FAILED"  # not RUNNING for ever
+    assert "before its first checkpoint" in run.data.tags["towerflow.ended_by"]
