@@ -5,6 +5,8 @@ runtime's shards hold. Plain data and small behaviour only; nothing here starts 
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -99,10 +101,17 @@ class WorkerStream:
     rows_before: int = 0  # rows of this split used before this stream's first (by a lost predecessor)
 
     def batches(
-        self, *, batch_size: int, drop_last: bool, shuffle_buffer: int, seed: int
+        self,
+        *,
+        batch_size: int,
+        drop_last: bool,
+        shuffle_buffer: int,
+        seed: int,
+        stop: threading.Event | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
         """Batches of `batch_size` examples; with drop_last the worker's last partial batch of the run
-        is dropped; a seeded local shuffle buffer when shuffle_buffer > 0."""
+        is dropped; a seeded local shuffle buffer when shuffle_buffer > 0. With `stop`, the stream
+        ends as soon as it is set, even while waiting for a batch (see `until_stopped`)."""
         batches = self.iterator.iter_batches(
             batch_size=batch_size,
             batch_format="numpy",
@@ -111,6 +120,8 @@ class WorkerStream:
             local_shuffle_buffer_size=shuffle_buffer or None,
             local_shuffle_seed=seed if shuffle_buffer else None,
         )
+        if stop is not None:
+            batches = until_stopped(iter(batches), stop)
         return self._acknowledging(batches) if hasattr(self.iterator, "acknowledge") else iter(batches)
 
     def _acknowledging(self, batches: Any, every_s: float = 0.5) -> Iterator[dict[str, np.ndarray]]:
@@ -141,6 +152,47 @@ class WorkerStream:
         close = getattr(self.iterator, "close", None)
         if close is not None:
             close()
+
+
+_END = object()
+
+
+def until_stopped(items: Iterator[Any], stop: threading.Event, poll_s: float = 0.2) -> Iterator[Any]:
+    """`items`, read ahead by one in a thread of their own, ending when `stop` is set, even while
+    the next item is awaited: a block lost with its node may take Ray for ever to make again (its
+    read task waiting for cores), and a worker asked to stop for a resize or a rollback must not
+    wait for it. The reading thread is then left to end on its own. Errors pass through."""
+    handed: queue.Queue = queue.Queue(maxsize=1)
+
+    def offer(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                handed.put(item, timeout=poll_s)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for item in items:
+                if not offer(item):
+                    return
+            offer(_END)
+        except BaseException as exc:  # raised to the consumer, in its thread
+            offer(exc)
+
+    threading.Thread(target=read, name="towerflow-batches", daemon=True).start()
+    while not stop.is_set():
+        try:
+            item = handed.get(timeout=poll_s)
+        except queue.Empty:
+            continue
+        if item is _END:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def as_stream(data: Any) -> WorkerStream:

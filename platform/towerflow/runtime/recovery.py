@@ -150,6 +150,7 @@ class RecoveryActions:
         self._close_data()
         for shard in self.shards:  # release every worker waiting on a live shard; each run ends
             shard.finish.remote()
+        self.group.request_stop()  # and every worker waiting for data
         self.group.wait_ended(timeout_s=60)
         state = self.latest_checkpoint() if self.latest_checkpoint is not None else None
         state = state or self.initial_state

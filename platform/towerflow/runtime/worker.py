@@ -26,7 +26,7 @@ from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow
 from towerflow.runtime.worker_config import WorkerConfig
-from towerflow.shared_types import VariableInfo, as_stream
+from towerflow.shared_types import VariableInfo, as_stream, until_stopped
 
 
 @dataclass
@@ -279,7 +279,7 @@ class TowerWorker:
         trained on (data/splits.py), read before its split, and the model's non-trainable state.
         """
         cfg = self.config
-        self._stop.clear()  # a run after a rollback starts anew
+        self._stop = threading.Event()  # a run after a rollback starts anew; the last one's readers end
         staging = _staging_buffers(self.model, placement)
         self._plan = PushPlan(shards, placement, buckets)
         self._bucket_variables = self._plan.bucket_variables
@@ -295,6 +295,7 @@ class TowerWorker:
                 drop_last=cfg.drop_remainder,
                 shuffle_buffer=cfg.shuffle_buffer,
                 seed=cfg.seed + cfg.worker_id,
+                stop=self._stop,
             )
         )
         if cfg.start_at_step:
@@ -305,7 +306,8 @@ class TowerWorker:
             if rejoin.model_state:
                 load_model_state(self.model, rejoin.model_state)
             if rejoin.leftover:
-                batches = itertools.chain(leftover_batches(rejoin.leftover, cfg.batch_size), batches)
+                leftover = until_stopped(leftover_batches(rejoin.leftover, cfg.batch_size), self._stop)
+                batches = itertools.chain(leftover, batches)
         # A replacement takes its predecessor's place in every step still to aggregate.
         ray.get([shard.join.remote(cfg.worker_id) for shard in shards])
         replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
