@@ -4,6 +4,8 @@ are in test_node_faults.py (multi-node)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +66,52 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [2.0, 1.0, 2.0]
     losses = [e.loss for e in hook.events]
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+class KillWorkerAt(Hook):
+    """SIGKILLs worker `worker`'s process when the chief hears of `step`."""
+
+    def __init__(self, step: int, worker: int) -> None:
+        self.step, self.worker, self.events, self.faults = step, worker, [], []
+        self.killed_at: float | None = None
+
+    def after_run(self, context, event):
+        self.events.append(event)
+        if self.killed_at is None and event.global_step >= self.step:
+            import ray
+
+            actor = context.session.runtime.group.slots[self.worker].actor
+            os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
+            self.killed_at = event.elapsed_s
+
+    def on_fault(self, event):
+        self.faults.append(event)
+
+
+def test_a_sync_elastic_run_shrinks_at_once_when_a_worker_dies_mid_step(ray_cluster, blob_data, tmp_path):
+    """The survivors wait in their sync step for the lost worker's gradient: the shards must step
+    without it before the resize asks them to stop (else they wait for worker_timeout_s)."""
+    raw = blob_spec(
+        blob_data,
+        data={"batch_size": 16, "epochs": None},
+        cluster={"workers": {"min": 1, "max": 2}, "ps": 1},
+        training={
+            "mode": "sync",
+            "max_steps": 60,
+            "optimizer": {"name": "sgd", "learning_rate": 0.05},
+            "failure": {"worker_timeout_s": 250},
+        },
+    )
+    hook = KillWorkerAt(step=15, worker=1)
+    slow = FaultInjector(step_delay_s={0: 0.05, 1: 0.3})  # worker 0 waits in each step for worker 1
+    result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
+
+    assert result.global_step == 60
+    (fault,) = hook.faults
+    assert "worker 1 lost" in fault.what and "went on without it" in fault.action
+    after = [e for e in hook.events if e.workers == [0]]
+    assert after, "worker 0 trained on alone"
+    assert after[0].elapsed_s - hook.killed_at < 30, "the resize did not wait for worker_timeout_s"
 
 
 def test_the_elastic_rule_keeps_the_backup_workers_and_starts_within_the_range():

@@ -55,7 +55,9 @@ class RecoveryActions:
         self.state = State.RESIZING
         before = len(self.group.slots)
         self._close_data()  # a worker waiting at an epoch barrier for a lost split's consumer goes on
-        status = self.group.stop_and_drain(timeout_s=self.group.timeout_s)
+        # Sync survivors wait for a lost worker's gradient: the shards step without it first.
+        self._retire([i for i, slot in self.group.slots.items() if slot.lost])
+        status = self.group.stop_and_drain(timeout_s=self.group.timeout_s, on_lost=self._retire)
         if status.user_error is not None:
             raise status.user_error
         if self.failure_policy.decide(status) is Decision.FAIL:
@@ -103,6 +105,11 @@ class RecoveryActions:
         self.session.log_metrics({"workers": float(len(members))}, version)
         self.state = State.RUNNING
 
+    def _retire(self, worker_ids: list[int]) -> None:
+        """Every shard stops waiting for these workers' gradients (sync steps aggregate without them)."""
+        if worker_ids:
+            ray.get([shard.retire.remote(worker_id) for shard in self.shards for worker_id in worker_ids])
+
     def _close_data(self) -> None:
         for split in list(self.data_splits.values())[:1]:  # one coordinator serves every split
             if hasattr(split, "close"):
@@ -118,8 +125,7 @@ class RecoveryActions:
     def _replace_workers(self, losses: list[ActorLoss]) -> None:
         """Each lost worker's steps go on without it at once (the shards retire it); a new actor
         takes its id, its split and its unused rows, and joins the steps when it has started."""
-        ids = [loss.index for loss in losses]
-        ray.get([s.retire.remote(worker_id) for s in self.shards for worker_id in ids])
+        self._retire([loss.index for loss in losses])
         model_state = self.model_state()
         # The chief hears of steps a poll late; the shard counted every gradient the worker sent.
         taken = ray.get(self.shards[-1].examples_taken.remote())

@@ -100,15 +100,21 @@ class WorkerGroup:
         with contextlib.suppress(Exception):
             ray.kill(slot.actor)
 
-    def stop_and_drain(self, timeout_s: float) -> ClusterStatus:
+    def stop_and_drain(
+        self, timeout_s: float, on_lost: Callable[[list[int]], None] | None = None
+    ) -> ClusterStatus:
         """Stop every worker after its current step and wait until each run has ended; returns all
-        they reported meanwhile (their last steps, and any worker lost on the way). One still
-        running after `timeout_s` is hung: killed, and reported lost."""
+        they reported meanwhile (their last steps, and any worker lost on the way, told at once to
+        `on_lost`: sync survivors wait for a lost worker's gradient until the shards retire it).
+        One still running after `timeout_s` is hung: killed, and reported lost."""
         self.request_stop()
         merged = ClusterStatus()
         deadline = time.monotonic() + timeout_s
         while self.running and time.monotonic() < deadline:
-            merged.absorb(self.poll(0.2))
+            status = self.poll(0.2)
+            if status.lost_workers and on_lost is not None:
+                on_lost([loss.index for loss in status.lost_workers])
+            merged.absorb(status)
         for worker_id in self.running:
             self._hang(self.slots[worker_id], merged, f"did not stop within {timeout_s:g} s")
         return merged
