@@ -1,0 +1,540 @@
+"""The faults of benchmarks/faults.py that need several nodes or a driver of their own.
+
+The cluster is tests/multinode.py's LocalCluster: a head and two extra nodes, 2 CPUs each, every
+node its own `ray start --block` (token authentication on), all on this machine. Every run's driver
+is `python -m towerflow train SPEC --no-progress` as a user starts it (RAY_ADDRESS: the cluster),
+tracked to a SQLite MLflow store of its own; this process only starts and kills nodes and drivers,
+and reads MLflow and Ray's state API. The workload is faults.py's: LeNet on synthetic MNIST,
+128 examples a worker, one shard, a checkpoint every `--every` steps, metrics to MLflow every step;
+sized for 2-CPU nodes (1 CPU a worker, 0.5 a shard, 0.5 for Ray Data).
+
+Each faulted run is paired with a clean run of the same configuration in the same round:
+- node lost (sync): 2 workers; once MLflow shows step `--at`, the node holding a worker (not the
+  shard's, not the head) is lost, its raylet and every process of it SIGKILLed; then a fresh 2-CPU
+  node joins, so that the next case has the same room. Recovery: MLflow's `worker_recovery_s` (the
+  loss noticed to the replacement's first step).
+- driver killed (sync): the driver, started with `--resume auto`, is SIGKILLed (its process group)
+  at step `--at` (or at the run's first checkpoint, if that comes later: without one `--resume auto`
+  starts a new run), and `--resume auto` started again. Steps redone: the step MLflow had heard of
+  at the kill (the driver may have been a step or two further) less `towerflow.resumed_from_step`;
+  seconds lost: both drivers' wall time less the clean run's; recovery: the second driver's start
+  to its first step in MLflow.
+- elastic: one run of `workers: {min: 1, max: 4}` over `--elastic-steps` steps (1.5 CPUs a worker:
+  a 2-CPU node holds one, so the three nodes hold three and a fourth waits as a pending spare). At
+  step `--at` a 2-CPU node joins; row "elastic: node joins": survived when the run grew (MLflow's
+  `workers` metric up) and trained on; recovery: the node alive to the `workers` record. Then that
+  node is lost; row "elastic: node lost": survived when the run shrank (`workers` down), trained on
+  and finished at max_steps; recovery: the kill to the `workers` record. Seconds are MLflow's own
+  record timestamps against this machine's clock; the notes add the pause from each resize to the
+  next step (the data pipeline starts again).
+
+Survived, in the other rows: the driver exits 0 and its MLflow run is FINISHED at max_steps. One round is
+five drivers' runs and a resumed one: about 17 minutes on 2 cores with the cluster's start, up to
+5 more where a resize never comes (RESIZE_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from common import ensure_mnist
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "pipelines" / "mnist_sync.yaml"
+DATA = ROOT / "data" / "bench-mnist"
+SYNC = {"workers": 2, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5, "data_cpus": 0.5}
+ELASTIC = {**SYNC, "workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
+POLL_S = 0.5
+STEP_TIMEOUT_S = 600.0  # from a driver's start to a step (actors import TensorFlow on a loaded machine)
+RESIZE_TIMEOUT_S = 300.0
+FINISH_TIMEOUT_S = 1200.0
+ELASTIC_STEPS = 200  # room for a spare's start (10-40 s here) and two resizes before max_steps
+# Which rows each kind of run gives, and each faulted row's clean run.
+BASELINE = {
+    "node lost (sync)": "clean sync",
+    "driver killed (sync)": "clean sync",
+    "elastic: node joins": "clean elastic",
+    "elastic: node lost": "clean elastic",
+}
+Log = Callable[[str], None]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of Ray's log lines
+
+
+class CaseError(Exception):
+    """A case could not go on (a driver exited, a step or a resize never came): its message says why."""
+
+
+# -- rows: the shape faults.py prints ---------------------------------------------------------------
+
+
+def summarize(name: str, mine: list[dict], base: list[dict], ratio: bool = True) -> dict:
+    """A table row from a case's runs and its clean runs (paired by round). Each run is a dict of
+    wall_s, survived (True, False, or None: not tried), examples_per_sec, steps_redone, recovery_s,
+    notes."""
+    tried = [m for m in mine if m["survived"] is not None]
+    lost = [m["wall_s"] - b["wall_s"] for m, b in zip(mine, base) if m["survived"] is not None]
+    rates = [m["examples_per_sec"] for m in tried if m.get("examples_per_sec")]
+    base_rates = [b["examples_per_sec"] for b in base if b.get("examples_per_sec")]
+    redone = [m["steps_redone"] for m in tried if m.get("steps_redone") is not None]
+    return {
+        "name": name,
+        "survived": all(m["survived"] for m in tried) if tried else None,
+        "steps_redone": statistics.median(redone) if redone else None,
+        "lost": lost,
+        "recovery": [m["recovery_s"] for m in tried if m.get("recovery_s") is not None],
+        "ratio": statistics.median(rates) / statistics.median(base_rates)
+        if ratio and rates and base_rates
+        else None,
+        "notes": [f"round {i + 1}: {note}" for i, m in enumerate(mine) for note in m.get("notes", [])],
+    }
+
+
+def result(wall_s: float, survived: bool | None, **fields: Any) -> dict:
+    """One run's outcome, as summarize() reads it."""
+    return {
+        "wall_s": wall_s,
+        "survived": survived,
+        "examples_per_sec": fields.get("examples_per_sec"),
+        "steps_redone": fields.get("steps_redone"),
+        "recovery_s": fields.get("recovery_s"),
+        "notes": fields.get("notes", []),
+    }
+
+
+# -- specs, drivers and MLflow ----------------------------------------------------------------------
+
+
+def write_spec(folder: Path, name: str, args: argparse.Namespace, cluster: dict, max_steps: int) -> Path:
+    """faults.py's LeNet spec with `cluster`, tracked to `folder`/mlflow.db (experiment `name`)."""
+    from towerflow.spec.loading import apply_override, validate_spec
+
+    raw = yaml.safe_load(SPEC.read_text())
+    for item in (
+        f"name={name}",
+        f"data.train.paths={DATA}/train-*",
+        "data.eval=null",
+        "supervision.eval=null",
+        "export.saved_model=false",
+        "data.epochs=null",
+        f"training.max_steps={max_steps}",
+        "training.mode=sync",
+        f"supervision.checkpoint.every_steps={args.every}",
+        "supervision.log_every_steps=1",  # MLflow hears of every step
+        f"tracking.tracking_uri={tracking_uri(folder)}",
+        f"tracking.experiment={name}",
+    ):
+        apply_override(raw, item)
+    raw["cluster"] = {**raw["cluster"], **cluster}
+    if isinstance(cluster["workers"], dict):  # elastic: every running worker's gradient, no backup
+        raw["training"].update(replicas_to_aggregate=None, total_num_replicas=None)
+    path = folder / f"{name}.yaml"
+    validate_spec(raw, source=str(path))
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def tracking_uri(folder: Path) -> str:
+    return f"sqlite:///{folder / 'mlflow.db'}"
+
+
+def mlflow_client(folder: Path):
+    """A client of the run's store, its schema made before any driver writes to it."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(folder))
+    client.search_experiments()
+    return client
+
+
+@dataclass
+class Driver:
+    """A `python -m towerflow train` process (the leader of its process group), its output in a file."""
+
+    process: subprocess.Popen
+    output: Path
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+
+    @property
+    def wall_s(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    def text(self, chars: int = 100_000) -> str:
+        with contextlib.suppress(OSError):
+            return ANSI.sub("", self.output.read_text(errors="replace"))[-chars:]
+        return ""
+
+    def check_running(self) -> None:
+        if self.process.poll() is not None:
+            self.ended = self.ended or time.monotonic()
+            raise CaseError(f"the driver exited with {self.process.returncode}:\n{self.text(3000)}")
+
+    def wait(self, timeout: float = FINISH_TIMEOUT_S) -> int:
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise CaseError(f"the driver did not finish within {timeout:.0f} s:\n{self.text(3000)}") from None
+        self.ended = self.ended or time.monotonic()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL its process group (a no-op once it has exited)."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.ended = time.monotonic()
+
+    def examples_per_sec(self) -> float | None:
+        """The steady throughput of its summary line (`examples/sec=1,234`)."""
+        found = re.findall(r"examples/sec=([\d,.]+)", self.text())
+        return float(found[-1].replace(",", "")) if found else None
+
+
+def start_driver(cluster, spec: Path, output: Path, *args: str) -> Driver:
+    with open(output, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "towerflow", "train", str(spec), "--no-progress", *args],
+            cwd=ROOT,
+            env={**cluster.env(), "TF_CPP_MIN_LOG_LEVEL": "2"},
+            stdin=subprocess.DEVNULL,
+            stdout=out,  # a file, so that a chatty driver never blocks on a full pipe
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, to be killed as a lost head pod would be
+        )
+    return Driver(process, output)
+
+
+def _poll(fetch: Callable[[], Any]) -> Any:
+    """`fetch()` of MLflow's SQLite store, None while the store is busy (a driver writes to it)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return fetch()
+    except MlflowException:
+        return None
+
+
+def latest_run(client, experiment: str):
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id]) if found else []
+    return runs[0] if runs else None
+
+
+def wait_for_step(client, experiment: str, step: int, driver: Driver) -> tuple[str, float]:
+    """(the run's id, the step MLflow shows) once MLflow shows `global_step` >= step."""
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        driver.check_running()
+        run = _poll(lambda: latest_run(client, experiment))
+        seen = run.data.metrics.get("global_step", 0) if run else 0
+        if seen >= step:
+            return run.info.run_id, seen
+        time.sleep(POLL_S)
+    raise CaseError(f"MLflow showed no step {step} within {STEP_TIMEOUT_S:.0f} s:\n{driver.text(3000)}")
+
+
+def wait_for_record(
+    client, run_id: str, key: str, since_ms: int, driver: Driver, match: Callable[[Any], bool] | None = None
+) -> Any:
+    """The first record (an MLflow Metric: value, step, timestamp) of `key` from `since_ms` (epoch ms)
+    on that `match`es, once MLflow holds it. Its own timestamp tells when: polling adds nothing."""
+    deadline = time.monotonic() + RESIZE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        history = _poll(lambda: client.get_metric_history(run_id, key)) or []
+        found = [m for m in history if m.timestamp >= since_ms and (match is None or match(m))]
+        if found:
+            return min(found, key=lambda m: m.timestamp)
+        driver.check_running()
+        time.sleep(POLL_S)
+    history = sorted(
+        (m.timestamp - since_ms, m.step, m.value) for m in client.get_metric_history(run_id, key)
+    )
+    raise CaseError(
+        f"no such {key} record within {RESIZE_TIMEOUT_S:.0f} s; its records (ms after, step, value): {history}"
+    )
+
+
+def seconds_after(record: Any, since_ms: int) -> float:
+    return (record.timestamp - since_ms) / 1000
+
+
+def wait_for_checkpoint(client, run_id: str, driver: Driver) -> int:
+    """The step of the run's newest complete checkpoint, once there is one: a driver killed before
+    its first checkpoint leaves `--resume auto` nothing to go on from (it starts a new run)."""
+    from towerflow.checkpoint.stores import MlflowCheckpointStore, latest_step
+
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        step = _poll(lambda: latest_step(MlflowCheckpointStore(client, run_id)))
+        if step is not None:
+            return step
+        driver.check_running()
+        time.sleep(POLL_S)
+    raise CaseError(f"no checkpoint within {STEP_TIMEOUT_S:.0f} s")
+
+
+def run_outcome(client, run_id: str, driver: Driver, max_steps: int) -> tuple[bool, Any, list[str]]:
+    """(survived, the MLflow run, notes): exit 0, FINISHED, global_step == max_steps."""
+    run = client.get_run(run_id)
+    step = run.data.metrics.get("global_step")
+    ok = driver.process.returncode == 0 and run.info.status == "FINISHED" and step == max_steps
+    notes = [f"driver exit {driver.process.returncode}, run {run.info.status} at global_step {step}"]
+    for key in ("workers_lost", "workers_replaced", "worker_recovery_s", "ps_rollbacks", "steps_redone"):
+        if key in run.data.metrics:
+            notes.append(f"{key}={run.data.metrics[key]:g}")
+    notes += [f"{k}: {v}" for k, v in sorted(run.data.tags.items()) if k.startswith("towerflow.fault.")]
+    if not ok:
+        notes.append(f"the driver said: {driver.text(2000)!r}")
+    return ok, run, notes
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def actors(cluster, class_name: str) -> list[dict]:
+    reply = cluster.state_api("/api/v0/actors?limit=1000&detail=true")
+    return [
+        a
+        for a in reply["data"]["result"]["result"]
+        if a["class_name"] == class_name and a["state"] == "ALIVE"
+    ]
+
+
+def victim_node(cluster):
+    """A live node that holds a worker but neither a shard nor the head's role; None if there is none."""
+    shard_nodes = {a["node_id"] for a in actors(cluster, "ParameterShard")}
+    worker_nodes = {a["node_id"] for a in actors(cluster, "TowerWorker")}
+    for node in cluster.nodes[1:]:
+        if not node.killed and node.node_id in worker_nodes - shard_nodes:
+            return node
+    return None
+
+
+# -- the runs ---------------------------------------------------------------------------------------
+
+
+def clean_run(cluster, args, tmp: Path, name: str, config: dict, max_steps: int) -> dict:
+    client = mlflow_client(tmp)
+    driver = start_driver(cluster, write_spec(tmp, name, args, config, max_steps), tmp / "driver.log")
+    try:
+        driver.wait()
+    finally:
+        driver.kill()
+    run = _poll(lambda: latest_run(client, name))
+    if run is None:
+        return result(driver.wall_s, False, notes=[f"no MLflow run: {driver.text(2000)!r}"])
+    ok, _, notes = run_outcome(client, run.info.run_id, driver, max_steps)
+    return result(driver.wall_s, ok, examples_per_sec=driver.examples_per_sec(), notes=notes)
+
+
+def clean_sync(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    return {"clean sync": clean_run(cluster, args, tmp, "clean-sync", SYNC, args.steps)}
+
+
+def clean_elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    return {"clean elastic": clean_run(cluster, args, tmp, "clean-elastic", ELASTIC, args.elastic_steps)}
+
+
+def node_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    name = "node lost (sync)"
+    client = mlflow_client(tmp)
+    driver = start_driver(cluster, write_spec(tmp, "node-lost", args, SYNC, args.steps), tmp / "driver.log")
+    victim = None
+    try:
+        run_id, seen = wait_for_step(client, "node-lost", args.at, driver)
+        victim = victim_node(cluster)
+        if victim is None:
+            placed = [(a["node_id"][:8], a["class_name"]) for a in actors(cluster, "TowerWorker")]
+            return {name: result(driver.wall_s, None, notes=[f"no worker apart from the shard: {placed}"])}
+        cluster.kill_node(victim)
+        log(f"  {victim.name} lost at step {seen:g} (MLflow)")
+        driver.wait()
+    finally:
+        driver.kill()
+        if victim is not None:
+            cluster.add_node(num_cpus=2)  # the room the next case expects
+    ok, run, notes = run_outcome(client, run_id, driver, args.steps)
+    return {
+        name: result(
+            driver.wall_s,
+            ok,
+            examples_per_sec=driver.examples_per_sec(),
+            steps_redone=run.data.metrics.get("steps_redone", 0.0),
+            recovery_s=run.data.metrics.get("worker_recovery_s"),
+            notes=notes,
+        )
+    }
+
+
+def driver_killed(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    client = mlflow_client(tmp)
+    spec = write_spec(tmp, "driver-lost", args, SYNC, args.steps)
+    first = start_driver(cluster, spec, tmp / "driver.log", "--resume", "auto")
+    try:
+        run_id, heard = wait_for_step(client, "driver-lost", args.at, first)
+        checkpoint = wait_for_checkpoint(client, run_id, first)  # with --at below --every: the first one
+        heard = max(heard, _poll(lambda: client.get_run(run_id).data.metrics["global_step"]) or 0)
+    finally:
+        first.kill()  # as a lost head pod loses it: nobody closes the MLflow run
+    log(f"  driver killed at step {heard:g} (MLflow), its newest checkpoint at step {checkpoint}")
+    restarted = now_ms()
+    second = start_driver(cluster, spec, tmp / "driver2.log", "--resume", "auto")
+    try:
+        recovery = seconds_after(wait_for_record(client, run_id, "global_step", restarted, second), restarted)
+        second.wait()
+    finally:
+        second.kill()
+    ok, run, notes = run_outcome(client, run_id, second, args.steps)
+    resumed = run.data.tags.get("towerflow.resumed_from_step")
+    runs = client.search_runs([run.info.experiment_id])
+    if len(runs) != 1 or resumed is None:
+        ok = False
+        notes.append(f"{len(runs)} run(s) in the experiment, resumed_from_step {resumed}")
+    notes += [line for line in second.text().splitlines() if "--resume auto" in line]
+    return {
+        "driver killed (sync)": result(
+            first.wall_s + second.wall_s,
+            ok,
+            steps_redone=heard - int(resumed) if resumed is not None else None,
+            recovery_s=recovery,
+            notes=notes,
+        )
+    }
+
+
+def resize_seconds(client, run_id: str, workers: float, since_ms: int, driver: Driver) -> tuple[float, float]:
+    """(seconds from `since_ms` to MLflow's `workers` record of `workers`, seconds from that record to
+    the first step after the resize): the resize, and the pause before training goes on (the data
+    pipeline starts again). Steps drained by the resize are reported after it: they do not count."""
+    resized = wait_for_record(client, run_id, "workers", since_ms, driver, lambda m: m.value == workers)
+    step = wait_for_record(
+        client, run_id, "global_step", resized.timestamp, driver, lambda m: m.value > resized.step
+    )
+    return seconds_after(resized, since_ms), seconds_after(step, resized.timestamp)
+
+
+def elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    client = mlflow_client(tmp)
+    spec = write_spec(tmp, "elastic", args, ELASTIC, args.elastic_steps)
+    driver = start_driver(cluster, spec, tmp / "driver.log")
+    seen: dict[str, tuple[float, float]] = {}  # grow, shrink: (resize s, pause s)
+    node, notes = None, []
+    try:
+        run_id, _ = wait_for_step(client, "elastic", args.at, driver)
+        started = client.get_run(run_id).data.metrics["workers"]
+        asked = time.monotonic()
+        node = cluster.add_node(num_cpus=2)  # room for the pending spare
+        notes.append(
+            f"{started:g} workers at first; {node.name} alive {time.monotonic() - asked:.1f} s after"
+        )
+        seen["grow"] = resize_seconds(client, run_id, started + 1, now_ms(), driver)
+        log(f"  grew {seen['grow'][0]:.1f} s after {node.name} joined")
+        if node.node_id not in {a["node_id"] for a in actors(cluster, "TowerWorker")}:
+            notes.append(f"the run grew, but {node.name} holds no worker")
+        killed = now_ms()
+        cluster.kill_node(node)  # while the grown run trains
+        seen["shrink"] = resize_seconds(client, run_id, started, killed, driver)
+        log(f"  shrank {seen['shrink'][0]:.1f} s after {node.name} was lost")
+        driver.wait()
+    except CaseError as exc:
+        notes.append(f"{exc}")
+    finally:
+        driver.kill()
+        if node is not None and not node.killed:
+            cluster.kill_node(node)  # the next case gets the room this one started with
+    notes += [
+        f"{k}: `workers` changed {r:.1f} s after, the next step {p:.1f} s later" for k, (r, p) in seen.items()
+    ]
+    run = _poll(lambda: latest_run(client, "elastic"))
+    ok, outcome = (
+        run_outcome(client, run.info.run_id, driver, args.elastic_steps)[::2] if run else (False, [])
+    )
+    rate = driver.examples_per_sec()
+    grow, shrink = seen.get("grow", (None,))[0], seen.get("shrink", (None,))[0]
+    return {
+        "elastic: node joins": result(
+            driver.wall_s, grow is not None, examples_per_sec=rate, recovery_s=grow, notes=notes + outcome
+        ),
+        # not tried when the run never grew; survived: it shrank, trained on and finished at max_steps
+        "elastic: node lost": result(
+            driver.wall_s,
+            None if grow is None else ok and shrink is not None,
+            examples_per_sec=rate,
+            recovery_s=shrink,
+        ),
+    }
+
+
+# What each run gives: its function and the rows it fills.
+RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
+    (clean_sync, ("clean sync",)),
+    (node_lost, ("node lost (sync)",)),
+    (driver_killed, ("driver killed (sync)",)),
+    (clean_elastic, ("clean elastic",)),
+    (elastic, ("elastic: node joins", "elastic: node lost")),
+]
+
+
+def selected_runs(only: str | None) -> list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]]:
+    """The runs whose rows match `only` (a substring of a row's name), with their clean runs."""
+    wanted = {row for row in BASELINE if only is None or only in row}
+    wanted |= {BASELINE[row] for row in wanted}
+    return [(run, rows) for run, rows in RUNS if wanted & set(rows)]
+
+
+def guarded(run: Callable[..., dict[str, dict]], rows: tuple[str, ...], cluster, args, log: Log) -> dict:
+    """The run's results; a case that broke down counts as not survived, with the reason in its notes."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="faults-cluster-") as tmp:
+        try:
+            return run(cluster, args, Path(tmp), log)
+        except Exception as exc:  # a fault not survived is a result, not a crash of the benchmark
+            log(f"  {rows[0]}: {type(exc).__name__}: {exc}")
+            note = f"{type(exc).__name__}: {exc}"[:3000]
+            return {row: result(time.monotonic() - started, False, notes=[note]) for row in rows}
+
+
+def run_cluster_cases(args: argparse.Namespace, log: Log) -> list[dict]:
+    """Start a 3-node LocalCluster, run `args.rounds` rounds of the cluster cases (each with its clean
+    run), stop the cluster, and return the faulted cases' table rows."""
+    runs = selected_runs(args.only)
+    if not runs:
+        return []
+    sys.path.insert(0, str(ROOT / "tests"))  # tests/multinode.py: the multi-node cluster of the tests
+    from multinode import LocalCluster
+
+    ensure_mnist(DATA, log)
+    results: dict[str, list[dict]] = {}
+    cluster = LocalCluster(head_cpus=2, node_cpus=(2, 2))
+    try:
+        cluster.start()
+        for round_ in range(args.rounds):
+            for run, rows in runs[round_ % len(runs) :] + runs[: round_ % len(runs)]:
+                log(f"round {round_ + 1} (cluster): {', '.join(rows)}")
+                for row, outcome in guarded(run, rows, cluster, args, log).items():
+                    results.setdefault(row, []).append(outcome)
+                    log(f"  {row}: {outcome}")
+    finally:
+        cluster.shutdown()
+    return [
+        summarize(row, results[row], results[BASELINE[row]], ratio=row != "driver killed (sync)")
+        for row in BASELINE
+        if row in results
+    ]
