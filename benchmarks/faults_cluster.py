@@ -511,6 +511,10 @@ def guarded(run: Callable[..., dict[str, dict]], rows: tuple[str, ...], cluster,
             return {row: result(time.monotonic() - started, False, notes=[note]) for row in rows}
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_cluster_cases(args: argparse.Namespace, log: Log) -> list[dict]:
     """Start a 3-node LocalCluster, run `args.rounds` rounds of the cluster cases (each with its clean
     run), stop the cluster, and return the faulted cases' table rows."""
@@ -523,6 +527,7 @@ def run_cluster_cases(args: argparse.Namespace, log: Log) -> list[dict]:
     ensure_mnist(DATA, log)
     results: dict[str, list[dict]] = {}
     cluster = LocalCluster(head_cpus=2, node_cpus=(2, 2))
+    on_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the nodes on a SIGTERM too
     try:
         cluster.start()
         for round_ in range(args.rounds):
@@ -533,6 +538,7 @@ def run_cluster_cases(args: argparse.Namespace, log: Log) -> list[dict]:
                     log(f"  {row}: {outcome}")
     finally:
         cluster.shutdown()
+        signal.signal(signal.SIGTERM, on_term)
     return [
         summarize(row, results[row], results[BASELINE[row]], ratio=row != "driver killed (sync)")
         for row in BASELINE
