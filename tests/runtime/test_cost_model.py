@@ -120,11 +120,16 @@ def test_gpu_workers_compute_faster_so_auto_gives_them_more_shards(tmp_path):
     assert gpu >= cpu
 
 
-def test_the_platforms_own_overhead_comes_on_top_of_each_modes_step():
+def test_the_platforms_own_overhead_is_each_workers_on_its_path_and_in_the_cpu():
     from dataclasses import replace
 
     with_overhead = replace(COSTS, overhead_sync_s=0.01, overhead_async_s=0.02)
     for mode, extra in (("sync", 0.01), ("async", 0.02)):
-        plain = predict_step(COSTS, workers=2, shards=1, mode=mode, cores=2, **SHAPE)
-        more = predict_step(with_overhead, workers=2, shards=1, mode=mode, cores=2, **SHAPE)
-        assert more.seconds == pytest.approx(plain.seconds + extra)
+        plain = predict_step(COSTS, workers=2, shards=1, mode=mode, **SHAPE)
+        more = predict_step(with_overhead, workers=2, shards=1, mode=mode, **SHAPE)
+        assert more.seconds == pytest.approx(plain.seconds + extra)  # a machine each: on the path
+        # Four workers on two cores, bound by the CPU: each worker's overhead is paid, two a core.
+        plain = predict_step(COSTS, workers=4, shards=1, mode=mode, cores=2, **SHAPE)
+        more = predict_step(with_overhead, workers=4, shards=1, mode=mode, cores=2, **SHAPE)
+        assert plain.bottleneck == more.bottleneck == "cpu"
+        assert more.seconds == pytest.approx(plain.seconds + 2 * extra)

@@ -5,14 +5,16 @@ and has each shard take in W pushes of its part, apply once (sync) or once per p
 publish a new version. With B = 4P bytes, b examples per worker and the measured costs in `Costs`:
 
     worker   = compute(b) + 2 B (worker_s_per_byte) + 2 S call_s + 2 B / link   (link only across nodes)
+               + overhead                           (the platform's own per step: Python, Ray, the driver)
     shard    = W (B/S) push_s_per_byte + k (B/S) (apply_s_per_byte + publish_s_per_byte)
                + W (B/S) / link for its node's link, each way            (k = 1 sync, W async)
     sync     = worker + shard                       (the barrier: every push lands, then one apply)
     async    = max(worker, shard)                   (each worker loops on its own; a shard saturates)
 
 per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
-it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores. The platform's own overhead per
-step (measured as a near-empty model's step) comes on top. The benchmark (benchmarks/costmodel.py)
+it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores. The overhead (measured as a
+near-empty model's step) is each worker's: on its step's path, and in the CPU it needs, so that W
+workers on fewer than W cores pay it W times over. The benchmark (benchmarks/costmodel.py)
 measures the constants and checks the model against every measured run; `shards_for` is what
 `cluster.ps: auto` asks.
 """
@@ -37,8 +39,9 @@ class Costs:
     publish_s_per_byte: float  # a shard: put the new version into the object store
     call_s: float  # one actor call's round trip
     other_cpu_s: float = 0.0  # CPU per step of Ray, the driver and the data pipeline
-    # The platform's own time per global batch beyond the parts above (the driver's bookkeeping,
-    # Ray Data's hand-over of a batch, Python around each phase): a near-empty model's step.
+    # The platform's own time per worker step beyond the parts above (the driver's bookkeeping,
+    # Ray Data's hand-over of a batch, Python around each phase), taken as CPU: a near-empty
+    # model's step.
     overhead_sync_s: float = 0.0
     overhead_async_s: float = 0.0
     link_bytes_per_s: float | None = None  # between nodes; None: all on one node
@@ -98,7 +101,9 @@ def predict_step(
     link = costs.link_bytes_per_s
     compute = compute_s(costs, batch_per_worker)
     worker_traffic = 2 * nbytes * costs.worker_s_per_byte
+    overhead = costs.overhead_sync_s if mode == "sync" else costs.overhead_async_s
     worker = compute + worker_traffic + 2 * shards * costs.call_s + (2 * nbytes / link if link else 0.0)
+    worker += overhead
     applies = 1 if mode == "sync" else workers
     shard_work = workers * part * costs.push_s_per_byte + applies * part * (
         costs.apply_s_per_byte + costs.publish_s_per_byte
@@ -107,10 +112,9 @@ def predict_step(
     seconds = worker + shard if mode == "sync" else max(worker, shard)
     cpu_bound = 0.0
     if cores:
-        worker_cpu = compute * costs.compute_cores + worker_traffic
+        worker_cpu = compute * costs.compute_cores + worker_traffic + overhead
         cpu_bound = (workers * worker_cpu + shards * shard_work + costs.other_cpu_s) / cores
-    overhead = costs.overhead_sync_s if mode == "sync" else costs.overhead_async_s
-    return Step(max(seconds, cpu_bound) + overhead, worker, shard, cpu_bound)
+    return Step(max(seconds, cpu_bound), worker, shard, cpu_bound)
 
 
 def examples_per_s(costs: Costs, **kwargs) -> float:
