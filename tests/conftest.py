@@ -66,3 +66,21 @@ def blob_data(tmp_path_factory) -> Path:
     }
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
+
+
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each module's setup, call and teardown time, for the summary below."""
+    module = report.nodeid.split("::", 1)[0]
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The slowest modules: where the suite's minutes go (it must stay under 35 on 2 cores)."""
+    if not _module_seconds:
+        return
+    terminalreporter.section("slowest modules")
+    for module, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
