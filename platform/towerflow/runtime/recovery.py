@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from typing import Any
 
 import ray
@@ -53,7 +54,7 @@ class RecoveryActions:
         start the new set on data re-planned from the position reached. The shards keep their state
         and version; no actor restarts but those that leave."""
         self.state = State.RESIZING
-        before = len(self.group.slots)
+        before, started = len(self.group.slots), time.monotonic()
         self._close_data()  # a worker waiting at an epoch barrier for a lost split's consumer goes on
         # Sync survivors wait for a lost worker's gradient: the shards step without it first.
         self._retire([i for i, slot in self.group.slots.items() if slot.lost])
@@ -63,6 +64,7 @@ class RecoveryActions:
         if self.failure_policy.decide(status) is Decision.FAIL:
             raise TrainingError(self.failure_policy.failure_message())
         self._summaries.update(status.finished)
+        drained_s = time.monotonic() - started
         drained = sorted(self._backlog + records + status.records, key=lambda r: (r.step, r.finished_at))
         self._backlog = []
         self._ready_events += self.aggregator.add(drained) + self.aggregator.flush()
@@ -79,6 +81,7 @@ class RecoveryActions:
         version = ray.get(self.shards[0].ping.remote())
         replicas = self.elastic.replicas_to_aggregate(len(members))
         ray.get([shard.resize.remote(len(members), replicas) for shard in self.shards])
+        planned = time.monotonic()
         try:
             feed = self.make_data(len(members), self.aggregator.examples_seen, self._step_shape(len(members)))
         except DataError as exc:  # nothing left to read: the run ends here
@@ -87,6 +90,7 @@ class RecoveryActions:
                 slot.finished = True
             self.state = State.RUNNING
             return
+        planned_s = time.monotonic() - planned
         if feed.steps is not None:
             self.session.data_steps = version + feed.steps
         self.data_splits = dict(zip(members, feed.splits))
@@ -101,7 +105,16 @@ class RecoveryActions:
                 self.data_splits[worker_id],
                 Rejoin([], model_state),
             )
-        log.warning("resized from %d to %d worker(s) at step %d", before, len(members), version)
+        log.warning(
+            "resized from %d to %d worker(s) at step %d (workers stopped in %.1f s, data planned in %.1f s, "
+            "%.1f s in all)",
+            before,
+            len(members),
+            version,
+            drained_s,
+            planned_s,
+            time.monotonic() - started,
+        )
         self.session.log_metrics({"workers": float(len(members))}, version)
         self.state = State.RUNNING
 
