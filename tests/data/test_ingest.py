@@ -82,7 +82,7 @@ def test_async_workers_at_different_speeds_never_stall(ray_cluster, tmp_path):
 
 
 def test_readahead_stays_within_its_budget(ray_cluster, tmp_path):
-    """A slow reader of 128 MiB of shards: Ray Data may not fill the object store far ahead of it."""
+    """A slow reader of 256 MiB of shards: Ray Data may not fill the object store far ahead of it."""
     import tensorflow as tf
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
     from support import example_bytes
@@ -92,7 +92,7 @@ def test_readahead_stays_within_its_budget(ray_cluster, tmp_path):
         return int(get_memory_info_reply(state).store_stats.object_store_bytes_used)
 
     payload = bytes(128 << 10)  # 128 KiB of raw float32 per record
-    for s in range(16):  # 16 shards x 64 records = 128 MiB
+    for s in range(32):  # 32 shards x 64 records = 256 MiB
         with tf.io.TFRecordWriter(str(tmp_path / f"train-{s:05d}-of-00016")) as writer:
             for i in range(64):
                 writer.write(example_bytes({"x": [payload], "label": [0], "example_id": [s * 64 + i]}))
@@ -123,11 +123,12 @@ def test_readahead_stays_within_its_budget(ray_cluster, tmp_path):
     finally:
         stop.set()
         sampler.join()
-    assert sorted(ids) == list(range(16 * 64))
+    assert sorted(ids) == list(range(32 * 64))
     peak_mb = max(samples) / 2**20
-    # The budget plus blocks in flight (a parse task's output, the split's buffer, prefetched batches):
-    # measured 40 MiB here with the 16 MiB budget, 96 MiB with a 4 GiB one.
-    assert peak_mb < 64, f"object store peaked at {peak_mb:.1f} MiB"
+    # The budget plus blocks in flight (a parse task's output, the split's buffer, prefetched batches),
+    # however much data there is: measured 52-68 MiB here with the 16 MiB budget (over 128 and 256
+    # MiB of shards), against 128 and 200 MiB with a 4 GiB budget.
+    assert peak_mb < 112, f"object store peaked at {peak_mb:.1f} MiB"
 
 
 def test_csv_with_groups_and_inferred_columns(ray_cluster, tmp_path, capsys):
