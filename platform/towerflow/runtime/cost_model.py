@@ -102,8 +102,9 @@ def predict_step(
     compute = compute_s(costs, batch_per_worker)
     worker_traffic = 2 * nbytes * costs.worker_s_per_byte
     overhead = costs.overhead_sync_s if mode == "sync" else costs.overhead_async_s
-    worker = compute + worker_traffic + 2 * shards * costs.call_s + (2 * nbytes / link if link else 0.0)
-    worker += overhead
+    worker = (
+        compute + worker_traffic + overhead + 2 * shards * costs.call_s + (2 * nbytes / link if link else 0.0)
+    )
     applies = 1 if mode == "sync" else workers
     shard_work = workers * part * costs.push_s_per_byte + applies * part * (
         costs.apply_s_per_byte + costs.publish_s_per_byte
