@@ -66,3 +66,28 @@ def test_push_hooks_hand_over_each_bucket_in_order_from_inside_the_graph():
         assert hooked_loss == pytest.approx(float(loss))
         for index, gradient in zip(buckets[bucket], gradients, strict=True):
             np.testing.assert_allclose(gradient, grads[index].numpy(), atol=1e-7)
+
+
+def test_a_next_run_with_the_same_buckets_keeps_the_traced_step():
+    """A worker's run after a resize or a rollback sets the same hooks again: no new trace."""
+    model = mlp.build(input_dim=6, num_classes=3, hidden=[8], seed=2)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = np.ones((4, 6), np.float32), np.array([0, 1, 2, 0])
+    calls = []
+
+    def hook(bucket, loss, *gradients):
+        calls.append(bucket)
+        return np.int64(0)
+
+    towers = TowerStep(model, loss_fn, ["/CPU:0"])
+    towers.push_in_buckets([[3, 2], [1, 0]], hook)
+    towers(x, y)
+    towers.push_in_buckets([[3, 2], [1, 0]], hook)
+    towers(x, y)
+    assert towers.traces == 1 and calls == [0, 1, 0, 1]
+    towers.push_in_buckets([[3, 2, 1, 0]], hook)  # new buckets (new shards): traced anew
+    towers(x, y)
+    assert towers.traces == 2 and calls[4:] == [0]
+    towers.model = model  # a new model (a tower's preprocessing in front): traced anew
+    towers(x, y)
+    assert towers.traces == 3 and calls[5:] == [0]

@@ -37,7 +37,7 @@ class TowerStep:
         import tensorflow as tf
 
         self._tf = tf
-        self.model = model
+        self._model = model
         self.devices = list(devices)
         self._loss_fn = loss_fn
         self._metrics = list(metrics)
@@ -45,6 +45,7 @@ class TowerStep:
         self._from_logits = from_logits
         self._buckets: list[list[int]] = []
         self._on_bucket: Callable[..., Any] | None = None
+        self.traces = 0  # how many times a step was traced (each costs seconds)
         # One trace per batch size (the last batch of a run may be partial): the slice sizes are
         # Python ints, which a relaxed (None) batch dimension would not give.
         self._step = tf.function(self._graph)
@@ -52,18 +53,34 @@ class TowerStep:
     def __call__(self, inputs: Any, labels: Any) -> tuple[Any, dict[str, Any], list[Any]]:
         return self._step(inputs, labels)
 
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model = model
+        self._step = self._tf.function(self._graph)  # the traces call the model they were made with
+
     def push_in_buckets(self, buckets: list[list[int]], on_bucket: Callable[..., Any]) -> None:
         """Call `on_bucket(bucket, loss, *gradients)` from inside the graph for each bucket of
         variable indices, in order, as soon as the bucket's averaged gradients exist.
 
         The graph runs its stateful ops in program order, so the hooks fire in bucket order; with
         at least two inter-op threads a hook runs beside the rest of the backward pass.
+
+        The same buckets and hook again (a worker's next run, after a resize or a rollback) keep the
+        traced step: tracing it anew costs every worker seconds before its first step.
         """
-        self._buckets = [list(b) for b in buckets]
+        buckets = [list(b) for b in buckets]
+        if buckets == self._buckets and on_bucket == self._on_bucket:
+            return
+        self._buckets = buckets
         self._on_bucket = on_bucket
         self._step = self._tf.function(self._graph)  # retrace with the hooks
 
     def _graph(self, inputs, labels):
+        self.traces += 1  # Python runs only while tracing
         tf = self._tf
         batch = int(labels.shape[0])
         sizes = [s for s in split_sizes(batch, len(self.devices)) if s > 0]

@@ -287,7 +287,7 @@ class TowerWorker:
         start = time.perf_counter()
         stream = as_stream(data)
         self.adapter.varlen = stream.options.varlen
-        if stream.options.tower_preprocess:
+        if stream.options.tower_preprocess and not isinstance(self.towers.model, TowerModel):
             self.towers.model = TowerModel(self.model, stream.options.tower_preprocess)
         batches = iter(
             stream.batches(
