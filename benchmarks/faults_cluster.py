@@ -285,6 +285,10 @@ def elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     notes += [
         f"{k}: `workers` changed {r:.1f} s after, the next step {p:.1f} s later" for k, (r, p) in seen.items()
     ]
+    # The driver's own account of each resize: how long the workers took to stop, the data to plan.
+    notes += [
+        line.split("resized", 1)[1].strip() for line in driver.text().splitlines() if "resized from" in line
+    ]
     run = poll_store(lambda: latest_run(client, "elastic"))
     ok, outcome = (
         run_outcome(client, run.info.run_id, driver, args.elastic_steps)[::2] if run else (False, [])
