@@ -46,12 +46,16 @@ class TowerStep:
         self._buckets: list[list[int]] = []
         self._on_bucket: Callable[..., Any] | None = None
         self.traces = 0  # how many times a step was traced (each costs seconds)
-        # One trace per batch size (the last batch of a run may be partial): the slice sizes are
-        # Python ints, which a relaxed (None) batch dimension would not give.
-        self._step = tf.function(self._graph)
+        self._step = self._new_step()
 
     def __call__(self, inputs: Any, labels: Any) -> tuple[Any, dict[str, Any], list[Any]]:
         return self._step(inputs, labels)
+
+    def _new_step(self) -> Any:
+        """The step as a new tf.function: traced again on its first call with what the graph reads
+        (model, buckets, hook). One trace per batch size (the last batch of a run may be partial):
+        the slice sizes are Python ints, which a relaxed (None) batch dimension would not give."""
+        return self._tf.function(self._graph)
 
     @property
     def model(self) -> Any:
@@ -60,7 +64,7 @@ class TowerStep:
     @model.setter
     def model(self, model: Any) -> None:
         self._model = model
-        self._step = self._tf.function(self._graph)  # the traces call the model they were made with
+        self._step = self._new_step()  # the traces call the model they were made with
 
     def push_in_buckets(self, buckets: list[list[int]], on_bucket: Callable[..., Any]) -> None:
         """Call `on_bucket(bucket, loss, *gradients)` from inside the graph for each bucket of
@@ -77,7 +81,7 @@ class TowerStep:
             return
         self._buckets = buckets
         self._on_bucket = on_bucket
-        self._step = self._tf.function(self._graph)  # retrace with the hooks
+        self._step = self._new_step()  # retrace with the hooks
 
     def _graph(self, inputs, labels):
         self.traces += 1  # Python runs only while tracing
