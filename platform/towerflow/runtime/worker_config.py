@@ -3,6 +3,7 @@ driver makes it from the job spec."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,10 @@ def worker_config(
     """Worker `worker_id`'s config for `spec` (a JobSpec); `start_step` is the run's first global step."""
     supervision = spec.supervision
     profile = supervision.profile
+    share = spec.cluster.gpus_per_worker
+    # A fractional share (two workers on one GPU) still trains on that GPU; each worker's TensorFlow
+    # must then grow its memory, or the first to start reserves the card and the next cannot.
+    sharing_gpu = 0 < share < 1 and spec.tf_config.memory_limit_mb is None
     return WorkerConfig(
         worker_id=worker_id,
         model_ref=spec.model.ref,
@@ -59,8 +64,8 @@ def worker_config(
         tf=TFProcessConfig(
             cpus=spec.cluster.cpus_per_worker,
             towers=spec.cluster.towers,
-            gpus=int(spec.cluster.gpus_per_worker),
-            memory_growth=spec.tf_config.memory_growth,
+            gpus=math.ceil(share),
+            memory_growth=spec.tf_config.memory_growth or sharing_gpu,
             memory_limit_mb=spec.tf_config.memory_limit_mb,
             soft_placement=spec.tf_config.soft_placement,
             log_device_placement=spec.tf_config.log_device_placement,
