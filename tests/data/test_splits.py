@@ -95,3 +95,33 @@ def test_a_split_that_reaches_the_epoch_barrier_after_a_close_does_not_wait(ray_
     splits = resumable_streaming_split(ray.data.range(40, override_num_blocks=4), 3, equal=False)
     ray.get(splits[0].coordinator.close.remote())  # closed before any split arrives
     assert ray.get([take_all.remote(split) for split in splits[:2]], timeout=60) == [0, 0]
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_a_prestarted_split_reads_before_it_is_asked_and_each_row_comes_once(ray_cluster, tmp_path, equal):
+    """The driver prestarts the reading while its workers start; the workers' first epoch must
+    then run on that execution, not start a second one."""
+    ray = ray_cluster
+    import time
+
+    from towerflow.data.splits import resumable_streaming_split
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def take_all(self, split):
+            return [int(i) for b in split.iter_batches(batch_size=5, batch_format="numpy") for i in b["id"]]
+
+    def mark_read(batch):
+        (tmp_path / f"block-{int(batch['id'][0])}-{time.monotonic_ns()}").touch()
+        return batch
+
+    ds = ray.data.range(60, override_num_blocks=6).map_batches(mark_read, batch_size=None)
+    splits = resumable_streaming_split(ds, 2, equal=equal, prestart=True)
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert any(tmp_path.iterdir()), "nothing was read before the splits asked"
+    rows = [i for ids in ray.get([Consumer.remote().take_all.remote(s) for s in splits]) for i in ids]
+    assert sorted(rows) == list(range(60))
+    blocks_read = sorted(int(p.name.split("-")[1]) for p in tmp_path.iterdir())
+    assert blocks_read == list(range(0, 60, 10))  # each block read once: one execution

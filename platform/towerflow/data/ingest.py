@@ -196,7 +196,8 @@ def build_training_data(
     ds.context.print_on_execution_start = False
     # Lockstep (sync): every worker gets the same number of examples. Async: faster workers take more.
     # A lost worker's replacement takes its split over, with what it had not used (data/splits.py).
-    iterators = resumable_streaming_split(ds, num_workers, equal=shape.lockstep)
+    # Reading starts now, while the workers start: their first batch is then ready, or nearly.
+    iterators = resumable_streaming_split(ds, num_workers, equal=shape.lockstep, prestart=True)
     options = StreamOptions(
         prefetch_batches=data.prefetch_batches,
         varlen=split.varlen,

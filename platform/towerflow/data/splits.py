@@ -51,6 +51,20 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         # its lost consumer's, and what it returns late goes to the next consumer instead
         self._handovers = dict.fromkeys(range(n), 0)
         self._late: dict[int, collections.deque[Any]] = {i: collections.deque() for i in range(n)}
+        self._prestarted = False
+
+    def prestart(self) -> None:
+        """Start reading now, before any split asks: the driver calls this while its workers are
+        still starting (importing TensorFlow, building the model), so the first batch is read
+        meanwhile instead of after. The first epoch then begins on this execution."""
+        with self._lock:
+            if self._closed or self._cur_epoch != -1 or self._current_executor is not None:
+                return
+            dataset = self._base_dataset
+            self._current_executor = dataset._create_executor()
+            self._output_iterator = dataset._build_bundle_iterator(self._current_executor)
+            self._current_executor.set_external_consumer_bytes(0)
+            self._prestarted = True
 
     def close(self) -> None:
         """End every split's stream now: a consumer at the epoch barrier, waiting for a split whose
@@ -76,6 +90,12 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
 
     def _try_start_new_epoch(self, starting_epoch: int):
         if not self._closed:
+            with self._lock:
+                if self._prestarted and self._cur_epoch == starting_epoch:  # keep the running execution
+                    self._prestarted = False
+                    self._reset_state()
+                    self._cur_epoch += 1
+                    return None
             return super()._try_start_new_epoch(starting_epoch)
         with self._lock:  # an empty epoch: counted as started, and every `get` answers None
             if self._cur_epoch == starting_epoch:
@@ -178,8 +198,11 @@ class ResumableSplit(StreamSplitDataIterator):
         return running_epoch(), self._iter_stats, None
 
 
-def resumable_streaming_split(dataset: Any, n: int, *, equal: bool) -> list[ResumableSplit]:
-    """What `dataset.streaming_split(n, equal=equal)` makes, on a coordinator that keeps a ledger."""
+def resumable_streaming_split(
+    dataset: Any, n: int, *, equal: bool, prestart: bool = False
+) -> list[ResumableSplit]:
+    """What `dataset.streaming_split(n, equal=equal)` makes, on a coordinator that keeps a ledger;
+    `prestart` starts reading at once instead of when every split has asked for its first block."""
     from ray.data._internal.logical.interfaces import LogicalPlan
     from ray.data._internal.logical.operators.streaming_split_operator import StreamingSplit
     from ray.data.dataset import Dataset
@@ -191,4 +214,6 @@ def resumable_streaming_split(dataset: Any, n: int, *, equal: bool) -> list[Resu
         max_concurrency=n + 2,  # one thread per split (as Ray's own), one for shutting down, one to close
         label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
     ).remote(split_dataset, n, None)
+    if prestart:
+        coordinator.prestart.remote()
     return [ResumableSplit(coordinator, i, n) for i in range(n)]
