@@ -8,7 +8,7 @@ a target ratio compares repeat in every round, in rotating order. Every run save
 few steps and one evaluator scores them all, for time to a target accuracy and eval loss against
 training time.
 
-    python benchmarks/bench.py              # 3 rounds, writes docs/benchmarks.md and docs/img/bench-*.png
+    python benchmarks/bench.py              # 2 rounds, writes docs/benchmarks.md and docs/img/bench-*.png
     python benchmarks/bench.py --rounds 1 --no-docs     # a quick look
 
 Then the cost model's constants are measured (benchmarks/costmodel.py) and the model is checked
@@ -44,7 +44,7 @@ BEGIN, END = "<!-- make bench: begin -->", "<!-- make bench: end -->"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "bench-mnist")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench", help="run logs and snapshots")
     parser.add_argument("--only", nargs="*", default=None, help="configuration keys or parts of them to run")
