@@ -160,6 +160,9 @@ def measure_workload(workload: str, repeat: int) -> dict:
     params = ray.get(worker.params.remote())
     nbytes = 4 * params
     compute = {b: ray.get(worker.compute.remote(b, repeat)) for b in BATCHES[workload]}
+    # Two processes computing at once, as two workers on one machine do (the middle batch).
+    side_by_side = BATCHES[workload][1]
+    together = ray.get([p.compute.remote(side_by_side, repeat) for p in (worker, shard)])
     out_s = ray.get(worker.gradients_out.remote(repeat))
     version = ray.get(shard.put_version.remote())
     in_s = ray.get(worker.parameters_in.remote(version, repeat))
@@ -172,6 +175,11 @@ def measure_workload(workload: str, repeat: int) -> dict:
     return {
         "params": params,
         "compute": {str(b): {"wall_s": w, "cpu_s": c} for b, (w, c) in compute.items()},
+        "compute_side_by_side": {
+            "batch": side_by_side,
+            "wall_s": statistics.median(wall for wall, _ in together),
+            "alone_wall_s": compute[side_by_side][0],
+        },
         "gradients_out_s": out_s,
         "parameters_in_s": in_s,
         "call_s": call_s,

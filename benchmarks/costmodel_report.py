@@ -28,6 +28,7 @@ def costs_from(found: dict, workload: str):
         compute_s_per_example=float(max(slope, 0.0)),
         compute_fixed_s=float(max(fixed, 0.0)),
         compute_cores=float(cores),
+        compute_contention=contention(m),
         worker_s_per_byte=(m["gradients_out_s"] + m["parameters_in_s"]) / 2 / nbytes,
         push_s_per_byte=m["push_s"] / nbytes,
         apply_s_per_byte=m["apply_s"] / nbytes,
@@ -49,6 +50,12 @@ def costs_from(found: dict, workload: str):
         )
         overheads[f"overhead_{mode}_s"] = max(0.0, tiny["seconds_per_batch"] - parts.seconds)
     return replace(costs, **overheads)
+
+
+def contention(measured: dict) -> float:
+    """How much slower a worker computes beside another than alone (1.0 where not measured)."""
+    side = measured.get("compute_side_by_side")
+    return max(1.0, side["wall_s"] / side["alone_wall_s"]) if side else 1.0
 
 
 def check(found: dict, figures: dict) -> list[dict]:
@@ -146,6 +153,10 @@ def constants_table(found: dict) -> str:
             lambda w: f"{1000 * costs[w].compute_s_per_example:.3f}",
         ),
         ("compute, fixed ms per step", lambda w: f"{1000 * costs[w].compute_fixed_s:.2f}"),
+        (
+            "compute beside a second computing process, x its time alone",
+            lambda w: f"{costs[w].compute_contention:.2f}",
+        ),
         (
             "worker: gradients out / parameters in, ms",
             lambda w: f"{1000 * found[w]['gradients_out_s']:.2f} / {1000 * found[w]['parameters_in_s']:.2f}",

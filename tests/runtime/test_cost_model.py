@@ -52,6 +52,20 @@ def test_shared_cores_bound_a_step_by_the_cpu_all_processes_need():
     assert predict_step(COSTS, workers=4, shards=1, cores=64, **SHAPE).seconds == pytest.approx(alone.seconds)
 
 
+def test_workers_sharing_a_machine_compute_slower_by_the_measured_contention():
+    from dataclasses import replace
+
+    contended = replace(COSTS, compute_contention=1.5)
+    compute = 2e-3 + 32e-3
+    for workers, slower in ((1, 0.0), (4, 0.5 * compute)):  # one worker has nobody beside it
+        base = predict_step(COSTS, workers=workers, shards=1, cores=64, **SHAPE)
+        step = predict_step(contended, workers=workers, shards=1, cores=64, **SHAPE)
+        assert step.worker_s == pytest.approx(base.worker_s + slower)
+    # A machine per worker (no cores given): no neighbour to contend with.
+    alone = predict_step(contended, workers=4, shards=1, **SHAPE)
+    assert alone.worker_s == pytest.approx(predict_step(COSTS, workers=4, shards=1, **SHAPE).worker_s)
+
+
 def test_shards_for_picks_the_fewest_that_keep_the_shards_small_and_grows_with_workers():
     picked = [shards_for(COSTS, workers=w, **SHAPE) for w in (1, 4, 16)]
     assert picked == sorted(picked) and picked[0] < picked[-1]

@@ -12,7 +12,8 @@ publish a new version. With B = 4P bytes, b examples per worker and the measured
     async    = max(worker, shard)                   (each worker loops on its own; a shard saturates)
 
 per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
-it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores. The overhead (measured as a
+it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores; and workers sharing one machine
+compute side by side, each slower than alone by the measured `compute_contention`. The overhead (measured as a
 near-empty model's step) is each worker's: on its step's path, and in the CPU it needs, so that W
 workers on fewer than W cores pay it W times over. The benchmark (benchmarks/costmodel.py)
 measures the constants and checks the model against every measured run; `shards_for` is what
@@ -39,6 +40,9 @@ class Costs:
     publish_s_per_byte: float  # a shard: put the new version into the object store
     call_s: float  # one actor call's round trip
     other_cpu_s: float = 0.0  # CPU per step of Ray, the driver and the data pipeline
+    # How many times slower a worker computes while another computes beside it on the same machine
+    # (shared caches, memory bandwidth, sibling hardware threads): measured with two at once.
+    compute_contention: float = 1.0
     # The platform's own time per worker step beyond the parts above (the driver's bookkeeping,
     # Ray Data's hand-over of a batch, Python around each phase), taken as CPU: a near-empty
     # model's step.
@@ -100,6 +104,8 @@ def predict_step(
     part = nbytes / shards  # bytes of one shard's part
     link = costs.link_bytes_per_s
     compute = compute_s(costs, batch_per_worker)
+    if cores and workers > 1:  # workers that share a machine's cores compute side by side
+        compute *= costs.compute_contention
     worker_traffic = 2 * nbytes * costs.worker_s_per_byte
     overhead = costs.overhead_sync_s if mode == "sync" else costs.overhead_async_s
     worker = (
