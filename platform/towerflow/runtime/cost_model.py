@@ -13,9 +13,9 @@ publish a new version. With B = 4P bytes, b examples per worker and the measured
 
 per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
 it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores; and workers sharing one machine
-compute side by side, each slower than alone by the measured `compute_contention`. The overhead (measured as a
-near-empty model's step) is each worker's: on its step's path, and in the CPU it needs, so that W
-workers on fewer than W cores pay it W times over. The benchmark (benchmarks/costmodel.py)
+compute side by side, each slower than alone by the measured `compute_contention`. The overhead
+(measured as a near-empty model's step) is each worker's: on its step's path, and in the CPU it
+needs, so that W workers on fewer than W cores pay it W times over. The benchmark (benchmarks/costmodel.py)
 measures the constants and checks the model against every measured run; `shards_for` is what
 `cluster.ps: auto` asks.
 """
