@@ -51,20 +51,21 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         # its lost consumer's, and what it returns late goes to the next consumer instead
         self._handovers = dict.fromkeys(range(n), 0)
         self._late: dict[int, collections.deque[Any]] = {i: collections.deque() for i in range(n)}
-        self._prestarted = False
 
     def prestart(self) -> None:
         """Start reading now, before any split asks: the driver calls this while its workers are
         still starting (importing TensorFlow, building the model), so the first batch is read
         meanwhile instead of after. The first epoch then begins on this execution."""
         with self._lock:
-            if self._closed or self._cur_epoch != -1 or self._current_executor is not None:
+            if self._closed or self._prestarted:
                 return
-            dataset = self._base_dataset
-            self._current_executor = dataset._create_executor()
-            self._output_iterator = dataset._build_bundle_iterator(self._current_executor)
-            self._current_executor.set_external_consumer_bytes(0)
-            self._prestarted = True
+            super()._try_start_new_epoch(-1)  # Ray's own start of an execution
+            self._cur_epoch = -1  # no split has arrived yet: the first barrier still counts them
+
+    @property
+    def _prestarted(self) -> bool:
+        """Reading has begun and the first epoch has not: only a prestart does that."""
+        return self._cur_epoch == -1 and self._current_executor is not None
 
     def close(self) -> None:
         """End every split's stream now: a consumer at the epoch barrier, waiting for a split whose
@@ -92,7 +93,6 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         if not self._closed:
             with self._lock:
                 if self._prestarted and self._cur_epoch == starting_epoch:  # keep the running execution
-                    self._prestarted = False
                     self._reset_state()
                     self._cur_epoch += 1
                     return None
