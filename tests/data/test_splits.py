@@ -125,3 +125,51 @@ def test_a_prestarted_split_reads_before_it_is_asked_and_each_row_comes_once(ray
     assert sorted(rows) == list(range(60))
     blocks_read = sorted(int(p.name.split("-")[1]) for p in tmp_path.iterdir())
     assert blocks_read == list(range(0, 60, 10))  # each block read once: one execution
+
+
+def test_a_prestart_that_comes_after_a_split_started_its_epoch_leaves_the_epoch_alone(ray_cluster):
+    """The prestart is sent without waiting: a warm worker of a resize may start the epoch first."""
+    ray = ray_cluster
+    import time
+
+    from towerflow.data.splits import resumable_streaming_split
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def first(self, split):
+            self.it = iter(split.iter_batches(batch_size=5, batch_format="numpy", prefetch_batches=1))
+            return [int(i) for i in next(self.it)["id"]]
+
+        def rest(self):
+            return [int(i) for b in self.it for i in b["id"]]
+
+    def slowly(batch):
+        time.sleep(0.5)  # still reading when the prestart arrives
+        return batch
+
+    ds = ray.data.range(60, override_num_blocks=6).map_batches(slowly, batch_size=None)
+    (split,) = resumable_streaming_split(ds, 1, equal=False)
+    consumer = Consumer.remote()
+    first = ray.get(consumer.first.remote(split), timeout=60)
+    ray.get(split.coordinator.prestart.remote(), timeout=60)
+    rest = ray.get(consumer.rest.remote(), timeout=60)
+    assert sorted(first + rest) == list(range(60))
+
+
+def test_a_prestart_while_a_split_waits_at_the_first_barrier_keeps_its_arrival(ray_cluster):
+    ray = ray_cluster
+    import time
+
+    from towerflow.data.splits import resumable_streaming_split
+
+    @ray.remote(num_cpus=0)
+    def take_all(split):
+        return [int(i) for b in split.iter_batches(batch_size=5, batch_format="numpy") for i in b["id"]]
+
+    splits = resumable_streaming_split(ray.data.range(60, override_num_blocks=6), 2, equal=False)
+    early = take_all.remote(splits[0])
+    time.sleep(1.0)  # split 0 waits at the barrier for split 1
+    ray.get(splits[0].coordinator.prestart.remote(), timeout=60)
+    late = take_all.remote(splits[1])
+    rows = [i for ids in ray.get([early, late], timeout=60) for i in ids]
+    assert sorted(rows) == list(range(60))

@@ -16,12 +16,15 @@ tests/data/test_splits.py fails if its shape changes.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.data._internal.iterator.stream_split_iterator import SplitCoordinator, StreamSplitDataIterator
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,27 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
     def prestart(self) -> None:
         """Start reading now, before any split asks: the driver calls this while its workers are
         still starting (importing TensorFlow, building the model), so the first batch is read
-        meanwhile instead of after. The first epoch then begins on this execution."""
+        meanwhile instead of after. The first epoch then begins on this execution.
+
+        Only the execution starts here; the epoch state stays as it is. Ray's own epoch start
+        (`_try_start_new_epoch`) also moves the epoch and resets the barrier's count, which a split
+        already waiting at the barrier reads without the lock: it would be let through alone. And
+        the call is sent without waiting, so a split may have started the first epoch already (a
+        warm worker of a resize asks at once): then there is nothing to do.
+        """
         with self._lock:
-            if self._closed or self._prestarted:
+            if self._closed or self._cur_epoch != -1 or self._current_executor is not None:
                 return
-            super()._try_start_new_epoch(-1)  # Ray's own start of an execution
-            self._cur_epoch = -1  # no split has arrived yet: the first barrier still counts them
+            dataset = self._base_dataset
+            try:
+                self._current_executor = dataset._create_executor()
+                self._output_iterator = dataset._build_bundle_iterator(self._current_executor)
+                self._current_executor.set_external_consumer_bytes(0)
+            except Exception:  # the first barrier starts it the usual way, and reports the error
+                logger.warning("could not start reading ahead of the workers", exc_info=True)
+                if self._current_executor is not None:
+                    self._current_executor.shutdown(force=True)
+                self._current_executor = self._output_iterator = None
 
     @property
     def _prestarted(self) -> bool:
