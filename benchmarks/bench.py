@@ -13,7 +13,8 @@ training time.
 
 Then the cost model's constants are measured (benchmarks/costmodel.py) and the model is checked
 against every towerflow run and projected to 256 workers. The last lines: vs_raytrain=,
-vs_psstrategy=, async_vs_sync_mlp=, async_vs_sync=, sync_vs_keras=, model_error_max=.
+vs_psstrategy=, async_vs_sync_mlp=, async_fetch2_vs_sync_mlp=, async_vs_sync=, sync_vs_keras=,
+model_error_max=.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import costmodel  # noqa: E402
 import costmodel_report  # noqa: E402
 from common import ensure_mnist, machine, make_log  # noqa: E402
 from cpu_budget import wait_for_quiet  # noqa: E402
@@ -60,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_all(args: argparse.Namespace) -> list[Run]:
+def run_all(args: argparse.Namespace) -> tuple[list[Run], list[dict]]:
+    """Every round's runs, and after each round the cost model's overhead term: a 7,850-parameter
+    model's towerflow step, sync and async, timed in the rounds it is to predict (it moves with the
+    machine's hour as much as the runs do)."""
     plan = default_plan()
     if args.only:
         plan = [c for c in plan if any(part in c.key for part in args.only)]
@@ -68,6 +74,7 @@ def run_all(args: argparse.Namespace) -> list[Run]:
     total = sum(len(r) for r in rounds)
     evaluators: dict[str, Evaluator] = {}
     runs: list[Run] = []
+    overheads: list[dict] = []
     for number, configs in enumerate(rounds, start=1):
         for config in configs:
             load = wait_for_quiet(args.quiet_wait, log, window_s=1.0)
@@ -87,21 +94,40 @@ def run_all(args: argparse.Namespace) -> list[Run]:
             else:
                 log(f"  FAILED: {run.error} (log: {args.out / (run.folder.name + '.log')})")
             runs.append(run)
-    return runs
+        wait_for_quiet(args.quiet_wait, log, window_s=1.0)
+        log(f"round {number}: the cost model's overhead term (a 7,850-parameter model, sync and async) ...")
+        try:
+            overheads.append({mode: costmodel.measure_overhead(mode) for mode in ("sync", "async")})
+        except RuntimeError as failed:
+            log(f"  FAILED: {str(failed)[:300]}")
+    return runs, overheads
 
 
-def measure_costs(args: argparse.Namespace) -> dict | None:
-    """The cost model's constants, in a fresh process (benchmarks/costmodel.py measure)."""
+def measure_costs(args: argparse.Namespace, overheads: list[dict]) -> dict | None:
+    """The cost model's constants, in a fresh process (benchmarks/costmodel.py measure), with the
+    overhead term as the median of the rounds' (measured here when no round gave one)."""
     wait_for_quiet(args.quiet_wait, log)
     log("cost model: measuring a step's parts ...")
     out = args.out / "costs.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "costmodel.py"), "measure", f"--out={out}"]
+    command += ["--no-overhead"] if overheads else []
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     (args.out / "costs.log").write_text(done.stderr[-200_000:])
     if done.returncode != 0:
         log(f"  FAILED (exit {done.returncode}; log: {args.out / 'costs.log'})")
         return None
-    return json.loads(out.read_text())
+    found = json.loads(out.read_text())
+    if overheads:
+        found["overhead"] = {
+            mode: {
+                **overheads[0][mode],
+                "seconds_per_batch": statistics.median(o[mode]["seconds_per_batch"] for o in overheads),
+                "per_round": [o[mode]["seconds_per_batch"] for o in overheads],
+            }
+            for mode in ("sync", "async")
+        }
+        out.write_text(json.dumps(found, indent=1))
+    return found
 
 
 def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple[list[str], float]:
@@ -211,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         ensure_mnist(args.data, log)
         shutil.rmtree(args.out, ignore_errors=True)
         args.out.mkdir(parents=True)
-        runs = run_all(args)
-        found = measure_costs(args)
+        runs, overheads = run_all(args)
+        found = measure_costs(args, overheads)
         elapsed = time.time() - started
         saved = {"started": started, "elapsed_s": elapsed, "runs": [r.to_dict() for r in runs]}
         (args.out / "runs.json").write_text(json.dumps(saved))
@@ -227,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "vs_raytrain",
         "vs_psstrategy",
         "async_vs_sync_mlp",
+        "async_fetch2_vs_sync_mlp",
         "async_vs_sync",
         "sync_vs_keras",
         "model_error_max",

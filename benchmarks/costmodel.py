@@ -243,7 +243,8 @@ def measure(args: argparse.Namespace) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"the cross-node measurement failed:\n{done.stderr[-3000:]}")
     found["across_nodes"] = json.loads(done.stdout.strip().splitlines()[-1])
-    found["overhead"] = {mode: measure_overhead(mode) for mode in ("sync", "async")}
+    if not args.no_overhead:
+        found["overhead"] = {mode: measure_overhead(mode) for mode in ("sync", "async")}
     return found
 
 
@@ -278,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("measure")
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--repeat", type=int, default=12)
+    m.add_argument(
+        "--no-overhead",
+        action="store_true",
+        help="leave out the tiny model's runs (bench.py times them in its rounds)",
+    )
     across = sub.add_parser("across", help="(internal) the cross-node fetch, in a process of its own")
     across.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args(argv)

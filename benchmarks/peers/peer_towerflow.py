@@ -73,6 +73,8 @@ def main() -> None:
         "supervision.eval=null",
         "supervision.checkpoint.enabled=false",
     ]
+    if args.mode == "async":
+        overrides.append(f"training.fetch_every={args.fetch_every}")
     if args.mode == "sync":
         overrides += [f"training.replicas_to_aggregate={workers}", f"training.total_num_replicas={workers}"]
     base = ROOT / "pipelines" / f"mnist_{args.mode}.yaml"
@@ -83,11 +85,14 @@ def main() -> None:
     os.chdir(ROOT)  # model refs (models., benchmarks.) import from the repository root
     ray.init(num_cpus=workers + 2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
-        train(job, hooks=[recorder], track=False, output_dir=args.out / "run")
+        result = train(job, hooks=[recorder], track=False, output_dir=args.out / "run")
     finally:
         ray.shutdown()
     split = {p: statistics.median(s[p] for s in recorder.splits) for p in recorder.splits[0]}
     notes = [f"{args.ps} PS shard(s); async max_staleness {job.training.max_staleness}"]
+    lead = result.shards[0]
+    if "publications" in lead:  # async updates applied back to back share a publication
+        notes.append(f"shard 0 published {lead['publications']} versions of {lead['applied']}")
     report(f"towerflow_{args.mode}", args, times, snaps, split=split, notes=notes).emit()
 
 

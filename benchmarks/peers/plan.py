@@ -32,6 +32,9 @@ SYSTEMS = {
     "keras": System("Keras model.fit, 1 process", "keras"),
     "towerflow_sync": System("towerflow sync", "towerflow", "sync"),
     "towerflow_async": System("towerflow async", "towerflow", "async"),
+    "towerflow_async_fetch2": System(
+        "towerflow async, fetch every 2 steps", "towerflow", "async", extra=("--fetch-every=2",)
+    ),
     "raytrain": System("Ray Train TensorflowTrainer (tf_keras)", "raytrain"),
     "psstrategy": System("TF ParameterServerStrategy (tf_keras)", "psstrategy", "async"),
     "naive_ps": System("naive Ray PS (driver-relayed)", "naive_ps"),
@@ -80,7 +83,10 @@ def default_plan() -> list[Config]:
     ]
     # Ray Train's run is the longest (50 s of start-up), and its ratio the clearest: two rounds.
     compared.append(Config("raytrain", "lenet", 2, every_round=True, rounds=2))
-    compared += [Config(s, "mlp", 2, every_round=True) for s in ("towerflow_sync", "towerflow_async")]
+    compared += [
+        Config(s, "mlp", 2, every_round=True)
+        for s in ("towerflow_sync", "towerflow_async", "towerflow_async_fetch2")
+    ]
     once = [Config("naive_ps", "lenet", 2)]
     once += [Config(f"towerflow_{m}", "lenet", w) for w in (1, 4) for m in ("sync", "async")]
     once += [Config("keras", "mlp", 1), Config("raytrain", "mlp", 2), Config("psstrategy", "mlp", 2)]

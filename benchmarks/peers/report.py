@@ -107,6 +107,13 @@ TARGETS = [
         1.0,
     ),
     Target(
+        "async_fetch2_vs_sync_mlp",
+        "towerflow async fetching every 2nd step / sync, 2 workers, MLP",
+        "mlp/towerflow_async_fetch2/2w",
+        "mlp/towerflow_sync/2w",
+        1.0,
+    ),
+    Target(
         "sync_vs_keras",
         "towerflow sync, 2 workers / Keras, LeNet",
         "lenet/towerflow_sync/2w",

@@ -152,6 +152,9 @@ def runner_args(argv: list[str] | None = None, *, modes: Sequence[str] = ("sync"
     parser.add_argument(
         "--ps", type=int, default=1, help="parameter-server shards, where the system has them"
     )
+    parser.add_argument(
+        "--fetch-every", type=int, default=1, help="towerflow async: steps between parameter fetches"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.spec = WORKLOADS[args.workload]

@@ -178,6 +178,31 @@ def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
     assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected
 
 
+def test_async_fetch_every_computes_on_held_parameters_and_publishes_only_what_is_fetched(
+    ray_cluster, blob_data
+):
+    """Downpour's n_fetch: one worker taking new parameters every 3rd step computes its gradients
+    against versions 0, 1 and 2 updates old in turn; a shard publishes the fetched versions only."""
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 16, "epochs": 3},
+            cluster={"workers": 1, "ps": 2},
+            training={"mode": "async", "max_steps": 30, "fetch_every": 3},
+        )
+    )
+    from towerflow.launch import train
+
+    hook = Recorder()
+    result = train(spec, hooks=[hook], track=False)
+    assert result.global_step == 30
+    assert [e.global_step for e in hook.events] == list(range(1, 31))
+    assert result.staleness["max"] == 2 and result.dropped_stale == 0
+    for shard in result.shards:  # the first pull, then every 3rd step's replies
+        assert shard["applied"] == 30 and shard["publications"] == 1 + 30 // 3
+    assert np.isfinite(result.final_loss) and result.final_loss < hook.events[0].loss
+
+
 def test_towers_inside_workers(ray_cluster, blob_data):
     spec = validate_spec(
         blob_spec(blob_data, cluster={"workers": 1, "ps": 1, "towers": 2}, training={"max_steps": 5})

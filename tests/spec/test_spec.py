@@ -118,6 +118,14 @@ def test_max_staleness_is_for_async_only():
     assert validate_spec(raw).training.max_staleness == 2
 
 
+def test_fetch_every_is_for_async_only():
+    raw = _raw()
+    raw["training"]["fetch_every"] = 2
+    assert "training.fetch_every: 2 applies to mode: async only" in _error(raw)
+    raw["training"]["mode"] = "async"
+    assert validate_spec(raw).training.fetch_every == 2
+
+
 def test_never_ending_job_is_refused():
     raw = _raw()
     raw["training"]["max_steps"] = None

@@ -1,7 +1,8 @@
 """Parameter-server shard: a Ray actor that owns some variables, their optimizer slots and a version.
 
-Workers talk to shards directly. A shard publishes each version of its variables once into Ray's
-object store; every worker that pulls that version shares the one copy. Pushed gradients go to the
+Workers talk to shards directly. A shard publishes a version of its variables once into Ray's
+object store, when the first reply needs it; every worker that pulls that version shares the one
+copy, and async updates applied back to back share one publication. Pushed gradients go to the
 update protocol (sync or async), which says whether to hold, apply or drop them.
 
 A shard's pieces may come in several gradient buckets, pushed one by one while the workers' backward
@@ -189,12 +190,13 @@ class ParameterShard:
         self._last_apply_s = 0.0
         self._version_apply_s = 0.0  # apply time of the buckets of the version being built
         self._params_ref = None
+        self._published_version: int | None = None  # the version `_params_ref` holds
+        self._publications = 0
         self._snapshot_at: set[int] = set()
         self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
         self._snapshots: dict[int, ShardSnapshot] = {}
         self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
         self._step_replicas: dict[int, int] = {}
-        self._publish()
         return True
 
     # -- the protocol's verbs ------------------------------------------------------------------
@@ -209,9 +211,12 @@ class ParameterShard:
         worker: int,
         bucket: int = 0,
         examples: int = 0,
+        with_params: bool = True,
     ) -> PushReply:
         """Gradients for this shard's pieces of `bucket`, computed against `version_read` on a batch
-        of `examples` examples (counted per worker: the rows a lost worker used).
+        of `examples` examples (counted per worker: the rows a lost worker used). The reply carries
+        the parameters to compute the next step with, unless the worker goes on with its own
+        (`with_params` False: async fetch_every), and then publishes nothing.
 
         None is a skipped gradient (its loss was not finite, nan_guard: skip): sync counts the
         worker in its step all the same, with nothing added, so the others do not wait for it.
@@ -250,12 +255,14 @@ class ParameterShard:
             verdict, self._counts["skipped"] = Verdict.SKIPPED, self._counts["skipped"] + counted
         next_version = protocol.next_version_to_read(version_read)
         await self._wait_for(lambda: self._version >= next_version or self._done)
+        # First: a publication here counts in the apply time.
+        params = self._params_reply() if with_params else ParamsReply(self._version, None, self._done)
         return PushReply(
             verdict,
             step,
             decision.staleness,
             self._last_apply_s,
-            self._params_reply(),
+            params,
             replicas=self._step_replicas.get(step, 0),
         )
 
@@ -335,6 +342,7 @@ class ParameterShard:
             "bucket_versions": dict(self._bucket_versions),
             **self._counts,
             "apply_s_total": self._apply_total_s,
+            "publications": self._publications,  # versions put in the object store
             "variable_bytes": int(var_bytes),
             "slot_bytes": int(slot_bytes),
             "variables": list(self._names),
@@ -383,7 +391,8 @@ class ParameterShard:
         return version + 1
 
     def _complete_version(self, replicas: int) -> None:
-        """Every bucket has been applied: the next version exists. Publish it (and snapshot it)."""
+        """Every bucket has been applied: the next version exists (snapshot it if asked; the first
+        reply that needs it publishes it)."""
         start = time.perf_counter()
         self._version += 1
         self._step_replicas[self._version] = replicas
@@ -392,7 +401,6 @@ class ParameterShard:
         self._counts["gradients"] += replicas
         if self._max_steps is not None and self._version >= self._max_steps:
             self._done = True
-        self._publish()
         every = self._snapshot_every
         if self._version in self._snapshot_at or (every and self._version % every == 0):
             self._snapshot_at.discard(self._version)
@@ -404,10 +412,16 @@ class ParameterShard:
         self._apply_total_s += self._last_apply_s
 
     def _publish(self) -> None:
-        # One object per version; the previous one lives on only while some worker still reads it.
-        # Views of the variables' buffers, not `.numpy()` copies: `ray.put` copies them once into the
-        # object store, and they are dropped before the next update writes the variables.
+        # One object per version published; the previous one lives on only while some worker still
+        # reads it. Views of the variables' buffers, not `.numpy()` copies: `ray.put` copies them once
+        # into the object store, and they are dropped before the next update writes the variables.
+        start = time.perf_counter()
         self._params_ref = ray.put([np.asarray(v.value()) for v in self._variables])
+        self._published_version = self._version
+        self._publications += 1
+        spent = time.perf_counter() - start
+        self._last_apply_s += spent  # reported with the update it publishes
+        self._apply_total_s += spent
 
     def _capture(self) -> ShardSnapshot:
         return ShardSnapshot(
@@ -419,6 +433,10 @@ class ParameterShard:
         )
 
     def _params_reply(self) -> ParamsReply:
+        """The current version, published by the first reply that needs it: versions that no
+        reply carries (async updates applied back to back) are never put in the object store."""
+        if self._published_version != self._version:
+            self._publish()
         return ParamsReply(self._version, self._params_ref, self._done)
 
     async def _wait_for(self, predicate) -> None:

@@ -42,10 +42,12 @@ class PushPlan:
         versions: list[int],
         worker: int,
         examples: int,
+        with_params: bool = True,
     ) -> list[tuple[int, Any]]:
         """Push `bucket` (of a gradient of `examples` examples) to every shard holding some of it;
         returns (shard, reply ref) pairs. None pushes a skipped gradient (nan_guard: skip) in the
-        bucket's place.
+        bucket's place. `with_params`: the replies carry the shards' new parameters (False: their
+        versions only; the worker goes on with the parameters it has).
 
         Ray copies the arguments into its object store before `remote` returns, so the gradient
         buffers (which TensorFlow reuses once the hook returns) may change right after.
@@ -61,7 +63,7 @@ class PushPlan:
                     gradients[variable] if whole else gradients[variable][start:stop]
                     for variable, start, stop, whole in mine
                 ]
-            sent.append((s, shard.push.remote(rows, versions[s], worker, bucket, examples)))
+            sent.append((s, shard.push.remote(rows, versions[s], worker, bucket, examples, with_params)))
         return sent
 
 
@@ -71,6 +73,7 @@ class StepPushes:
 
     versions: list[int]  # per shard, the version the gradients were computed against
     examples: int = 0  # in the batch the gradients are of
+    fetch: bool = True  # the replies are to carry new parameters (async fetch_every: not every step)
     sent: list[tuple[int, int, Any]] = field(default_factory=list)  # (shard, bucket, reply ref)
     nonfinite: bool = False  # the loss was NaN or infinite: nothing was pushed
     error: BaseException | None = None  # raised by a hook; re-raised by the worker after the step

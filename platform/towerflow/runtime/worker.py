@@ -244,7 +244,9 @@ class TowerWorker:
                 step.nonfinite = True
                 if cfg.skip_nonfinite:  # the shards count this worker in the step, with no gradient
                     for bucket_id in range(len(self._bucket_variables)):
-                        sent = self._plan.send(bucket_id, None, step.versions, cfg.worker_id, step.examples)
+                        sent = self._plan.send(
+                            bucket_id, None, step.versions, cfg.worker_id, step.examples, step.fetch
+                        )
                         for shard, ref in sent:
                             step.sent.append((shard, bucket_id, ref))
                 return np.int64(0)
@@ -252,7 +254,7 @@ class TowerWorker:
                 time.sleep(self._faults.delay(cfg.worker_id))
             by_variable = dict(zip(self._bucket_variables[bucket], gradients, strict=True))
             for shard, ref in self._plan.send(
-                bucket, by_variable, step.versions, cfg.worker_id, step.examples
+                bucket, by_variable, step.versions, cfg.worker_id, step.examples, step.fetch
             ):
                 step.sent.append((shard, bucket, ref))
         except BaseException as exc:  # noqa: BLE001 - handed to the worker's own thread
@@ -314,6 +316,7 @@ class TowerWorker:
         versions = [r.version for r in replies]
         param_refs = [r.params for r in replies]
         done = any(r.done for r in replies)
+        fetched = True  # param_refs hold parameters not yet loaded into the model
         steps = examples = 0
         try:
             while not done and not self._stop.is_set():
@@ -327,9 +330,13 @@ class TowerWorker:
                 inputs, labels = self.adapter(batch)
                 rows = int(labels.shape[0])
                 t1 = time.perf_counter()
-                self._assign(ray.get(param_refs), placement, staging)
+                if fetched:
+                    self._assign(ray.get(param_refs), placement, staging)
                 t2 = time.perf_counter()
-                self._step = step = StepPushes(versions, rows)
+                # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the
+                # steps in between compute on these (the shards count their staleness).
+                fetched = (steps + 1) % cfg.fetch_every == 0
+                self._step = step = StepPushes(versions, rows, fetch=fetched)
                 try:
                     loss, metrics, _ = self.towers(inputs, labels)  # pushes each bucket as it is ready
                 except self._misfit_errors as exc:
@@ -357,8 +364,9 @@ class TowerWorker:
                 }
                 replies = [last[shard] for shard in range(len(shards))]
                 steps += 1
-                versions = [r.next.version for r in replies]
-                param_refs = [r.next.params for r in replies]
+                if fetched:
+                    versions = [r.next.version for r in replies]
+                    param_refs = [r.next.params for r in replies]
                 done = any(r.next.done for r in replies)
                 if step.nonfinite:  # skipped: counted in its step, no gradient
                     self._records.append(_nonfinite_record(cfg.worker_id, step.versions[0], loss, rows))

@@ -32,6 +32,7 @@ class WorkerConfig:
     profile_steps: tuple[int, int] | None = None  # profile global steps [a, b) with TF's profiler
     skip_nonfinite: bool = False  # nan_guard: skip: drop a non-finite gradient and go on training
     faults: FaultInjector | None = None  # slowness or NaN losses a test injects (runtime/faults.py)
+    fetch_every: int = 1  # async: take new parameters every this many steps (Downpour's n_fetch)
 
 
 def worker_config(
@@ -79,6 +80,7 @@ def worker_config(
         nan_guard=supervision.nan_guard != "off",
         skip_nonfinite=supervision.nan_guard == "skip",
         faults=faults,
+        fetch_every=spec.training.fetch_every,
         profile_steps=(
             (profile.start_step, profile.stop_step)
             if profile is not None and worker_id in profile.workers

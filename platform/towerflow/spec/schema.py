@@ -300,6 +300,14 @@ class TrainingSpec(_Strict):
     replicas_to_aggregate: int | None = Field(None, ge=1)
     total_num_replicas: int | None = Field(None, ge=1)
     max_staleness: int | None = Field(None, ge=0)
+    fetch_every: int = Field(
+        1,
+        ge=1,
+        description="Async only (Downpour's n_fetch): a worker takes new parameters every this many of "
+        "its steps and computes on the ones it has in between; a shard publishes only the versions "
+        "taken. Less traffic and shard work per step, staler gradients (by up to about fetch_every x "
+        "workers updates).",
+    )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     seed: int = 0
     failure: FailureSpec = Field(default_factory=FailureSpec)
@@ -436,6 +444,11 @@ class JobSpec(_Strict):
             if t.max_staleness is not None:
                 raise ValueError(
                     "training.max_staleness applies to mode: async only (sync drops every stale gradient)"
+                )
+            if t.fetch_every != 1:
+                raise ValueError(
+                    f"training.fetch_every: {t.fetch_every} applies to mode: async only (a sync step "
+                    "needs the parameters of the step before it)"
                 )
         towers = self.cluster.towers_per_worker
         if self.data.batch_size < towers:
