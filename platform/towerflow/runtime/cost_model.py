@@ -77,11 +77,14 @@ class Step:
     worker_s: float  # one worker's own part (compute and its traffic)
     shard_s: float  # one shard's part
     cpu_bound_s: float  # what the cores allow (0 when the machine has a core per process)
+    path_s: float = 0.0  # the step's own path: worker then shard (sync), the slower loop (async)
 
     @property
     def bottleneck(self) -> str:
-        parts = {"workers": self.worker_s, "shards": self.shard_s, "cpu": self.cpu_bound_s}
-        return max(parts, key=parts.get)
+        """What sets the step: the cores when they allow less than the path, else the larger part."""
+        if self.cpu_bound_s > self.path_s:
+            return "cpu"
+        return "workers" if self.worker_s >= self.shard_s else "shards"
 
 
 def compute_s(costs: Costs, batch: int) -> float:
@@ -121,7 +124,7 @@ def predict_step(
     if cores:
         worker_cpu = compute * costs.compute_cores + worker_traffic + overhead
         cpu_bound = (workers * worker_cpu + shards * shard_work + costs.other_cpu_s) / cores
-    return Step(max(seconds, cpu_bound), worker, shard, cpu_bound)
+    return Step(max(seconds, cpu_bound), worker, shard, cpu_bound, seconds)
 
 
 def examples_per_s(costs: Costs, **kwargs) -> float:
