@@ -66,7 +66,10 @@ def _falls(losses: list[float]) -> bool:
 def test_sync_worker_killed_is_replaced_and_the_epoch_loses_no_example(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, mode="sync", max_steps=None)
     hook = FaultAt(step=6)
-    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path)
+    # 0.1 s a step: the epoch (32 steps) outlasts the kill. Unslowed, in a fast hour, both workers had
+    # used up their data by the time the chief heard of step 6: the kill came after the end.
+    slow = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert hook.killed_at, "the worker was never killed"
     assert [f.action for f in hook.faults] == ["replaced"]
     assert "worker 1 lost" in hook.faults[0].what
@@ -107,8 +110,11 @@ def test_a_hung_worker_is_killed_and_replaced(ray_cluster, blob_data, tmp_path):
 def test_more_losses_than_allowed_fail_the_run_naming_each(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, mode="async", max_steps=400, epochs=None, failure={"max_worker_failures": 1})
     hook = FaultAt(step=10, times=2)
+    # 0.03 s a step: the run outlasts both losses (unslowed, in a fast hour, worker 0 alone could
+    # reach max_steps before the replacement started and was lost in turn).
+    slow = FaultInjector(step_delay_s={0: 0.03, 1: 0.03})
     with pytest.raises(TrainingError, match="too many training actors lost") as raised:
-        train(spec, hooks=[hook], track=False, output_dir=tmp_path)
+        train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert str(raised.value).count("worker 1 lost") == 2
     assert [f.action for f in hook.faults] == ["replaced", "failed the run"]
 
