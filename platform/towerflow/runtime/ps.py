@@ -2,7 +2,7 @@
 
 Workers talk to shards directly. A shard publishes a version of its variables once into Ray's
 object store, when the first reply needs it; every worker that pulls that version shares the one
-copy, and async updates applied back to back share one publication. Pushed gradients go to the
+copy, and a version no reply carries (async with fetch_every) is never put there. Pushed gradients go to the
 update protocol (sync or async), which says whether to hold, apply or drop them.
 
 A shard's pieces may come in several gradient buckets, pushed one by one while the workers' backward
@@ -434,7 +434,7 @@ class ParameterShard:
 
     def _params_reply(self) -> ParamsReply:
         """The current version, published by the first reply that needs it: versions that no
-        reply carries (async updates applied back to back) are never put in the object store."""
+        reply carries (async workers that fetch every n-th step) are never put in the object store."""
         if self._published_version != self._version:
             self._publish()
         return ParamsReply(self._version, self._params_ref, self._done)
