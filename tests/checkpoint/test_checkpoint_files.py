@@ -30,7 +30,7 @@ from towerflow.checkpoint.files import (
 )
 from towerflow.checkpoint.retention import checkpoints_to_delete
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore, latest_step
-from towerflow.runtime.ps import ShardSnapshot
+from towerflow.runtime.shard_parts import ShardSnapshot
 from towerflow.runtime.sharding import GreedyBytes, cut_variables, shard_variables
 from towerflow.shared_types import VariableInfo
 

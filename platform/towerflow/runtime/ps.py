@@ -25,6 +25,7 @@ import ray
 
 from towerflow.runtime.accumulator import GradientAccumulator
 from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
+from towerflow.runtime.shard_parts import PartReport, PartSource, ShardSnapshot, write_shard_part
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
 
@@ -36,17 +37,6 @@ class ParamsReply:
 
 
 @dataclass
-class ShardSnapshot:
-    """A shard's whole state at one version: values and optimizer slots of its pieces."""
-
-    shard_id: int
-    version: int
-    names: list[str]
-    values: list[np.ndarray]
-    slots: dict[str, list[np.ndarray]]  # slot name -> one array per piece
-
-
-@dataclass
 class PushReply:
     verdict: Verdict  # APPLIED, STALE, REJECTED, SKIPPED or DONE
     step: int  # the global step this gradient went into; -1 when it was not applied
@@ -54,28 +44,6 @@ class PushReply:
     apply_s: float  # time of the apply this gradient went into
     next: ParamsReply  # the parameters to compute the next step with
     replicas: int = 0  # gradients the step aggregated (fewer than asked once workers retire)
-
-
-@dataclass
-class PartSource:
-    """A shard's pieces to read itself: one part of a stored checkpoint (checkpoint/stores.py)."""
-
-    checkpoint: Any  # StoredCheckpoint: its meta and a reader, picklable
-    part: str
-    with_slots: bool  # False when the optimizer changed: its slots start afresh
-    own_copy_ok: bool = False  # a rollback: a shard that wrote this part may use its own copy of it
-
-
-@dataclass
-class PartReport:
-    """What a shard tells the chief of the checkpoint part it was asked for."""
-
-    version: int  # the version it holds; not the checkpoint's step: nothing was written
-    written: bool = False
-    finite: bool = True  # False: the state holds NaN/inf, nothing was written
-    slot_names: list[str] | None = None  # the order of the slots in the part
-    relayed: Any = None  # ObjectRef of {relative path: bytes} where this node could not write the part
-    relay_reason: str = ""
 
 
 _SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
@@ -324,7 +292,7 @@ class ParameterShard:
         if not all_finite(kept.values + [a for name in slot_names for a in kept.slots[name]]):
             return PartReport(kept.version, finite=False)
         loop = asyncio.get_running_loop()
-        report = await loop.run_in_executor(None, _write_part, kept, slot_names, writer, part)
+        report = await loop.run_in_executor(None, write_shard_part, kept, slot_names, writer, part)
         self._written[kept.version] = kept
         return report
 
@@ -463,28 +431,6 @@ def _nbytes(variable) -> int:
         int(np.prod(variable.shape))
         * np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype)).itemsize
     )
-
-
-def _write_part(kept: ShardSnapshot, slot_names: list[str], writer: Any, part: str) -> PartReport:
-    import tempfile
-    from pathlib import Path
-
-    from towerflow.checkpoint.files import write_part
-
-    report = PartReport(kept.version, written=True, slot_names=slot_names)
-    with tempfile.TemporaryDirectory(prefix="towerflow-part-") as scratch:
-        write_part(scratch, kept.values, [kept.slots[name] for name in slot_names])
-        if writer.reachable():
-            try:
-                writer.write_part(part, scratch)
-                return report
-            except Exception as exc:  # no credentials or no route from this node: the chief writes it
-                report.relay_reason = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-        else:
-            report.relay_reason = "the checkpoint store is on another machine's disk"
-        files = {str(p.relative_to(scratch)): p.read_bytes() for p in Path(scratch).rglob("*") if p.is_file()}
-    report.relayed = ray.put(files)
-    return report
 
 
 def _compiled_apply(tf, optimizer, variables, slots):

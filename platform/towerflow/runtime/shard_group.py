@@ -14,8 +14,9 @@ from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.failure import ActorLoss, LossKind
 from towerflow.runtime.protocol import make_protocol
-from towerflow.runtime.ps import PartSource, shard_actor
+from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
+from towerflow.runtime.shard_parts import PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
 from towerflow.runtime.worker_group import ACTOR_GONE
 
