@@ -123,17 +123,23 @@ def test_more_losses_than_allowed_fail_the_run_naming_each(ray_cluster, blob_dat
 def test_nan_guard_skip_drops_nonfinite_gradients_and_trains_on(ray_cluster, blob_data, tmp_path, mode):
     raw = blob_spec(
         blob_data,
-        data={"batch_size": BATCH, "epochs": None},
+        # Skipped batches use data too (async worker 0 spins through them): 20 epochs, not enough
+        # for max_steps alone (data.epochs unset) but enough for the skipped ones as well.
+        data={"batch_size": BATCH, "epochs": 20},
         cluster={"workers": 2, "ps": 1},
-        training={"mode": mode, "max_steps": 30},
+        training={"mode": mode, "max_steps": 60},
         supervision={"nan_guard": "skip"},
     )
     hook = FaultAt(step=10**9)  # records only
-    # Worker 0's loss is NaN at the steps in [5, 12) it computes (async: those of the versions it reads).
-    faults = FaultInjector(nonfinite_loss={0: (5, 12)})
+    # Worker 0's loss is NaN at the steps in [5, 30) it computes (async: those of the versions it
+    # reads). Async worker 0 can start 8+ versions late and read whichever version is newest: the
+    # window is wide and worker 1 slowed (0.05 s a step) so that worker 0 cannot skip all of it.
+    faults = FaultInjector(nonfinite_loss={0: (5, 30)}, step_delay_s={1: 0.05})
     result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=faults)
-    assert result.global_step == 30
+    assert result.global_step == 60
     assert hook.metrics["nonfinite_skipped"] >= 1
+    # ... and worker 0 trains on once its window has passed.
+    assert any(0 in e.workers and not e.nonfinite for e in hook.events if e.global_step > 31)
     assert all(math.isfinite(e.loss) for e in hook.events if not e.nonfinite)
     assert all(np.isfinite(p).all() for p in result.parameters)
     assert result.shards[0]["skipped"] >= 1
