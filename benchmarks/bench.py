@@ -119,15 +119,24 @@ def measure_costs(args: argparse.Namespace, overheads: list[dict]) -> dict | Non
     found = json.loads(out.read_text())
     if overheads:
         found["overhead"] = {
-            mode: {
-                **overheads[0][mode],
-                "seconds_per_batch": statistics.median(o[mode]["seconds_per_batch"] for o in overheads),
-                "per_round": [o[mode]["seconds_per_batch"] for o in overheads],
-            }
-            for mode in ("sync", "async")
+            mode: _median_overhead([o[mode] for o in overheads]) for mode in ("sync", "async")
         }
         out.write_text(json.dumps(found, indent=1))
     return found
+
+
+def _median_overhead(rounds: list[dict]) -> dict:
+    """One mode's overhead runs of every round: the medians, and the step of each round."""
+    roles = rounds[0]["cpu_per_batch"]
+    return {
+        **rounds[0],
+        "seconds_per_batch": statistics.median(r["seconds_per_batch"] for r in rounds),
+        "cpu_per_batch": {
+            role: statistics.median(r["cpu_per_batch"][role] for r in rounds) for role in roles
+        },
+        "other_cores": statistics.median(r["other_cores"] for r in rounds),
+        "per_round": [r["seconds_per_batch"] for r in rounds],
+    }
 
 
 def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple[list[str], float]:

@@ -13,7 +13,8 @@ import numpy as np
 
 def costs_from(found: dict, workload: str):
     """Costs (towerflow/runtime/cost_model.py) from one workload's measurements, with the platform's
-    overhead: the tiny model's measured step less what the parts predict for it."""
+    own: the tiny model's measured step less what the parts predict for it (on the path), and the
+    CPU its processes used (in the CPU bound)."""
     from dataclasses import replace
 
     from towerflow.runtime.cost_model import Costs, predict_step
@@ -37,6 +38,16 @@ def costs_from(found: dict, workload: str):
     )
     if "overhead" not in found:
         return costs
+    # The platform's own CPU, from the near-empty model's runs (both modes: their mean): a worker's
+    # per step, a shard's per push (each global batch is W pushes), the rest as cores kept busy.
+    runs = list(found["overhead"].values())
+    if all("cpu_per_batch" in r for r in runs):  # (measured since 2026-11-25)
+        costs = replace(
+            costs,
+            worker_step_cpu_s=statistics.mean(r["cpu_per_batch"]["workers"] / r["workers"] for r in runs),
+            push_cpu_s=statistics.mean(r["cpu_per_batch"]["shards"] / r["workers"] for r in runs),
+            other_cores=statistics.mean(r["other_cores"] for r in runs),
+        )
     overheads = {}
     for mode, tiny in found["overhead"].items():
         no_compute = replace(costs, compute_s_per_example=0.0, compute_fixed_s=0.0)
@@ -147,6 +158,10 @@ def constants_table(found: dict) -> str:
         "|---|---:|---:|",
     ]
     costs = {w: costs_from(found, w) for w in ("lenet", "mlp")}
+
+    def own(name: str) -> str:  # the same for both workloads: measured on the near-empty model
+        return f"{1000 * getattr(costs['lenet'], name):.2f}"
+
     rows = [
         ("parameters", lambda w: f"{found[w]['params']:,}"),
         (
@@ -175,6 +190,18 @@ def constants_table(found: dict) -> str:
             )
             for mode in ("sync", "async")
         ]
+        if "cpu_per_batch" in found["overhead"]["sync"]:  # the CPU its processes used
+            rows += [
+                (
+                    "towerflow's own CPU per worker step (the same model's), ms",
+                    lambda w: own("worker_step_cpu_s"),
+                ),
+                ("a shard's own CPU per push (the same model's), ms", lambda w: own("push_cpu_s")),
+                (
+                    "cores kept busy by Ray's own processes, the driver and the data pipeline",
+                    lambda w: f"{costs[w].other_cores:.2f}" if w == "lenet" else "",
+                ),
+            ]
         if "per_round" in found["overhead"]["sync"]:  # timed after each round of the runs
             rounds = zip(*(found["overhead"][mode]["per_round"] for mode in ("sync", "async")))
             timed = ", ".join(f"{1000 * s:.1f} / {1000 * a:.1f}" for s, a in rounds)

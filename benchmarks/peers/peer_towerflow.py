@@ -13,7 +13,9 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import statistics  # noqa: E402
+import time  # noqa: E402
 
+from cpu_roles import cpu_by_process, used_between  # noqa: E402
 from workloads import ROOT, Snapshots, StepTimes, TrainClock, report, runner_args  # noqa: E402
 
 from towerflow.runtime.hooks import Hook  # noqa: E402
@@ -25,6 +27,7 @@ class Recorder(Hook):
     def __init__(self, times: StepTimes, snaps: Snapshots, updates_per_batch: int) -> None:
         self.times, self.snaps, self.updates_per_batch = times, snaps, updates_per_batch
         self.splits: list[dict[str, float]] = []
+        self.cpu: list[tuple[float, dict]] = []  # (wall, CPU by process) at the window's ends
 
     def begin(self, session) -> None:
         if self.snaps.every:
@@ -35,6 +38,9 @@ class Recorder(Hook):
         self.times.record(batches, event.loss, at=event.elapsed_s)
         if self.times.warmup < batches <= self.times.warmup + self.times.steps:
             self.splits.append(dict(event.time_split))
+        ends = (self.times.warmup, self.times.warmup + self.times.steps)
+        if len(self.cpu) < 2 and batches >= ends[len(self.cpu)]:
+            self.cpu.append((time.perf_counter(), cpu_by_process()))
         every = self.snaps.every * self.updates_per_batch
         if every and event.global_step % every == 0:
             state = context.session.runtime.capture_state(event.global_step)
@@ -93,7 +99,13 @@ def main() -> None:
     lead = result.shards[0]
     if "publications" in lead:  # async updates applied back to back share a publication
         notes.append(f"shard 0 published {lead['publications']} versions of {lead['applied']}")
-    report(f"towerflow_{args.mode}", args, times, snaps, split=split, notes=notes).emit()
+    extra = {}
+    if len(recorder.cpu) == 2:  # CPU seconds per global batch by process role, and Ray's share
+        (began, before), (ended, after) = recorder.cpu
+        used = used_between(before, after)
+        extra["cpu_per_batch"] = {role: seconds / args.steps for role, seconds in used.items()}
+        extra["other_cores"] = used["other"] / (ended - began)
+    report(f"towerflow_{args.mode}", args, times, snaps, split=split, notes=notes, **extra).emit()
 
 
 if __name__ == "__main__":

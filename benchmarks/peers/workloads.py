@@ -226,6 +226,10 @@ class RunReport:
     snapshots: list[tuple[float, int, str]] = field(default_factory=list)
     split: dict[str, float] = field(default_factory=dict)  # seconds per step, by phase, where known
     notes: list[str] = field(default_factory=list)
+    # CPU seconds per global batch by process role (workers, shards, other: the driver, Ray's own
+    # processes, the data pipeline), and the cores "other" kept busy, where the runner measures it
+    cpu_per_batch: dict[str, float] = field(default_factory=dict)
+    other_cores: float | None = None
     # train_s at the end of the first global batch: the origin time to accuracy is counted from,
     # the same for every system (some clocks start before the first step, some at it).
     first_batch_s: float = 0.0

@@ -23,7 +23,7 @@ COSTS = Costs(
 SHAPE = {"params": 1_000_000, "batch_per_worker": 32}
 
 
-def test_a_sync_step_is_a_workers_part_then_a_shards_and_async_overlaps_them():
+def test_a_sync_step_is_a_workers_part_then_a_shards_and_async_overlaps_the_others_pushes():
     sync = predict_step(COSTS, workers=4, shards=1, mode="sync", **SHAPE)
     async_ = predict_step(COSTS, workers=4, shards=1, mode="async", **SHAPE)
     worker = 2e-3 + 32e-3 + 2 * 4e6 * 1e-9 + 2 * 1e-4
@@ -31,7 +31,11 @@ def test_a_sync_step_is_a_workers_part_then_a_shards_and_async_overlaps_them():
     assert sync.shard_s == pytest.approx(4 * 4e6 * 2e-9 + 4e6 * 2e-9)  # 4 pushes in, one apply + publish
     assert sync.seconds == pytest.approx(sync.worker_s + sync.shard_s)
     assert async_.shard_s == pytest.approx(4 * 4e6 * 2e-9 + 4 * 4e6 * 2e-9)  # an apply per push
-    assert async_.seconds == pytest.approx(max(async_.worker_s, async_.shard_s))
+    # Each async worker waits for its own push's apply; the other three workers' pushes overlap.
+    assert async_.seconds == pytest.approx(max(async_.worker_s + async_.shard_s / 4, async_.shard_s))
+    one = predict_step(COSTS, workers=1, shards=1, mode="async", **SHAPE)
+    alone = predict_step(COSTS, workers=1, shards=1, mode="sync", **SHAPE)
+    assert one.seconds == pytest.approx(alone.seconds)  # one worker: nobody to overlap with
     assert sync.cpu_bound_s == 0.0  # a machine per process
 
 
@@ -134,16 +138,41 @@ def test_gpu_workers_compute_faster_so_auto_gives_them_more_shards(tmp_path):
     assert gpu >= cpu
 
 
-def test_the_platforms_own_overhead_is_each_workers_on_its_path_and_in_the_cpu():
+def test_the_platforms_own_time_is_on_each_workers_path_and_its_own_cpu_in_the_cpu_bound():
     from dataclasses import replace
 
     with_overhead = replace(COSTS, overhead_sync_s=0.01, overhead_async_s=0.02)
+    with_cpu = replace(COSTS, worker_step_cpu_s=0.01)
     for mode, extra in (("sync", 0.01), ("async", 0.02)):
         plain = predict_step(COSTS, workers=2, shards=1, mode=mode, **SHAPE)
         more = predict_step(with_overhead, workers=2, shards=1, mode=mode, **SHAPE)
         assert more.seconds == pytest.approx(plain.seconds + extra)  # a machine each: on the path
-        # Four workers on two cores, bound by the CPU: each worker's overhead is paid, two a core.
+        # Four workers on two cores, bound by the CPU: each worker's own CPU is paid, two a core.
         plain = predict_step(COSTS, workers=4, shards=1, mode=mode, cores=2, **SHAPE)
-        more = predict_step(with_overhead, workers=4, shards=1, mode=mode, cores=2, **SHAPE)
+        more = predict_step(with_cpu, workers=4, shards=1, mode=mode, cores=2, **SHAPE)
         assert plain.bottleneck == more.bottleneck == "cpu"
-        assert more.seconds == pytest.approx(plain.seconds + 2 * extra)
+        assert more.seconds == pytest.approx(plain.seconds + 2 * 0.01)
+
+
+def test_a_shards_cpu_per_push_counts_once_per_worker():
+    from dataclasses import replace
+
+    for mode in ("sync", "async"):
+        plain = predict_step(COSTS, workers=4, shards=1, mode=mode, **SHAPE)
+        more = predict_step(replace(COSTS, push_cpu_s=1e-3), workers=4, shards=1, mode=mode, **SHAPE)
+        assert more.shard_s == pytest.approx(plain.shard_s + 4e-3)
+
+
+def test_rays_own_processes_take_cores_from_the_step():
+    from dataclasses import replace
+
+    plain = predict_step(COSTS, workers=4, shards=1, mode="async", cores=2, **SHAPE)
+    busy = predict_step(replace(COSTS, other_cores=1.0), workers=4, shards=1, mode="async", cores=2, **SHAPE)
+    assert busy.cpu_bound_s == pytest.approx(2 * plain.cpu_bound_s)  # half the cores left
+
+
+def test_a_sync_step_on_shared_cores_is_the_workers_cpu_then_the_shards_part():
+    # The workers wait for the version while the shard applies: its part does not overlap theirs.
+    step = predict_step(COSTS, workers=4, shards=1, mode="sync", cores=2, **SHAPE)
+    worker_cpu = 2e-3 + 32e-3 + 2 * 4e6 * 1e-9
+    assert step.cpu_bound_s == pytest.approx(4 * worker_cpu / 2 + step.shard_s)

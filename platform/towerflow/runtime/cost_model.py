@@ -6,17 +6,21 @@ publish a new version. With B = 4P bytes, b examples per worker and the measured
 
     worker   = compute(b) + 2 B (worker_s_per_byte) + 2 S call_s + 2 B / link   (link only across nodes)
                + overhead                           (the platform's own per step: Python, Ray, the driver)
-    shard    = W (B/S) push_s_per_byte + k (B/S) (apply_s_per_byte + publish_s_per_byte)
+    shard    = W ((B/S) push_s_per_byte + push_cpu_s) + k (B/S) (apply_s_per_byte + publish_s_per_byte)
                + W (B/S) / link for its node's link, each way            (k = 1 sync, W async)
     sync     = worker + shard                       (the barrier: every push lands, then one apply)
-    async    = max(worker, shard)                   (each worker loops on its own; a shard saturates)
+    async    = max(worker + shard / W, shard)       (each worker loops on its own, waiting for its own
+                                                     push's apply and version; a shard saturates)
 
 per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
-it too: step >= (W cpu(b) + the shards' and Ray's CPU) / cores; and workers sharing one machine
-compute side by side, each slower than alone by the measured `compute_contention`. The overhead
-(measured as a near-empty model's step) is each worker's: on its step's path, and in the CPU it
-needs, so that W workers on fewer than W cores pay it W times over. The benchmark (benchmarks/costmodel.py)
-measures the constants and checks the model against every measured run; `shards_for` is what
+it too. Ray's own processes, the driver and the data pipeline keep `other_cores` busy, so the
+processes of the step share what is left, `usable = cores - other_cores`; a worker needs
+cpu(b) + its traffic + `worker_step_cpu_s` a step. Sync, the workers' part cannot be shorter than
+W worker-CPUs over the usable cores (the shards' part follows it: the workers wait for the version
+then); async, the whole step cannot be shorter than all processes' CPU over them. Workers sharing
+one machine compute side by side, each slower than alone by the measured `compute_contention`.
+The benchmark (benchmarks/costmodel.py) measures the constants, the per-process ones in a run of a
+near-empty model, and checks the model against every measured run; `shards_for` is what
 `cluster.ps: auto` asks.
 """
 
@@ -39,13 +43,15 @@ class Costs:
     apply_s_per_byte: float  # a shard: the optimizer's update (Adam)
     publish_s_per_byte: float  # a shard: put the new version into the object store
     call_s: float  # one actor call's round trip
-    other_cpu_s: float = 0.0  # CPU per step of Ray, the driver and the data pipeline
+    push_cpu_s: float = 0.0  # a shard's CPU per push beyond its bytes (Ray's call, the protocol, the reply)
+    worker_step_cpu_s: float = 0.0  # a worker's CPU per step beyond compute and traffic
+    other_cores: float = 0.0  # cores Ray's own processes, the driver and the data pipeline keep busy
     # How many times slower a worker computes while another computes beside it on the same machine
     # (shared caches, memory bandwidth, sibling hardware threads): measured with two at once.
     compute_contention: float = 1.0
-    # The platform's own time per worker step beyond the parts above (the driver's bookkeeping,
-    # Ray Data's hand-over of a batch, Python around each phase), taken as CPU: a near-empty
-    # model's step.
+    # The platform's own time on a worker's path per step beyond the parts above (the driver's
+    # bookkeeping, Ray Data's hand-over of a batch, Python around each phase): what a near-empty
+    # model's step takes beyond what its parts predict.
     overhead_sync_s: float = 0.0
     overhead_async_s: float = 0.0
     link_bytes_per_s: float | None = None  # between nodes; None: all on one node
@@ -115,15 +121,19 @@ def predict_step(
         compute + worker_traffic + overhead + 2 * shards * costs.call_s + (2 * nbytes / link if link else 0.0)
     )
     applies = 1 if mode == "sync" else workers
-    shard_work = workers * part * costs.push_s_per_byte + applies * part * (
+    shard_work = workers * (part * costs.push_s_per_byte + costs.push_cpu_s) + applies * part * (
         costs.apply_s_per_byte + costs.publish_s_per_byte
     )
     shard = max(shard_work, workers * part / link) if link else shard_work  # its link: W parts each way
-    seconds = worker + shard if mode == "sync" else max(worker, shard)
+    # Async, a worker's loop waits for its own push's apply and version; W such loops share a shard.
+    seconds = worker + shard if mode == "sync" else max(worker + shard / workers, shard)
     cpu_bound = 0.0
     if cores:
-        worker_cpu = compute * costs.compute_cores + worker_traffic + overhead
-        cpu_bound = (workers * worker_cpu + shards * shard_work + costs.other_cpu_s) / cores
+        usable = max(cores - costs.other_cores, 0.1 * cores)
+        workers_cpu = workers * (compute * costs.compute_cores + worker_traffic + costs.worker_step_cpu_s)
+        cpu_bound = (workers_cpu + shards * shard_work) / usable
+        if mode == "sync":  # the workers' part, then the shards' (the workers wait for the version)
+            cpu_bound = max(cpu_bound, workers_cpu / usable + shard)
     return Step(max(seconds, cpu_bound), worker, shard, cpu_bound, seconds)
 
 
