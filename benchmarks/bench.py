@@ -202,6 +202,10 @@ def render(
             "",
             report.split_table(figures, workload),
             "",
+            f"CPU per global batch by process (ms, medians; {workload}):",
+            "",
+            report.cpu_table(figures, workload),
+            "",
             report.accuracy_table(figures, workload),
         ]
     found_by_probes = report.findings(runs)

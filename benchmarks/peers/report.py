@@ -41,6 +41,13 @@ class Figures:
         phases = splits[0].keys() if splits and splits[0] else ()
         return {p: 1000 * statistics.median(s[p] for s in splits if p in s) for p in phases}
 
+    def cpu_ms(self) -> dict[str, float]:
+        """CPU ms per global batch by process role (towerflow's runs), medians over the rounds."""
+        found = [r.report.get("cpu_per_batch") or {} for r in self.ok]
+        found = [f for f in found if f]
+        roles = found[0].keys() if found else ()
+        return {role: 1000 * statistics.median(f[role] for f in found) for role in roles}
+
     def time_to_accuracy(self, target: float, *, from_launch: bool = False) -> tuple[float | None, float]:
         """(median seconds of training to `target` eval accuracy over the runs that reached it, or
         None; the best accuracy any run reached), counted from the end of the first global batch
@@ -173,6 +180,29 @@ def split_table(figures: dict[str, Figures], workload: str) -> str:
     phases = list(rows[0][1])
     lines = ["| system | " + " | ".join(phases) + " |", "|---|" + "---:|" * len(phases)]
     lines += [f"| {label} | " + " | ".join(f"{split[p]:.1f}" for p in phases) + " |" for label, split in rows]
+    return "\n".join(lines)
+
+
+def cpu_table(figures: dict[str, Figures], workload: str) -> str:
+    """Where the CPU of a global batch goes, by process, against its wall time on the machine's cores."""
+    import os
+
+    cores = os.cpu_count() or 1
+    rows = [(f, f.cpu_ms()) for f in figures.values() if f.config.workload == workload]
+    rows = [(f, cpu) for f, cpu in rows if cpu and f.rate]
+    if not rows:
+        return "(no system reported its CPU by process)"
+    lines = [
+        f"| system | workers | shards | other (driver, Ray, data) | all, ms | of the {cores} cores' time |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for f, cpu in rows:
+        wall_ms = 1000 * WORKLOADS[workload].global_batch / f.rate
+        total = sum(cpu.values())
+        lines.append(
+            f"| {f.config.label} | {cpu['workers']:.1f} | {cpu['shards']:.1f} | {cpu['other']:.1f} | "
+            f"{total:.1f} | {total / (cores * wall_ms):.0%} |"
+        )
     return "\n".join(lines)
 
 

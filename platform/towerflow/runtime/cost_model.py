@@ -152,13 +152,11 @@ def shards_for(
     most: int = 64,
     share: float = 0.1,
 ) -> int:
-    """The fewest shards for which the shards' part of a step is at most `share` of a worker's own
-    part (sync), or below a worker's loop (async): more shards would buy little."""
-    for shards in range(1, most + 1):
-        step = predict_step(
-            costs, workers=workers, shards=shards, params=params, batch_per_worker=batch_per_worker, mode=mode
-        )
-        limit = step.worker_s * (share if mode == "sync" else 1.0)
-        if step.shard_s <= limit:
-            return shards
-    return most
+    """The fewest shards whose step is within `share` of the best any count up to `most` gives:
+    more would buy little. (Not "as many as it takes to make the shards' part small": each shard
+    takes W pushes a step whatever S is, and a shard's CPU per push does not shrink with its part,
+    so past some count more shards only add calls.)"""
+    shape = {"workers": workers, "params": params, "batch_per_worker": batch_per_worker, "mode": mode}
+    steps = [predict_step(costs, shards=shards, **shape).seconds for shards in range(1, most + 1)]
+    best = min(steps)
+    return next(shards for shards, seconds in enumerate(steps, start=1) if seconds <= best * (1 + share))
