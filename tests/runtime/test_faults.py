@@ -87,12 +87,12 @@ def test_sync_worker_killed_is_replaced_and_the_epoch_loses_no_example(ray_clust
 
 
 def test_async_worker_killed_is_replaced_and_the_run_ends_at_max_steps(ray_cluster, blob_data, tmp_path):
-    spec = _spec(blob_data, mode="async", max_steps=240, epochs=None)
+    spec = _spec(blob_data, mode="async", max_steps=400, epochs=None)
     hook = FaultAt(step=20)
     # 0.1 s a step: worker 0 alone does not reach max_steps before the replacement has started.
     slow = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
     result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
-    assert result.global_step == 240
+    assert result.global_step == 400
     assert [f.action for f in hook.faults] == ["replaced"]
     assert any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 5)
     assert _falls([e.loss for e in hook.events])
@@ -101,7 +101,9 @@ def test_async_worker_killed_is_replaced_and_the_run_ends_at_max_steps(ray_clust
 def test_a_hung_worker_is_killed_and_replaced(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, mode="sync", max_steps=60, epochs=None, failure={"worker_timeout_s": 4})
     hook = FaultAt(step=10, sig=signal.SIGSTOP)  # alive, but never answers again
-    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path)
+    # 0.05 s a step: the 50 steps after the stop outlast the chief's lag (and two checkpoints).
+    slow = FaultInjector(step_delay_s={0: 0.05, 1: 0.05})
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert result.global_step == 60
     assert len(hook.faults) == 1 and "hung" in hook.faults[0].what
     assert "worker_timeout_s" in hook.faults[0].what
@@ -110,9 +112,10 @@ def test_a_hung_worker_is_killed_and_replaced(ray_cluster, blob_data, tmp_path):
 def test_more_losses_than_allowed_fail_the_run_naming_each(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, mode="async", max_steps=400, epochs=None, failure={"max_worker_failures": 1})
     hook = FaultAt(step=10, times=2)
-    # 0.03 s a step: the run outlasts both losses (unslowed, in a fast hour, worker 0 alone could
-    # reach max_steps before the replacement started and was lost in turn).
-    slow = FaultInjector(step_delay_s={0: 0.03, 1: 0.03})
+    # 0.08 s a step: the run outlasts both losses (unslowed, in a fast hour, worker 0 alone could
+    # reach max_steps before the replacement started and was lost in turn; in a slow hour the
+    # replacement's start, which the second kill waits for, takes 10-20 s).
+    slow = FaultInjector(step_delay_s={0: 0.08, 1: 0.08})
     with pytest.raises(TrainingError, match="too many training actors lost") as raised:
         train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert str(raised.value).count("worker 1 lost") == 2
@@ -170,7 +173,9 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
         supervision={"checkpoint": {"every_steps": 10}},
     )
     hook = KillShardAt(step=25, worker=1)  # shard 1
-    slow = FaultInjector(step_delay_s={0: 0.02, 1: 0.02})
+    # 0.04 s a step: the 55 steps after the kill's step (async: two workers' versions) outlast the
+    # chief's lag and the checkpoint at 20.
+    slow = FaultInjector(step_delay_s={0: 0.04, 1: 0.04})
     result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert hook.killed_at
     assert result.global_step == 80

@@ -284,7 +284,7 @@ def _finish(driver: subprocess.Popen, timeout: float = 300) -> str:
 def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
     # Steps enough to outlast the kill in a fast hour (MLflow shows step 20 up to 2 s late).
-    spec, uri = _spec_file(tmp_path, blob_data, "node-loss", max_steps=400)
+    spec, uri = _spec_file(tmp_path, blob_data, "node-loss", max_steps=600)
     driver = _train(cluster, spec)
     run_id = _wait_for_step(uri, "node-loss", 20, driver)
     head = cluster.head.node_id
@@ -306,7 +306,7 @@ def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_clus
     assert "worker" in out and "replaced" in out
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["global_step"] == 400
+    assert run.data.metrics["global_step"] == 600
     faults = {k: v for k, v in run.data.tags.items() if k.startswith("towerflow.fault.")}
     assert run.data.metrics["workers_lost"] == 1, (
         faults,
@@ -318,8 +318,8 @@ def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_clus
 def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
     # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
-    # 100 steps were done by then (the run had ended FINISHED before the kill).
-    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=400)
+    # 100 steps were done by then (the run had ended FINISHED before the kill): 600.
+    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=600)
     driver = _train(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
     run_id = _wait_for_step(uri, "driver-loss", 30, driver)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
@@ -332,7 +332,7 @@ def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_dat
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["global_step"] == 400
+    assert run.data.metrics["global_step"] == 600
     assert int(run.data.tags["towerflow.resumed_from_step"]) >= 20
 
 

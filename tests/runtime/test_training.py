@@ -145,16 +145,17 @@ def test_async_applies_every_push_and_measures_staleness(ray_cluster, blob_data)
             blob_data,
             data={"batch_size": 16, "epochs": 3},
             cluster={"workers": 2, "ps": 2},
-            training={"mode": "async", "max_steps": 30},
+            training={"mode": "async", "max_steps": 60},
         )
     )
     from towerflow.launch import train
 
     hook = Recorder()
-    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})  # the run outlasts several slow steps
+    # The run outlasts several slow steps, also where the slow worker starts a second late.
+    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})
     result = train(spec, hooks=[hook], track=False, faults=delays)
-    assert result.global_step == 30
-    assert [e.global_step for e in hook.events] == list(range(1, 31))
+    assert result.global_step == 60
+    assert [e.global_step for e in hook.events] == list(range(1, 61))
     assert all(len(e.workers) == 1 for e in hook.events)
     assert result.staleness["max"] >= 2  # the slow worker's gradients were several versions old
     assert result.dropped_stale == 0
@@ -166,14 +167,14 @@ def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
             blob_data,
             data={"batch_size": 16, "epochs": 3},
             cluster={"workers": 2, "ps": 1},
-            training={"mode": "async", "max_steps": 30, "max_staleness": 1},
+            training={"mode": "async", "max_steps": 60, "max_staleness": 1},
         )
     )
     from towerflow.launch import train
 
     delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})
     result = train(spec, track=False, faults=delays)
-    assert result.global_step == 30
+    assert result.global_step == 60
     assert result.staleness["max"] <= 1  # nothing older than the bound was applied
     assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected
 

@@ -71,6 +71,7 @@ def test_a_worker_that_does_not_stop_when_asked_is_killed_and_reported_hung(ray_
     group.start([0, 1])
     group.run(0)
     group.run(1)
+    ray.get([slot.actor.drain.remote() for slot in group.slots.values()])  # both started (slow hours)
     group.poll(0.5)
     status = group.stop_and_drain(timeout_s=3)
     assert 0 in status.finished  # it stopped after its step

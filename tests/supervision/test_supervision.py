@@ -311,8 +311,9 @@ def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_pa
         training={"mode": "async", "max_steps": 24},
         supervision={"worker_start_delay_steps": 4, "hooks": ["sample_hooks:RecordingHook"]},
     )
-    # Worker 0 is slowed so that worker 1, once it may start, gets some steps in.
-    train(spec, track=False, output_dir=tmp_path, faults=FaultInjector(step_delay_s={0: 0.05}))
+    # Worker 0 is slowed so that worker 1, once it may start (and has traced its first step), gets
+    # some steps in: 20 steps at 0.1 s.
+    train(spec, track=False, output_dir=tmp_path, faults=FaultInjector(step_delay_s={0: 0.1}))
     events = RecordingHook.instances[-1].events
     first_by_worker_1 = min(e.global_step for e in events if 1 in e.workers)
     assert first_by_worker_1 > 4
