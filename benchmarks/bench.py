@@ -149,7 +149,8 @@ def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple
         "",
         "### Cost model (platform/towerflow/runtime/cost_model.py)",
         "",
-        "Constants, each part of a step timed alone (benchmarks/costmodel.py):",
+        "Constants: each part of a step timed alone (benchmarks/costmodel.py), and the platform's own "
+        "time and CPU by process from a near-empty model's runs timed after each round:",
         "",
         costmodel_report.constants_table(found),
         "",

@@ -140,8 +140,8 @@ class ClusterSpec(_Strict):
     ps: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         1,
         description=(
-            "Parameter-server shards; auto: the fewest the cost model says keep the shards off a "
-            "step's critical path (towerflow/runtime/cost_model.py), resolved when the job starts."
+            "Parameter-server shards; auto: the fewest whose step the cost model puts within a tenth "
+            "of the best any count gives (towerflow/runtime/cost_model.py), resolved when the job starts."
         ),
     )
     gpus_per_worker: float = Field(0, ge=0)
