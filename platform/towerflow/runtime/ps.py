@@ -131,9 +131,7 @@ class ParameterShard:
         }
         self._last_bucket = max(self._buckets)  # a worker's last push of a step: counted once
         self._protocols = {b: copy.deepcopy(protocol) for b in self._buckets}
-        self._accumulators = {
-            b: GradientAccumulator(tf, [self._variables[i] for i in at]) for b, at in self._buckets.items()
-        }
+        self._accumulators = {b: GradientAccumulator() for b in self._buckets}
         self._bucket_versions = dict.fromkeys(self._buckets, initial_version)
         self._apply_fns = {
             b: _compiled_apply(
