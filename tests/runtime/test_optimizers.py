@@ -10,16 +10,24 @@ from towerflow.spec import OptimizerSpec
 GRADIENTS = [np.array([0.5, -1.0, 0.0], np.float32), np.array([-0.25, 2.0, 0.1], np.float32)] * 2
 
 
-def _run_shard_rule(config: dict, gradients=GRADIENTS, start=(1.0, 2.0, -1.0)) -> np.ndarray:
+def _run_shard_rule(
+    config: dict, gradients=GRADIENTS, start=(1.0, 2.0, -1.0), *, eager: bool = False
+) -> np.ndarray:
+    """Apply `gradients` one update each: in a tf.function, or eagerly as a shard does (the
+    update's scalars made once, numpy gradients as they arrive)."""
     optimizer = build_optimizer(OptimizerSpec(**config).model_dump(mode="json"))
     value = np.array(start, np.float32)
     var = tf.Variable(value)
     slots = {s: tf.Variable(optimizer.slot_initial_value(s, value)) for s in optimizer.slot_names}
 
     @tf.function
-    def step(gradient, lr, step):
+    def graph_step(gradient, lr, step):
         optimizer.apply(tf, var, slots, gradient, lr, step)
 
+    def eager_step(gradient, lr, step):
+        optimizer.apply_with(tf, var, slots, gradient.numpy(), optimizer.scalars(tf, lr, step))
+
+    step = eager_step if eager else graph_step
     for version, gradient in enumerate(gradients):
         step(tf.constant(gradient), tf.constant(optimizer.learning_rate(version)), tf.constant(version + 1.0))
     return var.numpy()
@@ -54,11 +62,12 @@ def _run_keras(optimizer, gradients=GRADIENTS, start=(1.0, 2.0, -1.0)) -> np.nda
         ),
     ],
 )
-def test_fused_rules_match_keras(config, keras_optimizer):
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+def test_fused_rules_match_keras(config, keras_optimizer, eager):
     import keras
 
     np.testing.assert_allclose(
-        _run_shard_rule(config), _run_keras(keras_optimizer(keras)), rtol=1e-5, atol=1e-6
+        _run_shard_rule(config, eager=eager), _run_keras(keras_optimizer(keras)), rtol=1e-5, atol=1e-6
     )
 
 

@@ -40,9 +40,19 @@ class ShardOptimizer:
 
         return np.zeros_like(value)
 
-    def apply(self, tf, variable, slots: dict[str, Any], gradient, lr, step) -> None:
-        """Inside a tf.function: one fused update. `lr` and `step` (1-based) are float32 scalars."""
+    def scalars(self, tf, lr, step) -> dict[str, Any]:
+        """The scalar tensors of one update, made once and shared by every variable it moves:
+        a shard updates eagerly, where each small op costs a dispatch. `lr` and `step` (1-based)
+        are float32 scalars."""
+        return {"lr": lr}
+
+    def apply_with(self, tf, variable, slots: dict[str, Any], gradient, scalars: dict[str, Any]) -> None:
+        """One fused update of `variable`, with `scalars` from `scalars()`."""
         raise NotImplementedError
+
+    def apply(self, tf, variable, slots: dict[str, Any], gradient, lr, step) -> None:
+        """One fused update, eagerly or inside a tf.function."""
+        self.apply_with(tf, variable, slots, gradient, self.scalars(tf, lr, step))
 
     def _option(self, name: str, default: Any) -> Any:
         value = self.config.get(name)
@@ -50,8 +60,8 @@ class ShardOptimizer:
 
 
 class GradientDescent(ShardOptimizer):
-    def apply(self, tf, variable, slots, gradient, lr, step) -> None:
-        tf.raw_ops.ResourceApplyGradientDescent(var=variable.handle, alpha=lr, delta=gradient)
+    def apply_with(self, tf, variable, slots, gradient, scalars) -> None:
+        tf.raw_ops.ResourceApplyGradientDescent(var=variable.handle, alpha=scalars["lr"], delta=gradient)
 
 
 class Momentum(ShardOptimizer):
@@ -59,13 +69,16 @@ class Momentum(ShardOptimizer):
 
     slot_names = ("momentum",)
 
-    def apply(self, tf, variable, slots, gradient, lr, step) -> None:
+    def scalars(self, tf, lr, step) -> dict[str, Any]:
+        return {"lr": lr, "momentum": tf.constant(self._option("momentum", 0.0), tf.float32)}
+
+    def apply_with(self, tf, variable, slots, gradient, scalars) -> None:
         tf.raw_ops.ResourceApplyKerasMomentum(
             var=variable.handle,
             accum=slots["momentum"].handle,
-            lr=lr,
+            lr=scalars["lr"],
             grad=gradient,
-            momentum=tf.constant(self._option("momentum", 0.0), tf.float32),
+            momentum=scalars["momentum"],
             use_nesterov=bool(self._option("nesterov", False)),
         )
 
@@ -73,20 +86,21 @@ class Momentum(ShardOptimizer):
 class Adam(ShardOptimizer):
     slot_names = ("m", "v")
 
-    def apply(self, tf, variable, slots, gradient, lr, step) -> None:
+    def scalars(self, tf, lr, step) -> dict[str, Any]:
         beta_1 = tf.constant(self._option("beta_1", 0.9), tf.float32)
         beta_2 = tf.constant(self._option("beta_2", 0.999), tf.float32)
+        return {
+            "lr": lr,
+            "beta1": beta_1,
+            "beta2": beta_2,
+            "beta1_power": tf.pow(beta_1, step),
+            "beta2_power": tf.pow(beta_2, step),
+            "epsilon": tf.constant(self._option("epsilon", 1e-7), tf.float32),
+        }
+
+    def apply_with(self, tf, variable, slots, gradient, scalars) -> None:
         tf.raw_ops.ResourceApplyAdam(
-            var=variable.handle,
-            m=slots["m"].handle,
-            v=slots["v"].handle,
-            beta1_power=tf.pow(beta_1, step),
-            beta2_power=tf.pow(beta_2, step),
-            lr=lr,
-            beta1=beta_1,
-            beta2=beta_2,
-            epsilon=tf.constant(self._option("epsilon", 1e-7), tf.float32),
-            grad=gradient,
+            var=variable.handle, m=slots["m"].handle, v=slots["v"].handle, grad=gradient, **scalars
         )
 
 
@@ -100,13 +114,12 @@ class Adagrad(ShardOptimizer):
 
         return np.full_like(value, self._option("initial_accumulator_value", 0.1))
 
-    def apply(self, tf, variable, slots, gradient, lr, step) -> None:
+    def scalars(self, tf, lr, step) -> dict[str, Any]:
+        return {"lr": lr, "epsilon": tf.constant(self._option("epsilon", 1e-7), tf.float32)}
+
+    def apply_with(self, tf, variable, slots, gradient, scalars) -> None:
         tf.raw_ops.ResourceApplyAdagradV2(
-            var=variable.handle,
-            accum=slots["accumulator"].handle,
-            lr=lr,
-            epsilon=tf.constant(self._option("epsilon", 1e-7), tf.float32),
-            grad=gradient,
+            var=variable.handle, accum=slots["accumulator"].handle, grad=gradient, **scalars
         )
 
 
@@ -118,21 +131,22 @@ class RMSProp(ShardOptimizer):
         self.centered = bool(self._option("centered", False))
         self.slot_names = ("ms", "mom", "mg") if self.centered else ("ms", "mom")
 
-    def apply(self, tf, variable, slots, gradient, lr, step) -> None:
-        common = {
-            "var": variable.handle,
-            "ms": slots["ms"].handle,
-            "mom": slots["mom"].handle,
+    def scalars(self, tf, lr, step) -> dict[str, Any]:
+        return {
             "lr": lr,
             "rho": tf.constant(self._option("rho", 0.9), tf.float32),
             "momentum": tf.constant(self._option("momentum", 0.0), tf.float32),
             "epsilon": tf.constant(self._option("epsilon", 1e-7), tf.float32),
-            "grad": gradient,
         }
+
+    def apply_with(self, tf, variable, slots, gradient, scalars) -> None:
+        handles = {"var": variable.handle, "ms": slots["ms"].handle, "mom": slots["mom"].handle}
         if self.centered:
-            tf.raw_ops.ResourceApplyCenteredRMSProp(mg=slots["mg"].handle, **common)
+            tf.raw_ops.ResourceApplyCenteredRMSProp(
+                mg=slots["mg"].handle, grad=gradient, **handles, **scalars
+            )
         else:
-            tf.raw_ops.ResourceApplyRMSProp(**common)
+            tf.raw_ops.ResourceApplyRMSProp(grad=gradient, **handles, **scalars)
 
 
 _RULES: dict[str, type[ShardOptimizer]] = {

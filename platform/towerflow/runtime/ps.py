@@ -133,12 +133,6 @@ class ParameterShard:
         self._protocols = {b: copy.deepcopy(protocol) for b in self._buckets}
         self._accumulators = {b: GradientAccumulator() for b in self._buckets}
         self._bucket_versions = dict.fromkeys(self._buckets, initial_version)
-        self._apply_fns = {
-            b: _compiled_apply(
-                tf, self._optimizer, [self._variables[i] for i in at], [self._slots[i] for i in at]
-            )
-            for b, at in self._buckets.items()
-        }
         self._max_steps = max_steps
         self._version = initial_version
         self._done = max_steps is not None and initial_version >= max_steps
@@ -337,18 +331,27 @@ class ParameterShard:
         return self._apply(bucket, None, 0)
 
     def _apply(self, bucket: int, gradients: list[Any] | None, count: int) -> int:
-        """Apply `gradients` (a sum of `count` of them) to the bucket's pieces; returns the bucket's
-        new version. None: no update, the version moves on."""
+        """Apply `gradients` (a sum of `count` of them: from two on the accumulator's buffers,
+        averaged here in place) to the bucket's pieces; returns the bucket's new version. None: no
+        update, the version moves on."""
         start = time.perf_counter()
         tf = self._tf
         version = self._bucket_versions[bucket]
         if gradients is not None:
-            self._apply_fns[bucket](
-                gradients,
-                tf.constant(self._optimizer.learning_rate(version), tf.float32),
+            if count > 1:  # the accumulator's own sums (count 1 is a pushed gradient, read-only)
+                for total in gradients:
+                    np.multiply(total, np.float32(1.0 / count), out=total)
+            # Eagerly, one fused kernel per piece: a tf.function's dispatch costs more than the
+            # update on small shards (CPU per Adam update, tf.function against eager: 0.44 against
+            # 0.12 ms for 7,850 parameters, 0.81 against 0.40 for 397,510, 4.7 against 3.8 for 3.3M).
+            optimizer = self._optimizer
+            scalars = optimizer.scalars(
+                tf,
+                tf.constant(optimizer.learning_rate(version), tf.float32),
                 tf.constant(version + 1, tf.float32),
-                tf.constant(1.0 / count, tf.float32) if count > 1 else None,
             )
+            for i, gradient in zip(self._buckets[bucket], gradients, strict=True):
+                optimizer.apply_with(tf, self._variables[i], self._slots[i], gradient, scalars)
         self._bucket_versions[bucket] = version + 1
         self._version_apply_s += time.perf_counter() - start
         if min(self._bucket_versions.values()) > self._version:
@@ -429,17 +432,6 @@ def _nbytes(variable) -> int:
         int(np.prod(variable.shape))
         * np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype)).itemsize
     )
-
-
-def _compiled_apply(tf, optimizer, variables, slots):
-    # A closure, not a method: Ray adds a tracing argument to actor methods that tf.function rejects.
-    def apply(gradients, lr, step, scale):
-        for variable, variable_slots, gradient in zip(variables, slots, gradients, strict=True):
-            value = tf.convert_to_tensor(gradient)  # a tensor, or the accumulator's sum
-            mean = value if scale is None else value * scale
-            optimizer.apply(tf, variable, variable_slots, mean, lr, step)
-
-    return tf.function(apply, reduce_retracing=True)
 
 
 def shard_actor(cpus: float):
