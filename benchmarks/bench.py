@@ -76,10 +76,14 @@ def run_all(args: argparse.Namespace) -> tuple[list[Run], list[dict]]:
     runs: list[Run] = []
     overheads: list[dict] = []
     for number, configs in enumerate(rounds, start=1):
-        for config in configs:
+        for turn in configs:
+            config = turn.config
             load = wait_for_quiet(args.quiet_wait, log, window_s=1.0)
-            log(f"[{len(runs) + 1}/{total}] round {number}: {config.key} (others used {load:.2f} cores) ...")
-            run = make_run(config, number, args.data, args.out, args.run_timeout)
+            kind = (" (timed)" if not turn.snapshots else " (snapshots)") if config.snapshots_apart else ""
+            log(
+                f"[{len(runs) + 1}/{total}] round {number}: {config.key}{kind} (others used {load:.2f} cores) ..."
+            )
+            run = make_run(turn, number, args.data, args.out, args.run_timeout)
             if run.ok and SYSTEMS[config.system].probe:
                 log(f"  {'; '.join(run.report.get('notes', []))[:300]}")
             elif run.ok:
@@ -184,7 +188,10 @@ def render(
         "",
         f"Machine: {machine()}. {args.rounds} interleaved round(s); {len(runs)} runs, each a fresh process; "
         f"{elapsed / 60:.1f} minutes in all. Ratios are of medians measured in this run; "
-        "absolute figures hold for this machine and hour only.",
+        "absolute figures hold for this machine and hour only. Snapshots for time to accuracy are "
+        "saved off the clock by Keras, Ray Train and the naive PS; towerflow and ParameterServerStrategy "
+        "read theirs while training on, so on LeNet they are timed in runs without snapshots and "
+        "scored for accuracy in one more run that takes them (benchmarks/peers/plan.py).",
         "",
         "### Targets",
         "",

@@ -24,8 +24,17 @@ class Figures:
         return [r for r in self.runs if r.ok]
 
     @property
+    def timed(self) -> list[Run]:
+        """The runs whose rate counts (a configuration's snapshot run apart: plan.py)."""
+        return [r for r in self.ok if r.timed]
+
+    @property
+    def with_snapshots(self) -> list[Run]:
+        return [r for r in self.ok if r.evals]
+
+    @property
     def rates(self) -> list[float]:
-        return [r.report["rate"] for r in self.ok]
+        return [r.report["rate"] for r in self.timed]
 
     @property
     def rate(self) -> float | None:
@@ -33,17 +42,17 @@ class Figures:
 
     @property
     def startup_s(self) -> float | None:
-        values = [r.report["startup_s"] for r in self.ok]
+        values = [r.report["startup_s"] for r in self.timed]
         return statistics.median(values) if values else None
 
     def split_ms(self) -> dict[str, float]:
-        splits = [r.report.get("split") or {} for r in self.ok]
+        splits = [r.report.get("split") or {} for r in self.timed]
         phases = splits[0].keys() if splits and splits[0] else ()
         return {p: 1000 * statistics.median(s[p] for s in splits if p in s) for p in phases}
 
     def cpu_ms(self) -> dict[str, float]:
         """CPU ms per global batch by process role (towerflow's runs), medians over the rounds."""
-        found = [r.report.get("cpu_per_batch") or {} for r in self.ok]
+        found = [r.report.get("cpu_per_batch") or {} for r in self.timed]
         found = [f for f in found if f]
         roles = found[0].keys() if found else ()
         return {role: 1000 * statistics.median(f[role] for f in found) for role in roles}
@@ -54,7 +63,7 @@ class Figures:
         (clocks differ in where they start; the first batch's tracing differs little). `from_launch`:
         from the process's start instead, start-up included."""
         reached, best = [], 0.0
-        for run in self.ok:
+        for run in self.with_snapshots:
             hits = [train_s for train_s, _, _, acc in run.evals if acc >= target]
             best = max([best, *(acc for *_, acc in run.evals)])
             if hits:
@@ -134,8 +143,8 @@ def paired_ratios(figures: dict[str, Figures], numerator: str, denominator: str)
     """The ratio within each round where both ran: the drift between rounds cancels out."""
     if numerator not in figures or denominator not in figures:
         return []
-    top = {r.round: r.report["rate"] for r in figures[numerator].ok}
-    bottom = {r.round: r.report["rate"] for r in figures[denominator].ok}
+    top = {r.round: r.report["rate"] for r in figures[numerator].timed}
+    bottom = {r.round: r.report["rate"] for r in figures[denominator].timed}
     return [top[r] / bottom[r] for r in sorted(top.keys() & bottom.keys())]
 
 
@@ -160,14 +169,15 @@ def throughput_table(figures: dict[str, Figures], workload: str) -> str:
     ]
     batch = WORKLOADS[workload].global_batch
     for f in sorted(rows, key=lambda f: -(f.rate or 0)):
-        failed = [r.error for r in f.runs if not r.ok]
+        planned = [r for r in f.runs if r.timed]
+        failed = [r.error for r in planned if not r.ok]
         if f.rate is None:
-            lines.append(f"| {f.config.label} | failed: {failed[0]} | | | 0/{len(f.runs)} | | | |")
+            lines.append(f"| {f.config.label} | failed: {failed[0]} | | | 0/{len(planned)} | | | |")
             continue
         versus = _fmt(f.rate / keras.rate) if keras and keras.rate else "n/a"
         lines.append(
             f"| {f.config.label} | {f.rate:,.0f} | {min(f.rates):,.0f} | {max(f.rates):,.0f} | "
-            f"{len(f.ok)}/{len(f.runs)} | {versus} | {1000 * batch / f.rate:.1f} | {_fmt(f.startup_s, '{:.1f}')} |"
+            f"{len(f.timed)}/{len(planned)} | {versus} | {1000 * batch / f.rate:.1f} | {_fmt(f.startup_s, '{:.1f}')} |"
         )
     return "\n".join(lines)
 
@@ -215,8 +225,8 @@ def accuracy_table(figures: dict[str, Figures], workload: str) -> str:
         "|---|---:|---:|---:|",
     ]
     for f in figures.values():
-        if f.config.workload != workload or not f.ok:
-            continue
+        if f.config.workload != workload or not f.with_snapshots:
+            continue  # (towerflow's 1- and 4-worker LeNet runs are timed without snapshots only)
         seconds, best = f.time_to_accuracy(target)
         launched, _ = f.time_to_accuracy(target, from_launch=True)
         shown = "not reached" if seconds is None else f"{seconds:.1f}"
@@ -302,9 +312,10 @@ def plot_loss(figures: dict[str, Figures], path: Path) -> None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
         for f in figures.values():
-            if f.config.workload != workload or not f.ok or not f.ok[0].evals:
+            if f.config.workload != workload or not f.with_snapshots:
                 continue
-            evals, origin = f.ok[0].evals, f.ok[0].report.get("first_batch_s", 0.0)
+            first = f.with_snapshots[0]
+            evals, origin = first.evals, first.report.get("first_batch_s", 0.0)
             seconds = [e[0] - origin for e in evals]
             ax.plot(seconds, [e[2] for e in evals], marker="o", markersize=3, label=f.config.label)
         ax.set_title(f"{workload}: eval loss against training time")
