@@ -90,10 +90,11 @@ def run_all(args: argparse.Namespace) -> tuple[list[Run], list[dict]]:
                 if config.workload not in evaluators:
                     evaluators[config.workload] = Evaluator(config.workload, args.data, examples=1024)
                 evaluate(run, evaluators[config.workload])
-                best = max((e[3] for e in run.evals), default=float("nan"))
+                best = max((e[3] for e in run.evals), default=None)
+                scored = "no snapshots" if best is None else f"best eval accuracy {best:.3f}"
                 log(
                     f"  {run.report['rate']:,.0f} ex/s, start-up {run.report['startup_s']:.1f} s, "
-                    f"best eval accuracy {best:.3f}, {run.wall_s:.0f} s in all"
+                    f"{scored}, {run.wall_s:.0f} s in all"
                 )
             else:
                 log(f"  FAILED: {run.error} (log: {args.out / (run.folder.name + '.log')})")
