@@ -39,14 +39,14 @@ def costs_from(found: dict, workload: str):
     if "overhead" not in found:
         return costs
     # The platform's own CPU, from the near-empty model's runs (both modes: their mean): a worker's
-    # per step, a shard's per push (each global batch is W pushes), the rest as cores kept busy.
+    # per step, a shard's per push (each global batch is W pushes), the rest's per global batch.
     runs = list(found["overhead"].values())
     if all("cpu_per_batch" in r for r in runs):  # (measured since 2026-11-25)
         costs = replace(
             costs,
             worker_step_cpu_s=statistics.mean(r["cpu_per_batch"]["workers"] / r["workers"] for r in runs),
             push_cpu_s=statistics.mean(r["cpu_per_batch"]["shards"] / r["workers"] for r in runs),
-            other_cores=statistics.mean(r["other_cores"] for r in runs),
+            other_cpu_s=statistics.mean(r["cpu_per_batch"]["other"] for r in runs),
         )
     overheads = {}
     for mode, tiny in found["overhead"].items():
@@ -198,8 +198,9 @@ def constants_table(found: dict) -> str:
                 ),
                 ("a shard's own CPU per push (the same model's), ms", lambda w: own("push_cpu_s")),
                 (
-                    "cores kept busy by Ray's own processes, the driver and the data pipeline",
-                    lambda w: f"{costs[w].other_cores:.2f}" if w == "lenet" else "",
+                    "CPU of Ray's own processes, the driver and the data pipeline per global batch "
+                    "(the same model's), ms",
+                    lambda w: own("other_cpu_s"),
                 ),
             ]
         if "per_round" in found["overhead"]["sync"]:  # timed after each round of the runs

@@ -172,12 +172,15 @@ def test_a_shards_cpu_per_push_counts_once_per_worker():
         assert more.shard_s == pytest.approx(plain.shard_s + 4e-3)
 
 
-def test_rays_own_processes_take_cores_from_the_step():
+def test_rays_own_processes_add_their_cpu_per_batch_to_the_cores_work():
     from dataclasses import replace
 
-    plain = predict_step(COSTS, workers=4, shards=1, mode="async", cores=2, **SHAPE)
-    busy = predict_step(replace(COSTS, other_cores=1.0), workers=4, shards=1, mode="async", cores=2, **SHAPE)
-    assert busy.cpu_bound_s == pytest.approx(2 * plain.cpu_bound_s)  # half the cores left
+    for mode in ("sync", "async"):
+        plain = predict_step(COSTS, workers=4, shards=1, mode=mode, cores=2, **SHAPE)
+        busy = predict_step(
+            replace(COSTS, other_cpu_s=0.01), workers=4, shards=1, mode=mode, cores=2, **SHAPE
+        )
+        assert busy.cpu_bound_s == pytest.approx(plain.cpu_bound_s + 0.01 / 2)  # shared by the 2 cores
 
 
 def test_a_sync_step_on_shared_cores_is_the_workers_cpu_then_the_shards_part():

@@ -13,11 +13,11 @@ publish a new version. With B = 4P bytes, b examples per worker and the measured
                                                      push's apply and version; a shard saturates)
 
 per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
-it too. Ray's own processes, the driver and the data pipeline keep `other_cores` busy, so the
-processes of the step share what is left, `usable = cores - other_cores`; a worker needs
-cpu(b) + its traffic + `worker_step_cpu_s` a step. Sync, the workers' part cannot be shorter than
-W worker-CPUs over the usable cores (the shards' part follows it: the workers wait for the version
-then); async, the whole step cannot be shorter than all processes' CPU over them. Workers sharing
+it too: a worker needs cpu(b) + its traffic + `worker_step_cpu_s` a step, and Ray's own
+processes, the driver and the data pipeline `other_cpu_s` a global batch (they work per step:
+events, calls, batches; not at a steady rate). Sync, the workers' part cannot be shorter than W
+worker-CPUs and the others' over the cores (the shards' part follows it: the workers wait for the
+version then); async, the whole step cannot be shorter than all processes' CPU over them. Workers sharing
 one machine compute side by side, each slower than alone by the measured `compute_contention`.
 The benchmark (benchmarks/costmodel.py) measures the constants, the per-process ones in a run of a
 near-empty model, and checks the model against every measured run; `shards_for` is what
@@ -45,7 +45,7 @@ class Costs:
     call_s: float  # one actor call's round trip
     push_cpu_s: float = 0.0  # a shard's CPU per push beyond its bytes (Ray's call, the protocol, the reply)
     worker_step_cpu_s: float = 0.0  # a worker's CPU per step beyond compute and traffic
-    other_cores: float = 0.0  # cores Ray's own processes, the driver and the data pipeline keep busy
+    other_cpu_s: float = 0.0  # CPU of Ray's own processes, the driver and the data pipeline per global batch
     # How many times slower a worker computes while another computes beside it on the same machine
     # (shared caches, memory bandwidth, sibling hardware threads): measured with two at once.
     compute_contention: float = 1.0
@@ -129,11 +129,10 @@ def predict_step(
     seconds = worker + shard if mode == "sync" else max(worker + shard / workers, shard)
     cpu_bound = 0.0
     if cores:
-        usable = max(cores - costs.other_cores, 0.1 * cores)
         workers_cpu = workers * (compute * costs.compute_cores + worker_traffic + costs.worker_step_cpu_s)
-        cpu_bound = (workers_cpu + shards * shard_work) / usable
+        cpu_bound = (workers_cpu + shards * shard_work + costs.other_cpu_s) / cores
         if mode == "sync":  # the workers' part, then the shards' (the workers wait for the version)
-            cpu_bound = max(cpu_bound, workers_cpu / usable + shard)
+            cpu_bound = max(cpu_bound, (workers_cpu + costs.other_cpu_s) / cores + shard)
     return Step(max(seconds, cpu_bound), worker, shard, cpu_bound, seconds)
 
 
