@@ -79,7 +79,7 @@ def run_all(args: argparse.Namespace) -> tuple[list[Run], list[dict]]:
         for turn in configs:
             config = turn.config
             load = wait_for_quiet(args.quiet_wait, log, window_s=1.0)
-            kind = (" (timed)" if not turn.snapshots else " (snapshots)") if config.snapshots_apart else ""
+            kind = ("" if turn.snapshots else " (timed)") if turn.timed else " (snapshots)"
             log(
                 f"[{len(runs) + 1}/{total}] round {number}: {config.key}{kind} (others used {load:.2f} cores) ..."
             )

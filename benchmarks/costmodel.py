@@ -117,14 +117,14 @@ def _probe_class():
             self._total = total
 
         def apply(self, repeat: int = 12) -> float:
-            # As a shard applies: eagerly, the update's scalars made once, numpy gradients in.
+            # As a shard applies (`apply_all`), numpy gradients in.
             tf = self.tf
             grads = list(self.weights)
 
             def once() -> None:
-                scalars = self.optimizer.scalars(tf, tf.constant(1e-3), tf.constant(1.0))
-                for v, s, g in zip(self.variables, self.slots, grads):
-                    self.optimizer.apply_with(tf, v, s, g, scalars)
+                self.optimizer.apply_all(
+                    tf, self.variables, self.slots, grads, tf.constant(1e-3), tf.constant(1.0)
+                )
 
             once()
             return _timed(once, repeat)[0]

@@ -120,6 +120,11 @@ class Turn:
     config: Config
     snapshots: bool  # False: a timed run of a configuration whose snapshots are apart
 
+    @property
+    def timed(self) -> bool:
+        """Its rate counts: not the snapshot run of a configuration timed without snapshots."""
+        return not (self.config.snapshots_apart and self.snapshots)
+
 
 def rounds_of(plan: list[Config], rounds: int) -> list[list[Turn]]:
     """Each round: the every-round configurations rotated by the round's number, then its share of
@@ -162,7 +167,7 @@ class Run:
 def make_run(turn: Turn, round_: int, data: Path, out: Path, timeout_s: float) -> Run:
     config = turn.config
     system, steps = SYSTEMS[config.system], STEPS[config.workload]
-    kind = "-snapshots" if config.snapshots_apart and turn.snapshots else ""
+    kind = "" if turn.timed else "-snapshots"
     folder = out / f"r{round_}-{config.key.replace('/', '-')}{kind}"
     every = steps.snapshot_every if turn.snapshots else 0
     command = [sys.executable, str(PEERS / f"peer_{system.runner}.py"), f"--workload={config.workload}"]
@@ -170,8 +175,7 @@ def make_run(turn: Turn, round_: int, data: Path, out: Path, timeout_s: float) -
     command += [f"--steps={steps.timed}", f"--snapshot-every={every}", f"--out={folder}"]
     command += [f"--mode={system.mode}", *system.extra]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    timed = not (config.snapshots_apart and turn.snapshots)
-    run, started = Run(config, round_, folder, timed=timed), time.time()
+    run, started = Run(config, round_, folder, timed=turn.timed), time.time()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as timed_out:

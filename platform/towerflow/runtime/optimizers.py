@@ -54,6 +54,13 @@ class ShardOptimizer:
         """One fused update, eagerly or inside a tf.function."""
         self.apply_with(tf, variable, slots, gradient, self.scalars(tf, lr, step))
 
+    def apply_all(self, tf, variables: list[Any], slots: list[dict[str, Any]], gradients, lr, step) -> None:
+        """One update of several pieces, eagerly as a shard runs it: the scalars made once, then one
+        fused kernel per piece (a tf.function's dispatch costs more than a small update)."""
+        scalars = self.scalars(tf, lr, step)
+        for variable, variable_slots, gradient in zip(variables, slots, gradients, strict=True):
+            self.apply_with(tf, variable, variable_slots, gradient, scalars)
+
     def _option(self, name: str, default: Any) -> Any:
         value = self.config.get(name)
         return default if value is None else value
