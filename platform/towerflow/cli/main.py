@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except TowerflowError as exc:
+        _stop_forwarding_ray_logs()
         print(f"towerflow: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print("towerflow: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug, not a user error: keep the traceback, say what to do
+        _stop_forwarding_ray_logs()
         traceback.print_exc()
         print(
             f"towerflow: internal error: {type(exc).__name__}: {exc}\n"
@@ -57,6 +59,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _stop_forwarding_ray_logs() -> None:
+    """Disconnect from Ray before the last word. Connected to a cluster, Ray's log thread prints
+    actors' lines on stderr, each in two writes: one landing between them would glue the error to an
+    actor's line, and late ones would bury it. Disconnecting joins that thread."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _show_library_messages() -> None:

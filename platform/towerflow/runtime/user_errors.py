@@ -24,6 +24,9 @@ def check_model(model: Any) -> None:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Ray Data appends its retry advice to an error from a read task's function ("Failed to apply UDF
+# transform after 1/1 attempts ... if you believe this to be transient"): a bad record is not.
+_RAY_DATA_RETRY_ADVICE = re.compile(r"\nFailed to [^\n]* after \d+/\d+ attempts \(total backoff .*\Z", re.S)
 
 
 def _actor_init_error(exc: ray.exceptions.RayActorError) -> TowerflowError:
@@ -53,7 +56,7 @@ def as_user_error(exc: BaseException) -> BaseException:
         # Ray re-raises a remote error as a class deriving from both RayTaskError and the original;
         # its message is Ray's traceback, so keep looking for the original underneath.
         if isinstance(seen, TowerflowError) and not isinstance(seen, ray.exceptions.RayError):
-            return seen
+            return _without_retry_advice(seen)
         cause = getattr(seen, "cause", None) or seen.__cause__
         if cause is None:
             break
@@ -62,4 +65,10 @@ def as_user_error(exc: BaseException) -> BaseException:
         if exc.actor_init_failed:
             return _actor_init_error(exc)
         return TrainingError(f"a training actor died: {exc}")
+    return exc
+
+
+def _without_retry_advice(exc: TowerflowError) -> TowerflowError:
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (_RAY_DATA_RETRY_ADVICE.sub("", exc.args[0]), *exc.args[1:])
     return exc
