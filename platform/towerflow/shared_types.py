@@ -147,11 +147,11 @@ class WorkerStream:
         find = getattr(self.iterator, "leftover", None)
         return find(used) if find else []
 
-    def close(self) -> None:
-        """End every split of this data set now, where the split can (the data is re-planned)."""
+    def close(self) -> Any:
+        """End every split of this data set now, where the split can (the data is re-planned, the
+        run ends). Returns what to wait on for reading to stop (a Ray ref), or None."""
         close = getattr(self.iterator, "close", None)
-        if close is not None:
-            close()
+        return close() if close is not None else None
 
 
 _END = object()

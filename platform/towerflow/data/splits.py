@@ -90,12 +90,19 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         consumer is gone, or arriving there later, is let through to an epoch with no data, and one
         waiting for a block (a block lost with a node, being made again) gets the end of the
         stream. The executor's tasks stop, which also frees the cores a lost block's re-made read
-        task may be waiting for. The controller then re-plans the data."""
+        task may be waiting for. The controller then re-plans the data.
+
+        A run's end closes it too: the executor's shutdown withdraws its claim on the cluster's
+        cores (Ray Data's autoscaling coordinator, a detached actor, splits every node's cores
+        evenly, rounded down, between the executions it knows, and forgets one only 180 s after
+        it last heard from it): left to the driver's exit, a finished run's claim halves what the
+        next job's reads may use, or leaves a 2-CPU node none."""
         with self._lock:
             self._closed = True
             executor = self._current_executor
         if executor is not None:
             executor.shutdown(force=True)
+            _claim_withdrawn()
 
     # Ray's barrier waits while this count is not 0. Once closed it reads 0 whatever the splits
     # arriving later subtract from it, so nobody waits (a count set to 0 would go below it).
@@ -171,6 +178,18 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
             return self._dropped_rows[split] + sum(rows for _, rows in self._given[split])
 
 
+def _claim_withdrawn() -> None:
+    """Wait until the autoscaling coordinator has the executor's withdrawal, which the shutdown sends
+    without waiting: a call from this process to the same actor runs after it. (The driver may
+    exit, and this actor die with it, at once.)"""
+    from ray.data._internal.cluster_autoscaler import get_or_create_autoscaling_coordinator
+
+    try:
+        ray.get(get_or_create_autoscaling_coordinator().get_reserved_resources.remote(""), timeout=10)
+    except Exception:  # Ray Data's internals moved, or the actor is gone: the claim then expires
+        logger.debug("could not confirm the end of the data's claim on the cluster's cores", exc_info=True)
+
+
 _ledgered_coordinator = ray.remote(num_cpus=0)(_LedgeredCoordinator)
 
 
@@ -194,9 +213,10 @@ class ResumableSplit(StreamSplitDataIterator):
     def acknowledge(self, used: int) -> None:
         self.coordinator.acknowledge.remote({self.split: used})
 
-    def close(self) -> None:
-        """End every split of this data set (a resize or rollback re-plans the data)."""
-        self.coordinator.close.remote()
+    def close(self) -> Any:
+        """End every split of this data set (a resize or rollback re-plans the data; a run ends).
+        Returns the call's ref: done once reading has stopped."""
+        return self.coordinator.close.remote()
 
     def _to_ref_bundle_iterator(self):
         if not self._joins_running_epoch:

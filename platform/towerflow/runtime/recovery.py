@@ -123,10 +123,13 @@ class RecoveryActions:
         if worker_ids:
             ray.get([shard.retire.remote(worker_id) for shard in self.shards for worker_id in worker_ids])
 
-    def _close_data(self) -> None:
+    def _close_data(self, wait_s: float = 0.0) -> None:
+        """End the workers' streams; wait up to `wait_s` for their reading to stop."""
         for split in list(self.data_splits.values())[:1]:  # one coordinator serves every split
             if hasattr(split, "close"):
-                split.close()
+                closed = split.close()
+                if wait_s and closed is not None:
+                    ray.wait([closed], timeout=wait_s)
 
     def _log_losses(self) -> None:
         lost = sum(1 for loss in self.failure_policy.history if loss.kind is LossKind.WORKER)
