@@ -42,6 +42,8 @@ import pytest
 import yaml
 from support import blob_spec, free_ports
 
+from towerflow.runtime.cluster import RAY_NODE_ENV
+
 VENV_BIN = str(Path(sys.executable).parent)
 RAY_CLI = str(Path(VENV_BIN) / "ray")  # the `ray` command of this environment
 OBJECT_STORE_BYTES = 200_000_000  # small, so that three nodes fit in memory
@@ -126,6 +128,7 @@ class LocalCluster:
     def _node_env(self) -> dict[str, str]:
         return {
             **self._base_env(),
+            **RAY_NODE_ENV,  # as every node towerflow starts: idle read-task workers are kept
             **self.node_env,
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once, not after draining for 30 s
             "RAY_health_check_period_ms": str(self.health_check_period_ms),

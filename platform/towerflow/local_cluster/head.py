@@ -25,7 +25,7 @@ from towerflow.local_cluster.processes import (
     stop_tree,
     wait_until,
 )
-from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH
+from towerflow.runtime.cluster import AUTH_MODE, RAY_NODE_ENV, SINGLE_MACHINE_SWITCH
 
 DEFAULT_NUM_CPUS = 8  # logical CPUs: the example's workers, shards and Ray Data tasks fit on a small machine
 
@@ -55,6 +55,7 @@ def head_env(token: str, extra: Mapping[str, str] | None = None) -> dict[str, st
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # stop at once, not after draining for up to 30 s
         **{AUTH_MODE: "token", SINGLE_MACHINE_SWITCH: "0"},
     )
+    env.update(RAY_NODE_ENV)
     env.update(extra or {})
     return env
 
