@@ -1,6 +1,7 @@
 """cluster/: the cluster launcher config validates against Ray's own schema (as `ray up` checks
-it, after filling in the provider's defaults), names images of the Ray version pyproject pins, and
-the job runtime environment holds no secret."""
+it, after filling in the provider's defaults), names images of the Ray version pyproject pins,
+starts every node with token auth and the settings every towerflow node has, and the job runtime
+environment holds no secret."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 import yaml
 from conftest import REPO
 from ray.autoscaler._private.util import prepare_config, validate_config
+
+from towerflow.runtime.cluster import RAY_NODE_ENV
 
 CLUSTER = REPO / "cluster"
 
@@ -39,12 +42,15 @@ def test_an_unknown_key_is_refused_as_ray_up_would():
         validate_config(prepare_config(config))
 
 
-def test_every_image_and_the_token_setting_match_the_pinned_ray():
+def test_every_image_matches_the_pinned_ray_and_every_node_starts_with_towerflows_settings():
     text = (CLUSTER / "aws.yaml").read_text()
     images = re.findall(r"towerflow:ray(\d+\.\d+)\.\d+-py\d+", text)
     assert images and set(images) == {_pinned_ray()}
     starts = _launcher_config()["head_start_ray_commands"] + _launcher_config()["worker_start_ray_commands"]
-    assert all("RAY_AUTH_MODE=token" in c for c in starts if c.strip().split()[:2] != ["ray", "stop"])
+    ray_starts = [c for c in starts if c.strip().split()[:2] != ["ray", "stop"]]
+    assert ray_starts and all("RAY_AUTH_MODE=token" in c for c in ray_starts)
+    node_env = [f"{name}={value}" for name, value in RAY_NODE_ENV.items()]
+    assert all(setting in c for c in ray_starts for setting in node_env), ray_starts
 
 
 def test_the_job_runtime_env_ships_no_data_and_no_secret():

@@ -11,6 +11,7 @@ from typing import Any
 from conftest import REPO
 
 from tests.k8s.schemas import Object, name_of
+from towerflow.runtime.cluster import RAY_NODE_ENV
 
 NAMESPACE = "towerflow"
 IMAGE = "towerflow"  # the image the Dockerfile builds, by the name the manifests use
@@ -313,6 +314,15 @@ def raycluster_problems(cluster: Object, ray_version: str) -> list[str]:
         restart = ray_pod["template"]["spec"].get("restartPolicy")
         if restart not in (None, "Never"):
             problems.append(f"{where}: autoscaler v2 needs restartPolicy Never or unset, not {restart}")
+        env = {
+            e["name"]: e.get("value") for e in ray_pod["template"]["spec"]["containers"][0].get("env") or []
+        }
+        group = ray_pod.get("groupName", "head")
+        for name, value in RAY_NODE_ENV.items():  # what every Ray node towerflow starts sets
+            if env.get(name) != value:
+                problems.append(
+                    f"{where}: {group}'s Ray container must set {name}={value}, not {env.get(name)}"
+                )
     return problems
 
 

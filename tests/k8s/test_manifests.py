@@ -292,6 +292,12 @@ BREAKAGES = {
         lambda objs: _shrink(objs, "ptb-sync"),
         lambda objs: rules.rayjob_problems(_by_name(objs, "RayJob", "ptb-sync"), _cluster(objs)),
     ),
+    "a Ray worker group that kills idle workers after 1 s": (
+        lambda objs: _cluster(objs)["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][
+            0
+        ].update(env=[]),
+        lambda objs: rules.raycluster_problems(_cluster(objs), ray_version()),
+    ),
     "a Ray version that is not pinned": (
         lambda objs: _cluster(objs)["spec"].update(rayVersion="2.59.0"),
         lambda objs: rules.raycluster_problems(_cluster(objs), ray_version()),

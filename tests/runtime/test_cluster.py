@@ -1,15 +1,17 @@
 """Connecting to Ray or starting it: an embedded Ray stays on 127.0.0.1 (the CLI's own run of it is
-tested in tests/cli), a caller that imported Ray too early is told so, and a RAY_ADDRESS where nothing
-listens fails at once."""
+tested in tests/cli) and keeps idle workers as every towerflow node does, a caller that imported Ray
+too early is told so, and a RAY_ADDRESS where nothing listens fails at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 
 import pytest
+from multinode import IDLE_WORKER_CLIENT
 
 from towerflow.errors import ClusterError
 from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH, check_reachable
@@ -20,10 +22,10 @@ _SHOW_SWITCH = (
 )
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+def _python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_MACHINE_SWITCH)}
     return subprocess.run(
-        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", code, *args], env={**clean, **env}, capture_output=True, text=True, timeout=240
     )
 
 
@@ -33,6 +35,13 @@ def test_the_switch_is_set_for_an_embedded_ray_only():
     assert _python(_SHOW_SWITCH, RAY_ADDRESS="10.0.0.1:6379").stdout.strip() == "None"
     # Too late once Ray is imported (it read the switch then): leave it alone too.
     assert _python("import ray; " + _SHOW_SWITCH).stdout.strip() == "None"
+
+
+def test_an_embedded_ray_keeps_an_idle_task_worker_for_the_next_task():
+    out = _python(IDLE_WORKER_CLIENT, "embedded")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["kept"] and report["second"] == report["first"], report
 
 
 def test_an_embedded_ray_started_after_ray_was_imported_warns():

@@ -25,7 +25,13 @@ import numpy as np
 import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from multinode import RAY_CLI, LocalCluster, cluster_spec_file, multinode_cluster_fixture  # noqa: F401
+from multinode import (  # noqa: F401
+    IDLE_WORKER_CLIENT,
+    RAY_CLI,
+    LocalCluster,
+    cluster_spec_file,
+    multinode_cluster_fixture,
+)
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 
@@ -111,6 +117,21 @@ def test_spread_actors_land_on_three_nodes_and_read_objects_across_stores(
     assert report["total"] == sum(range(250_000))
     owner, reader = report["nodes"][:2]
     assert {owner, reader} <= set(report["locations"]), report  # a copy on the reader's node too
+
+
+def test_a_node_full_of_actors_keeps_an_idle_task_worker_for_the_next_task(multinode_cluster: LocalCluster):
+    # Ray's default kills it after 1 s, and each of a run's Ray Data read tasks then started a new
+    # process importing TensorFlow (docs/cluster.md): RAY_NODE_ENV on every node towerflow starts.
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_WORKER_CLIENT, multinode_cluster.nodes[1].node_id],
+        env=multinode_cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["kept"] and report["second"] == report["first"], report
 
 
 STEPS = 20
