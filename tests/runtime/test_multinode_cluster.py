@@ -100,19 +100,20 @@ def test_the_cluster_has_three_alive_nodes_and_refuses_clients_without_the_token
     assert out.returncode != 0 and "InvalidAuthToken" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
+def _client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
+    """Run a client script on the cluster; the JSON on its last line of output."""
+    out = subprocess.run(
+        [sys.executable, "-c", source, *args], env=cluster.env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_spread_actors_land_on_three_nodes_and_read_objects_across_stores(
     multinode_cluster: LocalCluster,
 ):
     cluster = multinode_cluster
-    out = subprocess.run(
-        [sys.executable, "-c", SPREAD_CLIENT],
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = _client_report(cluster, SPREAD_CLIENT)
     assert sorted(report["nodes"]) == sorted(cluster.alive_nodes()), report
     assert report["total"] == sum(range(250_000))
     owner, reader = report["nodes"][:2]
@@ -122,15 +123,7 @@ def test_spread_actors_land_on_three_nodes_and_read_objects_across_stores(
 def test_a_node_full_of_actors_keeps_an_idle_task_worker_for_the_next_task(multinode_cluster: LocalCluster):
     # Ray's default kills it after 1 s, and each of a run's Ray Data read tasks then started a new
     # process importing TensorFlow (docs/cluster.md): RAY_NODE_ENV on every node towerflow starts.
-    out = subprocess.run(
-        [sys.executable, "-c", IDLE_WORKER_CLIENT, multinode_cluster.nodes[1].node_id],
-        env=multinode_cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = _client_report(multinode_cluster, IDLE_WORKER_CLIENT, multinode_cluster.nodes[1].node_id)
     assert report["kept"] and report["second"] == report["first"], report
 
 

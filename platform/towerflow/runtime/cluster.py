@@ -64,9 +64,10 @@ def keep_embedded_ray_local() -> None:
 # Ray kills a node's idle worker processes beyond its CPU count after 1 s. Where the job's actors fill
 # a node's CPUs, every Ray Data read task then starts a new process that imports TensorFlow (3-4 s
 # on 2 cores) instead of reusing the last one: 60 steps of a 3-worker run on 2-CPU test nodes took
-# 88 s instead of 31. Every Ray node towerflow starts keeps idle workers for a minute.
-IDLE_WORKER_KEEP_MS = 60_000
-RAY_NODE_ENV = {"RAY_idle_worker_killing_time_threshold_ms": str(IDLE_WORKER_KEEP_MS)}
+# 88 s instead of 31. Every Ray node towerflow starts keeps idle workers for a minute: the embedded
+# Ray through its system config, every other node through the environment of its `ray start`.
+RAY_NODE_CONFIG = {"idle_worker_killing_time_threshold_ms": 60_000}
+RAY_NODE_ENV = {f"RAY_{name}": str(value) for name, value in RAY_NODE_CONFIG.items()}
 
 
 def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> str:
@@ -94,7 +95,7 @@ def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> 
             log_to_driver=False,  # actor logs stay in /tmp/ray/session_latest/logs; errors still reach us
             configure_logging=True,
             logging_level="WARNING",
-            _system_config={"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS},
+            _system_config=RAY_NODE_CONFIG,
         )
         how = "embedded"
         host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
