@@ -34,7 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import costmodel  # noqa: E402
 import costmodel_report  # noqa: E402
-from common import ensure_mnist, machine, make_log  # noqa: E402
+from common import ensure_mnist, machine, make_log, source_revision  # noqa: E402
 from cpu_budget import wait_for_quiet  # noqa: E402
 from peers import report  # noqa: E402
 from peers.plan import SYSTEMS, Run, default_plan, evaluate, make_run, rounds_of  # noqa: E402
@@ -176,7 +176,13 @@ def cost_model_section(found: dict, figures: dict, img: Path, rel: str) -> tuple
 
 
 def render(
-    runs: list[Run], found: dict | None, args: argparse.Namespace, started: float, elapsed: float, img: Path
+    runs: list[Run],
+    found: dict | None,
+    args: argparse.Namespace,
+    started: float,
+    elapsed: float,
+    source: str,
+    img: Path,
 ) -> tuple[str, dict]:
     figures = report.collect(runs)
     targets, values = report.targets_table(figures)
@@ -187,7 +193,7 @@ def render(
     parts = [
         f"## Peers, `make bench` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))})",
         "",
-        f"Machine: {machine()}. {args.rounds} interleaved round(s); {len(runs)} runs, each a fresh process; "
+        f"Machine: {machine()}. Source: {source}. {args.rounds} interleaved round(s); {len(runs)} runs, each a fresh process; "
         f"{elapsed / 60:.1f} minutes in all. Ratios are of medians measured in this run; "
         "absolute figures hold for this machine and hour only. Snapshots for time to accuracy are "
         "saved off the clock by Keras, Ray Train and the naive PS; towerflow and ParameterServerStrategy "
@@ -252,20 +258,27 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((args.render_from / "runs.json").read_text())
         runs = [Run.from_dict(r) for r in saved["runs"]]
         started, elapsed = saved["started"], saved["elapsed_s"]
+        source = saved.get("source", "not recorded")
         costs = args.render_from / "costs.json"
         found = json.loads(costs.read_text()) if costs.is_file() else None
         args.rounds = max(r.round for r in runs)
     else:
+        source = source_revision(ROOT)  # before the run rewrites docs/benchmarks.md
         ensure_mnist(args.data, log)
         shutil.rmtree(args.out, ignore_errors=True)
         args.out.mkdir(parents=True)
         runs, overheads = run_all(args)
         found = measure_costs(args, overheads)
         elapsed = time.time() - started
-        saved = {"started": started, "elapsed_s": elapsed, "runs": [r.to_dict() for r in runs]}
+        saved = {
+            "started": started,
+            "elapsed_s": elapsed,
+            "source": source,
+            "runs": [r.to_dict() for r in runs],
+        }
         (args.out / "runs.json").write_text(json.dumps(saved))
     img = (args.out / "img") if args.no_docs else DOCS.parent / "img"
-    section, values = render(runs, found, args, started, elapsed, img)
+    section, values = render(runs, found, args, started, elapsed, source, img)
     print("\n" + section)
     if not args.no_docs:
         write_docs(section)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +30,23 @@ def machine() -> str:
     cpu = found.group(1) if found else platform.processor() or "unknown CPU"
     ram = psutil.virtual_memory().total / (1 << 30)
     return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM, Python {platform.python_version()}"
+
+
+def source_revision(root: Path) -> str:
+    """Which code a report came from: the commit, and whether tracked files differed from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        )
+    except OSError:
+        return "not a git checkout"
+    if head.returncode != 0:
+        return "not a git checkout"
+    edits = len(changed.stdout.splitlines())
+    return f"commit {head.stdout.strip()}, " + (f"{edits} tracked file(s) changed" if edits else "no changes")
 
 
 def ensure_mnist(
