@@ -198,3 +198,12 @@ def takes_ctrl_c() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def ray_data_claims(ray) -> set[str]:
+    """The executions Ray Data's autoscaling coordinator (a detached actor) splits the cluster's
+    cores between: each keeps a share until it is shut down, or for 180 s after it last spoke."""
+    from ray.data._internal.cluster_autoscaler import get_or_create_autoscaling_coordinator
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    return set(ray.get(coordinator.__ray_call__.remote(lambda self: list(self._ongoing_reqs))))

@@ -100,6 +100,19 @@ def test_the_cluster_has_three_alive_nodes_and_refuses_clients_without_the_token
     assert out.returncode != 0 and "InvalidAuthToken" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
+# The data pipelines' claims on the cluster's cores on record (data/claims.py): coordinator -> requester.
+CLAIMS_CLIENT = """
+import json
+
+import ray
+
+ray.init(logging_level="ERROR", log_to_driver=False)
+from towerflow.data import claims
+
+print(json.dumps(claims.recorded()))
+"""
+
+
 def _client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
     """Run a client script on the cluster; the JSON on its last line of output."""
     out = subprocess.run(
@@ -340,8 +353,12 @@ def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_dat
     driver.wait()
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "RUNNING"  # nobody closed it
+    left = _client_report(cluster, CLAIMS_CLIENT)  # its data pipeline's claim on the cores, on record
+    assert left, "the killed driver's pipeline left no claim on record"
     again = _finish(_train(cluster, spec, "--resume", "auto"))
     assert f"continuing run {run_id}" in again
+    # The new run withdrew it before reading, instead of reading with half the cores for 180 s.
+    assert all(requester in again for requester in left.values()), (left, again[-3000:])
     experiment = client.get_experiment_by_name("driver-loss")
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     run = client.get_run(run_id)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from sample_hooks import StopAtStepHook
-from support import blob_spec, blobs
+from support import blob_spec, blobs, ray_data_claims
 
 from models import mlp
 from towerflow.runtime.driver import Driver
@@ -218,26 +218,17 @@ def test_towers_inside_workers(ray_cluster, blob_data):
     assert worker["gpu_peak_mb"] == {}
 
 
-def _ray_data_claims(ray) -> set[str]:
-    """The executions Ray Data's autoscaling coordinator (a detached actor) splits the cluster's
-    cores between: each keeps a share until it is shut down, or for 180 s after it last spoke."""
-    from ray.data._internal.cluster_autoscaler import get_or_create_autoscaling_coordinator
-
-    coordinator = get_or_create_autoscaling_coordinator()
-    return set(ray.get(coordinator.__ray_call__.remote(lambda self: list(self._ongoing_reqs))))
-
-
 def test_hooks_can_stop_the_job_and_its_reads_give_their_cores_back(ray_cluster, blob_data):
     spec = validate_spec(blob_spec(blob_data, data={"epochs": 5}, training={"max_steps": 500}))
     from towerflow.launch import train
 
-    before = _ray_data_claims(ray_cluster)
+    before = ray_data_claims(ray_cluster)
     result = train(spec, hooks=[StopAtStepHook(3)], track=False)
     assert 3 <= result.global_step < 500
     # The stop drains: every shard ends at the same version (the final checkpoint's cut).
     assert {s["version"] for s in result.shards} == {result.global_step}
     # Its stream, 4 epochs from its end, was shut down: no claim left to starve the next job's reads.
-    assert _ray_data_claims(ray_cluster) <= before
+    assert ray_data_claims(ray_cluster) <= before
 
 
 def test_cluster_ps_auto_trains_on_the_shard_count_the_cost_model_picks(ray_cluster, blob_data):

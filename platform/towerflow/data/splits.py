@@ -24,6 +24,8 @@ from typing import Any
 import ray
 from ray.data._internal.iterator.stream_split_iterator import SplitCoordinator, StreamSplitDataIterator
 
+from towerflow.data import claims
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,8 +45,10 @@ class Leftover:
 class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
     """Ray Data's split coordinator, also keeping each split's blocks until their rows are used."""
 
-    def __init__(self, dataset: Any, n: int, locality_hints: Any) -> None:
+    def __init__(self, dataset: Any, n: int, locality_hints: Any, name: str) -> None:
         self._closed = False
+        self._name = name  # the actor's, under which its execution's claim on the cores is recorded
+        self._claimed: Any = None  # the execution last recorded
         super().__init__(dataset, n, locality_hints)
         self._ledger_lock = threading.Lock()
         # per split: [block ref, rows] in the order given out, from the first block not wholly used
@@ -74,6 +78,7 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
                 self._current_executor = dataset._create_executor()
                 self._output_iterator = dataset._build_bundle_iterator(self._current_executor)
                 self._current_executor.set_external_consumer_bytes(0)
+                self._record_claim()
             except Exception:  # the first barrier starts it the usual way, and reports the error
                 logger.warning("could not start reading ahead of the workers", exc_info=True)
                 if self._current_executor is not None:
@@ -102,7 +107,16 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
             executor = self._current_executor
         if executor is not None:
             executor.shutdown(force=True)
-            _claim_withdrawn()
+            claims.wait_for_withdrawal()
+        claims.forget(self._name)
+
+    def _record_claim(self) -> None:
+        """Record the running execution's claim, so that a later job withdraws it if this actor
+        dies with its driver before the execution's shutdown does (towerflow/data/claims.py)."""
+        executor = self._current_executor
+        if executor is not None and executor is not self._claimed:
+            claims.record(self._name, claims.requester_of(executor))
+            self._claimed = executor
 
     # Ray's barrier waits while this count is not 0. Once closed it reads 0 whatever the splits
     # arriving later subtract from it, so nobody waits (a count set to 0 would go below it).
@@ -121,7 +135,10 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
                     self._reset_state()
                     self._cur_epoch += 1
                     return None
-            return super()._try_start_new_epoch(starting_epoch)
+            try:
+                return super()._try_start_new_epoch(starting_epoch)
+            finally:
+                self._record_claim()
         with self._lock:  # an empty epoch: counted as started, and every `get` answers None
             if self._cur_epoch == starting_epoch:
                 self._cur_epoch += 1
@@ -176,18 +193,6 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
     def given_rows(self, split: int) -> int:
         with self._ledger_lock:
             return self._dropped_rows[split] + sum(rows for _, rows in self._given[split])
-
-
-def _claim_withdrawn() -> None:
-    """Wait until the autoscaling coordinator has the executor's withdrawal, which the shutdown sends
-    without waiting: a call from this process to the same actor runs after it. (The driver may
-    exit, and this actor die with it, at once.)"""
-    from ray.data._internal.cluster_autoscaler import get_or_create_autoscaling_coordinator
-
-    try:
-        ray.get(get_or_create_autoscaling_coordinator().get_reserved_resources.remote(""), timeout=10)
-    except Exception:  # Ray Data's internals moved, or the actor is gone: the claim then expires
-        logger.debug("could not confirm the end of the data's claim on the cluster's cores", exc_info=True)
 
 
 _ledgered_coordinator = ray.remote(num_cpus=0)(_LedgeredCoordinator)
@@ -248,10 +253,14 @@ def resumable_streaming_split(
     op = StreamingSplit(num_splits=n, equal=equal, input_dependencies=[dataset._logical_plan.dag])
     split_dataset = Dataset._from_parent(dataset, LogicalPlan(op, dataset.context))
     split_dataset._set_uuid(dataset._uuid)
+    claims.withdraw_orphaned()  # a killed driver's execution would otherwise keep half the cores
+    name = claims.new_coordinator_name()
     coordinator = _ledgered_coordinator.options(
+        name=name,
+        namespace=claims.ACTOR_NAMESPACE,
         max_concurrency=n + 2,  # one thread per split (as Ray's own), one for shutting down, one to close
         label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
-    ).remote(split_dataset, n, None)
+    ).remote(split_dataset, n, None, name)
     if prestart:
         coordinator.prestart.remote()
     return [ResumableSplit(coordinator, i, n) for i in range(n)]
