@@ -3,8 +3,11 @@ on 127.0.0.1, restartable on the same data, and gone when stopped."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
+import psutil
 import pytest
 from tracking_server import process_tree, still_running
 
@@ -53,3 +56,33 @@ def test_the_uri_carries_no_password(data_dir):
         assert not [c for c in cmdlines if "never-on-a-command-line" in c]
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the server to another account")
+def test_root_runs_binaries_kept_in_a_private_folder_from_a_copy_the_server_account_can_reach(
+    data_dir, tmp_path, monkeypatch
+):
+    # As a clone in `mktemp -d` (0700) has them: its .venv, and so the wheel's binaries, are private.
+    from towerflow.local_cluster import postgres
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    package = postgres.postgres_bin_dir().parents[1]  # the wheel's: pginstall/bin, and <package>.libs beside
+    for folder in (package, package.with_name(f"{package.name}.libs")):
+        if folder.is_dir():
+            shutil.copytree(folder, private / folder.name, symlinks=True)
+    bin_dir = private / package.name / "pginstall" / "bin"
+    monkeypatch.setattr(postgres, "postgres_bin_dir", lambda: bin_dir)
+    runner = postgres._server_account()
+    assert not postgres._reachable(runner, bin_dir / "postgres")
+
+    server = start_postgres(data_dir, password="pw")
+    try:
+        (executable,) = {p.exe() for p in process_tree(server.process.pid) if p.name() == "postgres"}
+        assert not executable.startswith(str(private)) and postgres._reachable(runner, Path(executable))
+        assert psutil.Process(server.process.pid).username() == runner.pw_name
+        with server.connect() as db:
+            assert db.execute("SELECT 1").fetchall() == [(1,)]
+    finally:
+        assert server.stop()
+        shutil.rmtree(Path(executable).parents[3])  # this test's copy (named after its tmp_path)

