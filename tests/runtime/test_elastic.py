@@ -62,6 +62,10 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
     assert alone and alone[0].elapsed_s - hook.asked_at[0].elapsed_s < 15, "worker 1 left soon after the ask"
     grown = [e for e in hook.events if e.workers == [0, 2]]
     assert grown and grown[0].global_step > alone[-1].global_step, "a new worker (id 2) joined later"
+    # The spare traced its step while worker 0 trained on, not in its first step after joining,
+    # and worker 0 kept its traced step through both resizes.
+    traces = {w["worker"]: w["traces"] for w in result.workers}  # in each worker's last run
+    assert traces[2] == 0 and traces[0] == 0, traces
     # One shard process all along: its counters cover every step.
     assert result.shards[0]["version"] == 200
     history = MlflowClient(uri).get_metric_history(result.run_id, "workers")

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from models import mlp
-from towerflow.runtime.towers import TowerStep, split_sizes
+from towerflow.runtime.towers import TowerStep, signature_of, split_sizes
 
 
 def test_split_sizes():
@@ -91,3 +91,25 @@ def test_a_next_run_with_the_same_buckets_keeps_the_traced_step():
     towers.model = model  # a new model (a tower's preprocessing in front): traced anew
     towers(x, y)
     assert towers.traces == 3 and calls[5:] == [0]
+
+
+def test_a_step_traced_ahead_for_a_batchs_signature_runs_that_batch_without_tracing_again():
+    """A spare worker traces its step before it joins (runtime/worker.py `warm_up`)."""
+    model = mlp.build(input_dim=6, num_classes=3, hidden=[8], seed=2)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = np.ones((4, 6), np.float32), np.array([0, 1, 2, 0])
+    calls = []
+
+    def hook(bucket, loss, *gradients):
+        calls.append(bucket)
+        return np.int64(0)
+
+    towers = TowerStep(model, loss_fn, ["/CPU:0", "/CPU:1"])
+    towers.push_in_buckets([[3, 2], [1, 0]], hook)
+    towers.trace(signature_of(x, y))
+    assert towers.traces == 1 and calls == []  # traced, not run
+    towers(x, y)
+    towers(x + 1, y)
+    assert towers.traces == 1 and calls == [0, 1, 0, 1]
+    towers(x[:3], y[:3])  # another batch size (a partial last batch): its own trace
+    assert towers.traces == 2

@@ -72,6 +72,7 @@ class Driver(RecoveryActions, CheckpointActions):
         self.shard_group = ShardGroup(spec, self._apply_threads(), self.actor_placement)
         self.elastic = ElasticPolicy.for_spec(spec)
         self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
+        self._warm_up_info: Any = None  # a member's batch signature, for spares to trace ahead
         self.state = State.STARTING
         self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
         self._ready_events: list[Any] = []  # steps completed by a resize's drain, to report

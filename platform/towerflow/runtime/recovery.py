@@ -4,6 +4,7 @@ mixes these in; it owns the loop, the hooks and the run's state."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
@@ -47,7 +48,21 @@ class RecoveryActions:
         group.drop_spares(-wanted)
         for _ in range(wanted):
             group.request_spare()
-        return self.elastic.resize(group.running, group.ready_spares())
+        return self.elastic.resize(group.running, group.ready_spares(self._warm_up_spare))
+
+    def _warm_up_spare(self, actor: Any) -> Any:
+        """Have a started spare trace its step for the members' batches while they train on (the
+        ref of the call), or None when no member has had a batch yet."""
+        if self._warm_up_info is None:
+            for worker_id in self.group.running:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    info = ray.get(self.group.slots[worker_id].actor.warm_up_info.remote(), timeout=10)
+                    if info is not None:
+                        self._warm_up_info = info
+                        break
+        if self._warm_up_info is None:
+            return None
+        return actor.warm_up.remote(self._placement(), self.shard_group.buckets, self._warm_up_info)
 
     def _resize(self, *, leaving: list[int], joining: list[int], records: list[Any]) -> None:
         """Stop every worker between steps, take in `joining`, let `leaving` (and any lost) go, and

@@ -21,6 +21,13 @@ def split_sizes(batch: int, towers: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(towers)]
 
 
+def signature_of(inputs: Any, labels: Any) -> tuple[Any, Any]:
+    """The types and shapes of a worker batch (tf.TypeSpecs), which `TowerStep.trace` traces for."""
+    import tensorflow as tf
+
+    return tf.nest.map_structure(tf.type_spec_from_value, (inputs, labels))
+
+
 class TowerStep:
     """Computes (loss, metrics, averaged gradients) for one worker batch across its towers."""
 
@@ -82,6 +89,12 @@ class TowerStep:
         self._buckets = buckets
         self._on_bucket = on_bucket
         self._step = self._new_step()  # retrace with the hooks
+
+    def trace(self, signature: tuple[Any, Any]) -> None:
+        """Trace the step for batches of `signature` (`signature_of` a batch) without running it: a
+        spare worker does so before it joins a run, so that its first step computes at once instead
+        of holding every worker of a sync step while it traces (seconds)."""
+        self._step.get_concrete_function(*signature)
 
     def _graph(self, inputs, labels):
         self.traces += 1  # Python runs only while tracing

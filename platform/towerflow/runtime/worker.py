@@ -25,6 +25,7 @@ from towerflow.runtime.protocol import Verdict
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow
+from towerflow.runtime.towers import signature_of
 from towerflow.runtime.worker_config import WorkerConfig
 from towerflow.shared_types import VariableInfo, as_stream, until_stopped
 
@@ -63,6 +64,15 @@ class WorkerReport:
 
     records: list[StepRecord]
     busy_s: float | None
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """A member's batch, as a spare traces its step ahead: types and shapes, and the towers' own
+    preprocessing (the model the step calls)."""
+
+    signature: tuple[Any, Any]
+    tower_preprocess: list[str]
 
 
 class TowerWorker:
@@ -110,6 +120,7 @@ class TowerWorker:
         self._step: StepPushes | None = None  # the step in progress, as the push hooks see it
         self._busy_since: float | None = None  # when the current step's own work began (monotonic)
         self._faults = config.faults or FaultInjector()
+        self._warm_up: WarmUp | None = None  # what a spare needs to trace ahead, from the first batch
 
     def _misfit(self, exc: Exception, inputs: Any, labels: Any) -> SpecError:
         """The first step failed to build or run. With a model that built, that is almost always
@@ -153,6 +164,23 @@ class TowerWorker:
 
     def devices_used(self) -> list[str]:
         return list(self.devices)
+
+    def warm_up_info(self) -> WarmUp | None:
+        """What a spare needs to trace this worker's step ahead (None before its first batch)."""
+        return self._warm_up
+
+    def warm_up(self, placement: Placement, buckets: list[list[int]], info: WarmUp) -> int:
+        """Trace the step a run with these pushes takes, for batches like a member's (`info`),
+        without running it: a spare does it before it joins, so that its first step does not hold
+        every worker of a sync step while it traces. Returns the traces made so far."""
+        self.towers.push_in_buckets(PushPlan([], placement, buckets).bucket_variables, self._push_bucket)
+        self._wrap_towers(info.tower_preprocess)
+        self.towers.trace(info.signature)
+        return self.towers.traces
+
+    def _wrap_towers(self, tower_preprocess: list[str]) -> None:
+        if tower_preprocess and not isinstance(self.towers.model, TowerModel):
+            self.towers.model = TowerModel(self.model, tower_preprocess)
 
     def pid(self) -> int:
         """This worker's process (fault benchmarks and tests kill or pause it for real)."""
@@ -289,8 +317,8 @@ class TowerWorker:
         start = time.perf_counter()
         stream = as_stream(data)
         self.adapter.varlen = stream.options.varlen
-        if stream.options.tower_preprocess and not isinstance(self.towers.model, TowerModel):
-            self.towers.model = TowerModel(self.model, stream.options.tower_preprocess)
+        self._wrap_towers(stream.options.tower_preprocess)
+        traces = self.towers.traces
         batches = iter(
             stream.batches(
                 batch_size=cfg.batch_size,
@@ -329,6 +357,10 @@ class TowerWorker:
                     break
                 inputs, labels = self.adapter(batch)
                 rows = int(labels.shape[0])
+                if self._warm_up is None and rows == cfg.batch_size:  # a whole batch, as most are
+                    self._warm_up = WarmUp(
+                        signature_of(inputs, labels), list(stream.options.tower_preprocess)
+                    )
                 t1 = time.perf_counter()
                 if fetched:
                     self._assign(ray.get(param_refs), placement, staging)
@@ -409,6 +441,7 @@ class TowerWorker:
             "seconds": time.perf_counter() - start,
             "devices": list(self.devices),
             "gpu_peak_mb": _gpu_peak_mb(self.devices),
+            "traces": self.towers.traces - traces,  # 0: its step was traced before (a warmed spare's)
         }
 
 

@@ -51,7 +51,8 @@ class WorkerGroup:
         self.recoveries_s: list[float] = []  # per replacement: loss noticed -> its first step
         self.spares: dict[
             int, tuple[Any, Any]
-        ] = {}  # elastic: id -> (actor Ray may not have placed yet, its start)
+        ] = {}  # elastic: id -> (actor Ray may not have placed yet, its start or its warm-up)
+        self._warmed: set[int] = set()  # spares asked to trace their step ahead
         self._next_id = 0
         self.replacements = 0  # new actors put in lost workers' places
 
@@ -68,18 +69,34 @@ class WorkerGroup:
         self.spares[worker_id] = (actor, actor.devices_used.remote())
         return worker_id
 
-    def ready_spares(self) -> list[int]:
-        """The spares that have started (placed, TensorFlow imported, model built); a failed one is dropped."""
+    def ready_spares(self, warm_up: Callable[[Any], Any] | None = None) -> list[int]:
+        """The spares that have started (placed, TensorFlow imported, model built) and, given
+        `warm_up` (a spare's actor -> the ref of its `warm_up` call, or None: nothing to trace for
+        yet), traced their step ahead. A spare that failed to start is dropped; one whose trace
+        failed is ready all the same (it traces in its first step)."""
         ready = []
-        for worker_id, (_actor, started) in list(self.spares.items()):
-            if not ray.wait([started], timeout=0)[0]:
+        for worker_id, (actor, pending) in list(self.spares.items()):
+            if not ray.wait([pending], timeout=0)[0]:
                 continue
             try:
-                ray.get(started)
-                ready.append(worker_id)
+                ray.get(pending)
+            except ray.exceptions.RayTaskError as exc:
+                if worker_id not in self._warmed:
+                    log.warning("spare worker %d did not start: %s", worker_id, _first_line(exc))
+                    del self.spares[worker_id]
+                    continue
+                log.info("spare worker %d could not trace its step ahead: %s", worker_id, _first_line(exc))
             except ray.exceptions.RayError as exc:
                 log.warning("spare worker %d did not start: %s", worker_id, _first_line(exc))
                 del self.spares[worker_id]
+                continue
+            if warm_up is not None and worker_id not in self._warmed:
+                tracing = warm_up(actor)
+                if tracing is not None:
+                    self._warmed.add(worker_id)
+                    self.spares[worker_id] = (actor, tracing)
+                    continue
+            ready.append(worker_id)
         return ready
 
     def drop_spares(self, count: int) -> None:
