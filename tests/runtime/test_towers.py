@@ -68,44 +68,42 @@ def test_push_hooks_hand_over_each_bucket_in_order_from_inside_the_graph():
             np.testing.assert_allclose(gradient, grads[index].numpy(), atol=1e-7)
 
 
-def test_a_next_run_with_the_same_buckets_keeps_the_traced_step():
-    """A worker's run after a resize or a rollback sets the same hooks again: no new trace."""
+class _BucketCalls(list):
+    """A push hook that notes the bucket of each call."""
+
+    def __call__(self, bucket, loss, *gradients):
+        self.append(bucket)
+        return np.int64(0)
+
+
+def _small_step(devices: list[str]):
+    """A 2-layer MLP's TowerStep, a batch of 4, and a hook noting the buckets pushed."""
     model = mlp.build(input_dim=6, num_classes=3, hidden=[8], seed=2)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = np.ones((4, 6), np.float32), np.array([0, 1, 2, 0])
-    calls = []
+    return TowerStep(model, loss_fn, devices), x, y, _BucketCalls()
 
-    def hook(bucket, loss, *gradients):
-        calls.append(bucket)
-        return np.int64(0)
 
-    towers = TowerStep(model, loss_fn, ["/CPU:0"])
-    towers.push_in_buckets([[3, 2], [1, 0]], hook)
+def test_a_next_run_with_the_same_buckets_keeps_the_traced_step():
+    """A worker's run after a resize or a rollback sets the same hooks again: no new trace."""
+    towers, x, y, calls = _small_step(["/CPU:0"])
+    towers.push_in_buckets([[3, 2], [1, 0]], calls)
     towers(x, y)
-    towers.push_in_buckets([[3, 2], [1, 0]], hook)
+    towers.push_in_buckets([[3, 2], [1, 0]], calls)
     towers(x, y)
     assert towers.traces == 1 and calls == [0, 1, 0, 1]
-    towers.push_in_buckets([[3, 2, 1, 0]], hook)  # new buckets (new shards): traced anew
+    towers.push_in_buckets([[3, 2, 1, 0]], calls)  # new buckets (new shards): traced anew
     towers(x, y)
     assert towers.traces == 2 and calls[4:] == [0]
-    towers.model = model  # a new model (a tower's preprocessing in front): traced anew
+    towers.model = towers.model  # a new model (a tower's preprocessing in front): traced anew
     towers(x, y)
     assert towers.traces == 3 and calls[5:] == [0]
 
 
 def test_a_step_traced_ahead_for_a_batchs_signature_runs_that_batch_without_tracing_again():
     """A spare worker traces its step before it joins (runtime/worker.py `warm_up`)."""
-    model = mlp.build(input_dim=6, num_classes=3, hidden=[8], seed=2)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x, y = np.ones((4, 6), np.float32), np.array([0, 1, 2, 0])
-    calls = []
-
-    def hook(bucket, loss, *gradients):
-        calls.append(bucket)
-        return np.int64(0)
-
-    towers = TowerStep(model, loss_fn, ["/CPU:0", "/CPU:1"])
-    towers.push_in_buckets([[3, 2], [1, 0]], hook)
+    towers, x, y, calls = _small_step(["/CPU:0", "/CPU:1"])
+    towers.push_in_buckets([[3, 2], [1, 0]], calls)
     towers.trace(signature_of(x, y))
     assert towers.traces == 1 and calls == []  # traced, not run
     towers(x, y)
