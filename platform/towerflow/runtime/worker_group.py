@@ -80,16 +80,13 @@ class WorkerGroup:
                 continue
             try:
                 ray.get(pending)
-            except ray.exceptions.RayTaskError as exc:
-                if worker_id not in self._warmed:
-                    log.warning("spare worker %d did not start: %s", worker_id, _first_line(exc))
+            except ray.exceptions.RayError as exc:
+                tracing_failed = worker_id in self._warmed and isinstance(exc, ray.exceptions.RayTaskError)
+                if not tracing_failed:  # it never started, or its process is gone
+                    log.warning("spare worker %d is lost before joining: %s", worker_id, _first_line(exc))
                     del self.spares[worker_id]
                     continue
                 log.info("spare worker %d could not trace its step ahead: %s", worker_id, _first_line(exc))
-            except ray.exceptions.RayError as exc:
-                log.warning("spare worker %d did not start: %s", worker_id, _first_line(exc))
-                del self.spares[worker_id]
-                continue
             if warm_up is not None and worker_id not in self._warmed:
                 tracing = warm_up(actor)
                 if tracing is not None:
