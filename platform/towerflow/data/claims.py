@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 import ray
 
@@ -88,7 +89,7 @@ def withdraw_orphaned() -> list[str]:
         for name, requester in orphans.items():
             autoscaling.cancel_request.remote(requester)
             forget(name)
-        wait_for_withdrawal()
+        wait_for_withdrawal(autoscaling)
     except Exception:  # Ray Data's internals moved: the claims expire as before
         logger.debug("could not withdraw the claims of data pipelines whose driver is gone", exc_info=True)
         return []
@@ -100,12 +101,14 @@ def withdraw_orphaned() -> list[str]:
     return sorted(orphans.values())
 
 
-def wait_for_withdrawal() -> None:
-    """Wait until the autoscaling coordinator has every withdrawal sent to it from this process
-    (sent without waiting; a later call to the same actor from here runs after them)."""
+def wait_for_withdrawal(autoscaling: Any = None) -> None:
+    """Wait until the autoscaling coordinator (`autoscaling`, a handle already got, or looked up)
+    has every withdrawal sent to it from this process (sent without waiting; a later call to the
+    same actor from here runs after them)."""
     from ray.data._internal.cluster_autoscaler import get_or_create_autoscaling_coordinator
 
     try:
-        ray.get(get_or_create_autoscaling_coordinator().get_reserved_resources.remote(""), timeout=10)
+        autoscaling = autoscaling or get_or_create_autoscaling_coordinator()
+        ray.get(autoscaling.get_reserved_resources.remote(""), timeout=10)
     except Exception:  # Ray Data's internals moved, or the actor is gone: the claim then expires
         logger.debug("could not confirm the end of the data's claim on the cluster's cores", exc_info=True)

@@ -172,6 +172,15 @@ def _shared_root() -> Path:
     return base / "towerflow-postgres"
 
 
+def _open_shared_root() -> None:
+    """Make the shared root (if need be) such that the server's account may traverse it; nobody
+    else lists it."""
+    root = _shared_root()
+    root.mkdir(parents=True, exist_ok=True)
+    if root.stat().st_uid == os.geteuid():
+        root.chmod(0o711)
+
+
 def postgres_bin_dir() -> Path:
     """The folder with initdb, pg_ctl and postgres."""
     for package in _PACKAGES:
@@ -205,9 +214,7 @@ def _runnable_bin_dir(runner: pwd.struct_passwd | None) -> Path:
     root = _shared_root()
     copy = root / f"pginstall-{digest}"
     if not (copy / package.name / install.name / "bin" / "pg_ctl").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        if root.stat().st_uid == os.geteuid():
-            root.chmod(0o711)  # traversed by the server's account, listed by nobody else
+        _open_shared_root()
         staging = Path(tempfile.mkdtemp(prefix=".pginstall-", dir=root))
         try:
             made = staging / "copy"
@@ -247,8 +254,8 @@ def _initdb(
 def _chown_private(parent: Path, data_dir: Path, runner: pwd.struct_passwd) -> None:
     """Hand `data_dir` to the server's account; a parent made here for it (towerflow-postgres under
     /var/tmp) must let it through."""
-    if parent.name == "towerflow-postgres" and parent.stat().st_uid == os.geteuid():
-        parent.chmod(0o711)
+    if parent == _shared_root():
+        _open_shared_root()
     os.chown(data_dir, runner.pw_uid, runner.pw_gid)
 
 

@@ -1,5 +1,6 @@
-"""How a job's failures reach the user: checks the driver makes before any actor starts, and the
-user's own error found inside Ray's wrappers (a failed actor keeps only its text)."""
+"""How a job's failures reach the user: checks the driver makes before any actor starts, the
+user's own error found inside Ray's wrappers (a failed actor keeps only its text), and what a
+worker says when the model, its loss and the data do not fit together."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import ray
 
 from towerflow import errors
-from towerflow.errors import TowerflowError, TrainingError
+from towerflow.errors import SpecError, TowerflowError, TrainingError
 from towerflow.imports import UnimportableModule, check_arguments, import_ref
 
 
@@ -72,3 +73,32 @@ def _without_retry_advice(exc: TowerflowError) -> TowerflowError:
     if exc.args and isinstance(exc.args[0], str):
         exc.args = (_RAY_DATA_RETRY_ADVICE.sub("", exc.args[0]), *exc.args[1:])
     return exc
+
+
+def misfit_error(
+    exc: Exception, model: Any, config: Any, input_names: list[str], inputs: Any, labels: Any
+) -> SpecError:
+    """A worker's first step failed to build or run (`config`: its WorkerConfig). With a model that
+    built, that is almost always the model, its loss and the data not fitting together: say so,
+    with the shapes of each."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("[[", "[Op:"))]
+    gist = lines[-1].removeprefix(f"{type(exc).__name__}: ") if lines else ""
+    gist = gist if len(gist) <= 160 else gist[:160] + " ..."
+    fed = inputs if isinstance(inputs, dict) else {input_names[0]: inputs}
+    fed_shapes = ", ".join(f"{name} {t.dtype.name} {list(t.shape)}" for name, t in fed.items())
+    return SpecError(
+        f"model: the first training step failed ({type(exc).__name__}: {gist}). The model, its loss "
+        f"and the data do not fit together: the data gives the model {fed_shapes}, and labels "
+        f"(data.train.label {config.label!r}) {labels.dtype.name} {list(labels.shape)}; the model "
+        f"(model.params) outputs {_output_shape(model)}; model.loss is {config.loss} "
+        f"(from_logits {str(config.from_logits).lower()})."
+    )
+
+
+def _output_shape(model: Any) -> Any:
+    """The model's output shape for a message; '?' where Keras cannot tell (a subclassed model)."""
+    try:
+        return model.output_shape
+    except Exception:  # noqa: BLE001 - only a message depends on it
+        return "?"

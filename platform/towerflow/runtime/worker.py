@@ -26,6 +26,7 @@ from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow
 from towerflow.runtime.towers import signature_of
+from towerflow.runtime.user_errors import misfit_error
 from towerflow.runtime.worker_config import WorkerConfig
 from towerflow.shared_types import VariableInfo, as_stream, until_stopped
 
@@ -121,24 +122,6 @@ class TowerWorker:
         self._busy_since: float | None = None  # when the current step's own work began (monotonic)
         self._faults = config.faults or FaultInjector()
         self._warm_up: WarmUp | None = None  # what a spare needs to trace ahead, from the first batch
-
-    def _misfit(self, exc: Exception, inputs: Any, labels: Any) -> SpecError:
-        """The first step failed to build or run. With a model that built, that is almost always
-        the model, its loss and the data not fitting together: say so, with the shapes of each."""
-        lines = [line.strip() for line in str(exc).splitlines()]
-        lines = [line for line in lines if line and not line.startswith(("[[", "[Op:"))]
-        gist = lines[-1].removeprefix(f"{type(exc).__name__}: ") if lines else ""
-        gist = gist if len(gist) <= 160 else gist[:160] + " ..."
-        fed = inputs if isinstance(inputs, dict) else {self.adapter.input_names[0]: inputs}
-        fed_shapes = ", ".join(f"{name} {t.dtype.name} {list(t.shape)}" for name, t in fed.items())
-        cfg = self.config
-        return SpecError(
-            f"model: the first training step failed ({type(exc).__name__}: {gist}). The model, its loss "
-            f"and the data do not fit together: the data gives the model {fed_shapes}, and labels "
-            f"(data.train.label {cfg.label!r}) {labels.dtype.name} {list(labels.shape)}; the model "
-            f"(model.params) outputs {_output_shape(self.model)}; model.loss is {cfg.loss} "
-            f"(from_logits {str(cfg.from_logits).lower()})."
-        )
 
     # -- called by the driver --------------------------------------------------------------------
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
@@ -374,7 +357,9 @@ class TowerWorker:
                 except self._misfit_errors as exc:
                     if steps:  # the spec fitted the data at the first step: not a mismatch
                         raise
-                    raise self._misfit(exc, inputs, labels) from exc
+                    raise misfit_error(
+                        exc, self.model, self.config, self.adapter.input_names, inputs, labels
+                    ) from exc
                 finally:
                     self._step = None
                 if step.error is not None:
@@ -492,11 +477,3 @@ def _loss_config(config: WorkerConfig) -> dict[str, Any]:
 def worker_actor(cpus: float, gpus: float):
     """The Ray actor class for a worker with this reservation (two threads: run, and drain/stop)."""
     return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_concurrency=3)(TowerWorker)
-
-
-def _output_shape(model: Any) -> Any:
-    """The model's output shape for a message; '?' where Keras cannot tell (a subclassed model)."""
-    try:
-        return model.output_shape
-    except Exception:  # noqa: BLE001 - only a message depends on it
-        return "?"
