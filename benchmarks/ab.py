@@ -23,9 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ensure_mnist, machine, make_log  # noqa: E402
+from peers.plan import STEPS as BENCH_STEPS  # noqa: E402
 from peers.workloads import ROOT, read_report  # noqa: E402
 
-STEPS = {"lenet": (8, 32), "mlp": (20, 200), "tiny": (20, 100)}  # (warm-up, timed) global batches
+# (warm-up, timed) global batches: the bench's windows (a shorter MLP window swings with the hour)
+STEPS = {name: (steps.warmup, steps.timed) for name, steps in BENCH_STEPS.items()} | {"tiny": (20, 100)}
 
 
 def run_once(tree: Path, workload: str, mode: str, workers: int, data: Path, out: Path) -> dict:

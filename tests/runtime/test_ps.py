@@ -5,8 +5,8 @@ import time
 import numpy as np
 import ray
 
-from towerflow.runtime.protocol import SyncProtocol
-from towerflow.runtime.ps import shard_actor
+from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol
+from towerflow.runtime.ps import parameter_values, shard_actor
 
 
 def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_applied(ray_cluster):
@@ -47,6 +47,33 @@ def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_ap
     stats = ray.get(shard.stats.remote())
     assert stats["version"] == 1 and stats["applied"] == 1
     assert stats["stale"] == 1  # counted once per gradient, by its last bucket
+    ray.kill(shard)
+
+
+def test_an_async_reply_carries_its_own_version_and_sync_replies_share_one_copy(ray_cluster):
+    # Async: each push makes a version only its pusher reads, sent in the reply itself; two pushes
+    # queued back to back must each get the values of their own version, not the newer one's.
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    shard = shard_actor(0.1).remote(0)
+    ray.get(shard.load.remote(["w"], [np.zeros(4, np.float32)], sgd, AsyncProtocol(), None))
+    first, second = (shard.push.remote([np.full(4, g, np.float32)], 0, w) for w, g in ((0, 1.0), (1, 2.0)))
+    replies = ray.get([first, second])
+    assert [r.next.version for r in replies] == [1, 2]
+    assert not any(isinstance(r.next.params, ray.ObjectRef) for r in replies)
+    values = parameter_values([r.next for r in replies])
+    np.testing.assert_allclose(values[0][0], -1.0)
+    np.testing.assert_allclose(values[1][0], -3.0)
+    assert ray.get(shard.stats.remote())["publications"] == 2  # the two replies' versions only
+    ray.kill(shard)
+
+    # Sync: every worker of a step reads the same version: one copy in the object store.
+    shard = shard_actor(0.1).remote(0)
+    protocol = SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)
+    ray.get(shard.load.remote(["w"], [np.zeros(4, np.float32)], sgd, protocol, None))
+    replies = ray.get([shard.push.remote([np.full(4, g, np.float32)], 0, w) for w, g in ((0, 1.0), (1, 3.0))])
+    refs = [r.next.params for r in replies]
+    assert all(isinstance(ref, ray.ObjectRef) for ref in refs) and refs[0].hex() == refs[1].hex()
+    np.testing.assert_allclose(parameter_values([replies[0].next])[0][0], -2.0)
     ray.kill(shard)
 
 

@@ -1,9 +1,12 @@
 """Parameter-server shard: a Ray actor that owns some variables, their optimizer slots and a version.
 
-Workers talk to shards directly. A shard publishes a version of its variables once into Ray's
-object store, when the first reply needs it; every worker that pulls that version shares the one
-copy, and a version no reply carries (async with fetch_every) is never put there. Pushed gradients go to the
-update protocol (sync or async), which says whether to hold, apply or drop them.
+Workers talk to shards directly. A version that several workers read (sync: every worker of the
+step; a pull) is published once into Ray's object store, when the first reply needs it, and they
+share the one copy. An async push's reply carries the version itself: no other worker reads it
+(the next push makes a newer one), so a shared copy would only add a put and Ray's borrowing
+of the reference. A version no reply carries (async with fetch_every) is never sent at all.
+Pushed gradients go to the update protocol (sync or async), which says whether to hold, apply or
+drop them.
 
 A shard's pieces may come in several gradient buckets, pushed one by one while the workers' backward
 pass still runs. Each bucket has its own protocol and version, as each variable had its own gradient
@@ -32,8 +35,19 @@ from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 @dataclass
 class ParamsReply:
     version: int
-    params: Any  # ray.ObjectRef of list[np.ndarray], one shared copy per version
+    # list[np.ndarray] by ray.ObjectRef (one shared copy per version), or the list itself (a reply
+    # of its own: `parameter_values` reads both), or None (the worker keeps the ones it has)
+    params: Any
     done: bool
+
+
+def parameter_values(replies: list[ParamsReply]) -> list[list[np.ndarray]]:
+    """Each reply's parameters, those published by reference fetched in one `ray.get`."""
+    by_ref = [i for i, reply in enumerate(replies) if isinstance(reply.params, ray.ObjectRef)]
+    values = [reply.params for reply in replies]
+    for i, fetched in zip(by_ref, ray.get([values[i] for i in by_ref]), strict=True):
+        values[i] = fetched
+    return values
 
 
 @dataclass
@@ -216,7 +230,12 @@ class ParameterShard:
         next_version = protocol.next_version_to_read(version_read)
         await self._wait_for(lambda: self._version >= next_version or self._done)
         # First: a publication here counts in the apply time.
-        params = self._params_reply() if with_params else ParamsReply(self._version, None, self._done)
+        if not with_params:
+            params = ParamsReply(self._version, None, self._done)
+        elif protocol.lockstep:
+            params = self._params_reply()
+        else:
+            params = self._own_params_reply()
         return PushReply(
             verdict,
             step,
@@ -302,7 +321,7 @@ class ParameterShard:
             "bucket_versions": dict(self._bucket_versions),
             **self._counts,
             "apply_s_total": self._apply_total_s,
-            "publications": self._publications,  # versions put in the object store
+            "publications": self._publications,  # versions sent: put in the object store or in a reply
             "variable_bytes": int(var_bytes),
             "slot_bytes": int(slot_bytes),
             "variables": list(self._names),
@@ -400,6 +419,14 @@ class ParameterShard:
             [v.numpy() for v in self._variables],
             {slot: [s[slot].numpy() for s in self._slots] for slot in self._optimizer.slot_names},
         )
+
+    def _own_params_reply(self) -> ParamsReply:
+        """The current version for one reader, in the reply itself. Views of the variables'
+        buffers: Ray copies them once, as it stores the reply; an update made before then leaves
+        them as they are (TensorFlow copies a variable's buffer before updating it while a view of
+        it lives)."""
+        self._publications += 1
+        return ParamsReply(self._version, [np.asarray(v.value()) for v in self._variables], self._done)
 
     def _params_reply(self) -> ParamsReply:
         """The current version, published by the first reply that needs it: versions that no

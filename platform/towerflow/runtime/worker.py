@@ -22,6 +22,7 @@ from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.protocol import Verdict
+from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow
@@ -203,7 +204,7 @@ class TowerWorker:
         from towerflow.runtime.evaluation import StreamingMetrics, per_example_loss
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
-        self._assign(ray.get([r.params for r in replies]), placement, _staging_buffers(self.model, placement))
+        self._assign(parameter_values(replies), placement, _staging_buffers(self.model, placement))
         if model_state:
             load_model_state(self.model, model_state)
         loss_config = {**self.loss_config, "config": {**self.loss_config["config"], "reduction": None}}
@@ -325,9 +326,9 @@ class TowerWorker:
         ray.get([shard.join.remote(cfg.worker_id) for shard in shards])
         replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
         versions = [r.version for r in replies]
-        param_refs = [r.params for r in replies]
+        fresh = replies  # the parameters they carry are not yet loaded into the model
         done = any(r.done for r in replies)
-        fetched = True  # param_refs hold parameters not yet loaded into the model
+        fetched = True
         steps = examples = 0
         try:
             while not done and not self._stop.is_set():
@@ -346,7 +347,7 @@ class TowerWorker:
                     )
                 t1 = time.perf_counter()
                 if fetched:
-                    self._assign(ray.get(param_refs), placement, staging)
+                    self._assign(parameter_values(fresh), placement, staging)
                 t2 = time.perf_counter()
                 # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the
                 # steps in between compute on these (the shards count their staleness).
@@ -383,7 +384,7 @@ class TowerWorker:
                 steps += 1
                 if fetched:
                     versions = [r.next.version for r in replies]
-                    param_refs = [r.next.params for r in replies]
+                    fresh = [r.next for r in replies]
                 done = any(r.next.done for r in replies)
                 if step.nonfinite:  # skipped: counted in its step, no gradient
                     self._records.append(_nonfinite_record(cfg.worker_id, step.versions[0], loss, rows))
