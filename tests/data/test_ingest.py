@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from support import tabular_header, tabular_rows, write_csv, write_uneven_shards
 
-from towerflow.data.ingest import ResumePoint, build_training_data, read_runs, resume_point, steps_allowed
+from towerflow.data.ingest import (
+    ResumePoint,
+    build_training_data,
+    epochs_for_steps,
+    read_runs,
+    resume_point,
+    steps_allowed,
+)
 from towerflow.errors import DataError
 from towerflow.runtime.protocol import step_shape
 from towerflow.spec import validate_spec
@@ -209,6 +216,19 @@ def test_steps_the_data_allows():
     # Async: every batch is an update; each worker's last partial batch is dropped, or one more.
     assert _allowed(spec("async"), 2, 1000) == 62
     assert _allowed(spec("async", drop_remainder=False), 2, 1000) == 64
+
+
+def test_epochs_planned_for_max_steps_count_an_async_step_as_one_batch():
+    # 100 steps of batch 16 over 1,000-example epochs, and one epoch more. A sync step takes a
+    # batch from each of the 2 workers (3,200 examples: 4 epochs); an async step is one worker's
+    # batch (1,600: 2 epochs). Planning the sync count for async kept Ray Data reading all run.
+    def planned(mode):
+        spec = _spec("x", mode=mode, workers=2)
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update={"max_steps": 100})})
+        return epochs_for_steps(spec, 1000, 2, _shape(spec))
+
+    assert planned("sync") == 5
+    assert planned("async") == 3
 
 
 def test_file_reads_are_cut_into_runs_that_start_small():

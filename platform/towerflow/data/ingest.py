@@ -154,7 +154,7 @@ def build_training_data(
 
     counts = examples_per_file(files, split.manifest)
     per_epoch = None if counts is None else sum(counts.values())
-    epochs = data.epochs or _epochs_for_steps(spec, per_epoch, num_workers)
+    epochs = data.epochs or epochs_for_steps(spec, per_epoch, num_workers, shape)
     orders = epoch_file_orders(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
     resume_note = None
     if examples_seen and counts is None:
@@ -318,8 +318,13 @@ def _grouped(groups: dict[str, list[str]]) -> set[str]:
     return {m for members in groups.values() for m in members}
 
 
-def _epochs_for_steps(spec: Any, per_epoch: int | None, num_workers: int) -> int:
+def epochs_for_steps(spec: Any, per_epoch: int | None, num_workers: int, shape: StepShape) -> int:
+    """Enough epochs for `training.max_steps`, and one more. A lockstep step takes a batch from
+    every worker; an async step is one worker's batch. (More epochs than the run can use keep Ray
+    Data's execution, its scheduling loop and read tasks, running for the whole run, where one sized
+    to the run finishes reading once the run's data is read ahead.)"""
     if per_epoch is None or not spec.training.max_steps:
         return UNBOUNDED_EPOCHS
-    needed = spec.training.max_steps * spec.data.batch_size * num_workers
+    batches_per_step = num_workers if shape.lockstep else 1
+    needed = spec.training.max_steps * spec.data.batch_size * batches_per_step
     return max(1, math.ceil(needed / per_epoch)) + 1
