@@ -43,11 +43,9 @@ class ParamsReply:
 
 def parameter_values(replies: list[ParamsReply]) -> list[list[np.ndarray]]:
     """Each reply's parameters, those published by reference fetched in one `ray.get`."""
-    by_ref = [i for i, reply in enumerate(replies) if isinstance(reply.params, ray.ObjectRef)]
-    values = [reply.params for reply in replies]
-    for i, fetched in zip(by_ref, ray.get([values[i] for i in by_ref]), strict=True):
-        values[i] = fetched
-    return values
+    shared = [reply.params for reply in replies if isinstance(reply.params, ray.ObjectRef)]
+    fetched = iter(ray.get(shared))
+    return [next(fetched) if isinstance(r.params, ray.ObjectRef) else r.params for r in replies]
 
 
 @dataclass
@@ -203,7 +201,7 @@ class ParameterShard:
         protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
         if gradients is None and isinstance(protocol, AsyncProtocol):
             self._counts["skipped"] += counted
-            return PushReply(Verdict.SKIPPED, -1, 0, 0.0, self._params_reply())
+            return PushReply(Verdict.SKIPPED, -1, 0, 0.0, self._next_params(protocol.lockstep, with_params))
         decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker)
         verdict, step = decision.verdict, -1
         if (
@@ -230,12 +228,7 @@ class ParameterShard:
         next_version = protocol.next_version_to_read(version_read)
         await self._wait_for(lambda: self._version >= next_version or self._done)
         # First: a publication here counts in the apply time.
-        if not with_params:
-            params = ParamsReply(self._version, None, self._done)
-        elif protocol.lockstep:
-            params = self._params_reply()
-        else:
-            params = self._own_params_reply()
+        params = self._next_params(protocol.lockstep, with_params)
         return PushReply(
             verdict,
             step,
@@ -401,10 +394,9 @@ class ParameterShard:
 
     def _publish(self) -> None:
         # One object per version published; the previous one lives on only while some worker still
-        # reads it. Views of the variables' buffers, not `.numpy()` copies: `ray.put` copies them once
-        # into the object store, and they are dropped before the next update writes the variables.
+        # reads it.
         start = time.perf_counter()
-        self._params_ref = ray.put([np.asarray(v.value()) for v in self._variables])
+        self._params_ref = ray.put(self._views())
         self._published_version = self._version
         self._publications += 1
         spent = time.perf_counter() - start
@@ -420,17 +412,26 @@ class ParameterShard:
             {slot: [s[slot].numpy() for s in self._slots] for slot in self._optimizer.slot_names},
         )
 
-    def _own_params_reply(self) -> ParamsReply:
-        """The current version for one reader, in the reply itself. Views of the variables'
-        buffers: Ray copies them once, as it stores the reply; an update made before then leaves
-        them as they are (TensorFlow copies a variable's buffer before updating it while a view of
-        it lives)."""
+    def _views(self) -> list[np.ndarray]:
+        """The variables' values as views of their buffers: Ray copies them once, into the object
+        store or into a reply; an update made before then leaves them as they are (TensorFlow
+        copies a variable's buffer before updating it while a view of it lives)."""
+        return [np.asarray(v.value()) for v in self._variables]
+
+    def _next_params(self, lockstep: bool, with_params: bool) -> ParamsReply:
+        """What a push's reply carries: no parameters where the worker goes on with its own
+        (fetch_every), the one shared copy where every worker of the step reads this version
+        (sync), else the version itself (async: only this reply reads it)."""
+        if not with_params:
+            return ParamsReply(self._version, None, self._done)
+        if lockstep:
+            return self._params_reply()
         self._publications += 1
-        return ParamsReply(self._version, [np.asarray(v.value()) for v in self._variables], self._done)
+        return ParamsReply(self._version, self._views(), self._done)
 
     def _params_reply(self) -> ParamsReply:
-        """The current version, published by the first reply that needs it: versions that no
-        reply carries (async workers that fetch every n-th step) are never put in the object store."""
+        """The current version, put in the object store by the first reply that needs it and
+        shared by every reply after it (sync steps, pulls)."""
         if self._published_version != self._version:
             self._publish()
         return ParamsReply(self._version, self._params_ref, self._done)
