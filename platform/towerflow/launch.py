@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 
 from towerflow.runtime.faults import FaultInjector
@@ -47,6 +48,7 @@ def train(
     import_tensorflow(gpus=False)  # first, as tf_import says: the driver checkpoints with TensorFlow
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
     from towerflow.data.ingest import build_training_data
+    from towerflow.data.reader_warmup import warm_reader_process
     from towerflow.runtime.cluster import budget_for, check_actors_fit_nodes, ensure_ray, live_node_resources
     from towerflow.runtime.driver import Driver
     from towerflow.runtime.shard_count import resolve_shards
@@ -111,7 +113,9 @@ def train(
             print(f"towerflow: {data.resume_note}")
         if skipped is not None:
             skipped.ledger = data.ledger
-        return DataFeed(data.splits, data.feature_scales, data.steps)
+        return DataFeed(
+            data.splits, data.feature_scales, data.steps, partial(warm_reader_process, data.reader)
+        )
 
     def latest_checkpoint():
         """The run's newest complete checkpoint (a lost shard rolls every shard back to it)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -76,12 +76,14 @@ class StepShape:
 
 
 class DataFeed(NamedTuple):
-    """What the driver's `make_data` gives it (data/ makes the streams): one stream per worker, the features' scales, and the
-    most global steps the streams make from where they start (None: unknown)."""
+    """What the driver's `make_data` gives it (data/ makes the streams): one stream per worker, the features' scales, the
+    most global steps the streams make from where they start (None: unknown), and a node id -> the ref of readying a
+    process there for the read tasks of the next streams (a spare's node, before it joins)."""
 
     splits: Sequence[Any]
     feature_scales: dict[str, float]
     steps: int | None = None
+    warm_node: Callable[[str], Any] | None = None
 
 
 # -- a worker's stream of training data ------------------------------------------------------------

@@ -66,6 +66,9 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
     # and worker 0 kept its traced step through both resizes.
     traces = {w["worker"]: w["traces"] for w in result.workers}  # in each worker's last run
     assert traces[2] == 0 and traces[0] == 0, traces
+    # and, as it started, had its node ready a process for the read tasks of the pipeline it joined
+    readied = {w["worker"]: w["node_readied_for_reading"] for w in result.workers}
+    assert readied == {0: False, 1: False, 2: True}, readied
     # One shard process all along: its counters cover every step.
     assert result.shards[0]["version"] == 200
     history = MlflowClient(uri).get_metric_history(result.run_id, "workers")

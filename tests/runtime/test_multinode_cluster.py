@@ -113,6 +113,49 @@ print(json.dumps(claims.recorded()))
 """
 
 
+# A spare fills a node that has just joined but for a read task's share; the node readies a process
+# for reading (data/reader_warmup.py), then a Ray Data map task runs there. Prints the readied
+# process's pid and the map task's: its pid, and whether TensorFlow was imported before it began.
+WARM_READER_CLIENT = """
+import json
+import os
+import sys
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from towerflow.data.features import ColumnPlan
+from towerflow.data.ingest import ShardReader
+from towerflow.data.reader_warmup import warm_reader_process
+
+ray.init(logging_level="ERROR", log_to_driver=False)
+node = sys.argv[1]
+here = NodeAffinitySchedulingStrategy(node, soft=False)
+cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node)
+
+
+@ray.remote
+class Spare:
+    def ready(self):
+        return True
+
+
+spare = Spare.options(num_cpus=cpus - 0.5, scheduling_strategy=here).remote()
+ray.get(spare.ready.remote())
+warmed = ray.get(warm_reader_process(ShardReader("tfrecord", {}, ColumnPlan({})), node))
+
+
+def where(batch):
+    return {"pid": [os.getpid()], "tensorflow": ["tensorflow" in sys.modules]}
+
+
+read = ray.data.from_items([{"x": 0}]).map_batches(
+    where, batch_size=1, num_cpus=0.5, scheduling_strategy=here
+).take_all()[0]
+print(json.dumps({"warmed": warmed, "read_pid": int(read["pid"]), "tensorflow": bool(read["tensorflow"])}))
+"""
+
+
 def _client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
     """Run a client script on the cluster; the JSON on its last line of output."""
     out = subprocess.run(
@@ -422,3 +465,17 @@ def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_tow
     )
     history = [m.value for m in sorted(client.get_metric_history(run_id, "workers"), key=lambda m: m.step)]
     assert history == [started, started + 1, started, 1.0]
+
+
+def test_a_new_node_readied_for_reading_runs_its_first_read_task_without_starting_a_process(
+    multinode_cluster: LocalCluster,
+):
+    # Before a spare joins, its node readies a process for the next pipeline's read tasks: on a node
+    # with none idle, the first read task started one and imported TensorFlow while every sync worker
+    # waited for its first batch (most of the pause after an elastic grow, docs/reliability.md).
+    node = multinode_cluster.add_node(num_cpus=2)
+    try:
+        report = _client_report(multinode_cluster, WARM_READER_CLIENT, node.node_id)
+    finally:
+        multinode_cluster.kill_node(node)
+    assert report["read_pid"] == report["warmed"] and report["tensorflow"], report

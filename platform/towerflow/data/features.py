@@ -91,13 +91,14 @@ class ColumnPlan:
         for group, members in self.groups.items():
             parts = [_as_matrix(columns.pop(m), self.features[m].get("scale")) for m in members]
             columns[group] = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-        for fn in self._functions():
+        for fn in self.functions():
             columns = fn(columns)
             if not isinstance(columns, dict):
                 raise DataError(f"data.train.preprocess: a function returned {type(columns).__name__}, not a dict")
         return columns
 
-    def _functions(self) -> list[Any]:
+    def functions(self) -> list[Any]:
+        """The preprocess functions, imported on first use (a bad import string raises DataError)."""
         if self._fns is None:
             from towerflow.imports import import_ref
 

@@ -38,7 +38,7 @@ from towerflow.data.features import ColumnPlan, expand_groups
 from towerflow.data.infer import resolve_features
 from towerflow.data.sources import examples_per_file, read_manifest, resolve_files
 from towerflow.data.splits import resumable_streaming_split
-from towerflow.data.tfrecord import read_tfrecord_file
+from towerflow.data.tfrecord import read_tfrecord_file, tensorflow_for_reading
 from towerflow.errors import DataError
 from towerflow.shared_types import StepShape, StreamOptions, WorkerStream
 
@@ -74,6 +74,7 @@ class TrainingData:
     dataset: Any = None  # the Ray Data dataset before the split (stats, tests)
     resume_note: str | None = None  # where a resumed run's stream starts, for the user
     steps: int | None = None  # the most global steps these streams make (None: counts unknown)
+    reader: ShardReader | None = None  # what the read tasks run
 
 
 @dataclass
@@ -86,6 +87,13 @@ class ShardReader:
     layout: CsvLayout = field(default_factory=CsvLayout)
     on_bad_record: str = "error"
     ledger: Any = None
+
+    def warm(self) -> None:
+        """Import what reading a shard takes (TensorFlow for TFRecord, the preprocess functions), so
+        that a read task in this process starts at once."""
+        if self.format != "csv":
+            tensorflow_for_reading()
+        self.plan.functions()
 
     def __call__(self, path: str):
         bad = BadRecords(self.on_bad_record, self.ledger)
@@ -133,7 +141,7 @@ def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: A
         )
     groups = expand_groups(source.groups, features, source.label)
     plan = ColumnPlan(features, groups, list(source.preprocess))
-    plan._functions()  # a bad import string fails now, in the driver, not in a parse task
+    plan.functions()  # a bad import string fails now, in the driver, not in a parse task
     reader = ShardReader(source.format, features, plan, layout, on_bad_record, ledger)
     return PreparedSplit(files, manifest, features, groups, reader)
 
@@ -217,6 +225,7 @@ def build_training_data(
         ds,
         resume_note,
         steps,
+        reader,
     )
 
 

@@ -51,7 +51,7 @@ def read_tfrecord_file(
     path: str, features: dict[str, dict[str, Any]], bad: BadRecords | None = None
 ) -> Iterator[dict[str, np.ndarray]]:
     """Yield parsed, decoded column batches of one file; errors name the file and the record."""
-    tf = _tensorflow()
+    tf = tensorflow_for_reading()
     bad = bad or BadRecords()
     with local_copy(path) as local:
         yield from _read_local(tf, path, local, 0, feature_map(features), features, bad, resynced=False)
@@ -212,7 +212,7 @@ def _bytes_after(local: str, index: int) -> bytes | None:
 _configured = False
 
 
-def _tensorflow():
+def tensorflow_for_reading():
     """Import TensorFlow once per Ray Data worker process, with one thread (tasks run side by side)."""
     global _configured
     from towerflow.tf_import import import_tensorflow

@@ -73,6 +73,7 @@ class Driver(RecoveryActions, CheckpointActions):
         self.elastic = ElasticPolicy.for_spec(spec)
         self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
         self._warm_up_info: Any = None  # a member's batch signature, for spares to trace ahead
+        self._warm_node: Callable[[str], Any] | None = None  # node id -> readies it for read tasks
         self.state = State.STARTING
         self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
         self._ready_events: list[Any] = []  # steps completed by a resize's drain, to report
@@ -118,6 +119,7 @@ class Driver(RecoveryActions, CheckpointActions):
             count = self._starting_workers()
             feed = self.make_data(count, None, self._step_shape(count))
             self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
+            self._warm_node = feed.warm_node
             if feed.steps is not None:
                 self.session.data_steps = self.session.start_step + feed.steps
             self._create_actors(count)
@@ -242,10 +244,13 @@ class Driver(RecoveryActions, CheckpointActions):
             push_in_buckets=bool(self._push_bucket_bytes()),
         )
 
-    def _new_worker(self, worker_id: int) -> Any:
-        """A worker actor (a replacement too: its GlobalStepWaiter step has passed, it starts at once)."""
+    def _new_worker(self, worker_id: int, spare: bool = False) -> Any:
+        """A worker actor (a replacement too: its GlobalStepWaiter step has passed, it starts at once).
+        A spare, as it starts, readies its node for the read tasks of the pipeline it will join."""
         cluster = self.spec.cluster
         config = self._worker_config(worker_id)
+        if spare:
+            config.ready_node_for_reading = self._warm_node
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
         return actor.options(**self.actor_placement.worker_options(worker_id)).remote(config)
 

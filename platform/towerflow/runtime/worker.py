@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from towerflow.runtime.towers import signature_of
 from towerflow.runtime.user_errors import misfit_error
 from towerflow.runtime.worker_config import WorkerConfig
 from towerflow.shared_types import VariableInfo, as_stream, until_stopped
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,6 +82,10 @@ class WarmUp:
 
 class TowerWorker:
     def __init__(self, config: WorkerConfig) -> None:
+        # First, so that the node's reader starts alongside this worker (both import TensorFlow).
+        ready = config.ready_node_for_reading
+        self._reading_ready = ready(ray.get_runtime_context().get_node_id()) if ready else None
+        self._node_readied = False  # its node has a process ready for reading (a spare's)
         devices = configure_tensorflow(config.tf)
         import keras
         import tensorflow as tf
@@ -156,10 +163,18 @@ class TowerWorker:
     def warm_up(self, placement: Placement, buckets: list[list[int]], info: WarmUp) -> int:
         """Trace the step a run with these pushes takes, for batches like a member's (`info`),
         without running it: a spare does it before it joins, so that its first step does not hold
-        every worker of a sync step while it traces. Returns the traces made so far."""
+        every worker of a sync step while it traces. It returns once its node is ready for reading
+        too (`WorkerConfig.ready_node_for_reading`). Returns the traces made so far."""
         self.towers.push_in_buckets(PushPlan([], placement, buckets).bucket_variables, self._push_bucket)
         self._wrap_towers(info.tower_preprocess)
         self.towers.trace(info.signature)
+        if self._reading_ready is not None:
+            try:
+                ray.get(self._reading_ready)
+                self._node_readied = True
+            except ray.exceptions.RayError as exc:  # the first read there starts a process instead
+                log.info("worker %d: its node could not ready a reader: %s", self.config.worker_id, exc)
+            self._reading_ready = None
         return self.towers.traces
 
     def _wrap_towers(self, tower_preprocess: list[str]) -> None:
@@ -428,6 +443,7 @@ class TowerWorker:
             "devices": list(self.devices),
             "gpu_peak_mb": _gpu_peak_mb(self.devices),
             "traces": self.towers.traces - traces,  # 0: its step was traced before (a warmed spare's)
+            "node_readied_for_reading": self._node_readied,
         }
 
 

@@ -4,6 +4,7 @@ driver makes it from the job spec."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ class WorkerConfig:
     skip_nonfinite: bool = False  # nan_guard: skip: drop a non-finite gradient and go on training
     faults: FaultInjector | None = None  # slowness or NaN losses a test injects (runtime/faults.py)
     fetch_every: int = 1  # async: take new parameters every this many steps (Downpour's n_fetch)
+    # A spare: node id -> the ref of readying a process there for the next pipeline's read tasks
+    # (data/reader_warmup.py), called as it starts; its `warm_up` waits for it.
+    ready_node_for_reading: Callable[[str], Any] | None = None
 
 
 def worker_config(

@@ -41,9 +41,9 @@ class WorkerSlot:
 
 class WorkerGroup:
     def __init__(
-        self, make_actor: Callable[[int], Any], timeout_s: float, start_timeout_s: float = 600.0
+        self, make_actor: Callable[..., Any], timeout_s: float, start_timeout_s: float = 600.0
     ) -> None:
-        self._make_actor = make_actor
+        self._make_actor = make_actor  # (worker id, spare=False) -> a new worker actor
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s  # a replacement not started by then is lost in its turn
         self.slots: dict[int, WorkerSlot] = {}
@@ -65,7 +65,7 @@ class WorkerGroup:
     def request_spare(self) -> int:
         """Ask Ray for one more worker under a new id; it starts when the cluster has room for it."""
         worker_id, self._next_id = self._next_id, self._next_id + 1
-        actor = self._make_actor(worker_id)
+        actor = self._make_actor(worker_id, spare=True)
         self.spares[worker_id] = (actor, actor.devices_used.remote())
         return worker_id
 
