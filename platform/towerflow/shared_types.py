@@ -83,7 +83,7 @@ class DataFeed(NamedTuple):
     splits: Sequence[Any]
     feature_scales: dict[str, float]
     steps: int | None = None
-    warm_node: Callable[[str], Any] | None = None
+    ready_node_for_reading: Callable[[str], Any] | None = None
 
 
 # -- a worker's stream of training data ------------------------------------------------------------

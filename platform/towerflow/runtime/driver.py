@@ -73,7 +73,8 @@ class Driver(RecoveryActions, CheckpointActions):
         self.elastic = ElasticPolicy.for_spec(spec)
         self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
         self._warm_up_info: Any = None  # a member's batch signature, for spares to trace ahead
-        self._warm_node: Callable[[str], Any] | None = None  # node id -> readies it for read tasks
+        # node id -> the ref of readying it for the read tasks (a spare's node, as the spare starts)
+        self._ready_node_for_reading: Callable[[str], Any] | None = None
         self.state = State.STARTING
         self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
         self._ready_events: list[Any] = []  # steps completed by a resize's drain, to report
@@ -119,7 +120,7 @@ class Driver(RecoveryActions, CheckpointActions):
             count = self._starting_workers()
             feed = self.make_data(count, None, self._step_shape(count))
             self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
-            self._warm_node = feed.warm_node
+            self._ready_node_for_reading = feed.ready_node_for_reading
             if feed.steps is not None:
                 self.session.data_steps = self.session.start_step + feed.steps
             self._create_actors(count)
@@ -250,7 +251,7 @@ class Driver(RecoveryActions, CheckpointActions):
         cluster = self.spec.cluster
         config = self._worker_config(worker_id)
         if spare:
-            config.ready_node_for_reading = self._warm_node
+            config.ready_node_for_reading = self._ready_node_for_reading
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
         return actor.options(**self.actor_placement.worker_options(worker_id)).remote(config)
 
