@@ -33,6 +33,9 @@ from towerflow.runtime.worker_config import WorkerConfig
 from towerflow.shared_types import VariableInfo, as_stream, until_stopped
 
 log = logging.getLogger(__name__)
+# How long a spare waits for its node's reader (TensorFlow's import took up to ~20 s on a loaded
+# 2-core test node) before it joins without it; the first read task there then starts a process.
+READER_READY_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -170,7 +173,7 @@ class TowerWorker:
         self.towers.trace(info.signature)
         if self._reading_ready is not None:
             try:
-                ray.get(self._reading_ready)
+                ray.get(self._reading_ready, timeout=READER_READY_TIMEOUT_S)
                 self._node_readied = True
             except ray.exceptions.RayError as exc:  # the first read there starts a process instead
                 log.info("worker %d: its node could not ready a reader: %s", self.config.worker_id, exc)
