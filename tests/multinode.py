@@ -44,6 +44,23 @@ from support import blob_spec, free_ports
 
 from towerflow.runtime.cluster import RAY_NODE_ENV
 
+# Client-script lines, after `node` (a node id) is set: an actor holds all the node's CPUs but half of
+# one, as a worker beside a read task's share does; `here` pins a task to the node.
+HOLD_ALL_BUT_HALF_A_CPU = """
+here = NodeAffinitySchedulingStrategy(node, soft=False)
+cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node)
+
+
+@ray.remote
+class Holder:
+    def pid(self):
+        return os.getpid()
+
+
+holder = Holder.options(num_cpus=cpus - 0.5, scheduling_strategy=here).remote()
+ray.get(holder.pid.remote())
+"""
+
 # Does a node keep an idle task worker while actors hold its CPUs? Ray kills idle workers after 1 s
 # while a node has more of them than whole free CPUs; towerflow's nodes keep them (RAY_NODE_ENV). An
 # actor holds all the node's CPUs but half of one, a task runs on that half, its process idles
@@ -72,23 +89,15 @@ if sys.argv[1] == "embedded":
 else:
     ray.init(logging_level="ERROR", log_to_driver=False)
     node = sys.argv[1]
-here = NodeAffinitySchedulingStrategy(node, soft=False)
-cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node)
-
-
-@ray.remote
-class Holder:
-    def pid(self):
-        return os.getpid()
-
+"""
+IDLE_WORKER_CLIENT += HOLD_ALL_BUT_HALF_A_CPU
+IDLE_WORKER_CLIENT += """
 
 @ray.remote(num_cpus=0.5)
 def pid():
     return os.getpid()
 
 
-holder = Holder.options(num_cpus=cpus - 0.5, scheduling_strategy=here).remote()
-ray.get(holder.pid.remote())
 first = ray.get(pid.options(scheduling_strategy=here).remote())
 time.sleep(IDLE_S)
 kept = psutil.pid_exists(first) and psutil.Process(first).status() != psutil.STATUS_ZOMBIE

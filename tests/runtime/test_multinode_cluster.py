@@ -26,6 +26,7 @@ import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import (  # noqa: F401
+    HOLD_ALL_BUT_HALF_A_CPU,
     IDLE_WORKER_CLIENT,
     RAY_CLI,
     LocalCluster,
@@ -130,18 +131,9 @@ from towerflow.data.reader_warmup import warm_reader_process
 
 ray.init(logging_level="ERROR", log_to_driver=False)
 node = sys.argv[1]
-here = NodeAffinitySchedulingStrategy(node, soft=False)
-cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node)
-
-
-@ray.remote
-class Spare:
-    def ready(self):
-        return True
-
-
-spare = Spare.options(num_cpus=cpus - 0.5, scheduling_strategy=here).remote()
-ray.get(spare.ready.remote())
+"""
+WARM_READER_CLIENT += HOLD_ALL_BUT_HALF_A_CPU  # the spare
+WARM_READER_CLIENT += """
 warmed = ray.get(warm_reader_process(ShardReader("tfrecord", {}, ColumnPlan({})), node))
 
 
