@@ -17,12 +17,16 @@ Ray catches this works around:
   socket paths allow 107 bytes).
 - Ray's workers put themselves in process groups of their own, so a node's process group does not
   hold them all: a node's processes are found as descendants of its `ray start`.
+- `ray start` waits a hard-coded 30 s for its raylet to register with the GCS, then gives up ("timed
+  out during startup"). On two busy cores a joining node can miss that (CI did once): an extra node
+  that gave up is started again, with fresh ports and temp dir, until `start_timeout`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -105,12 +109,14 @@ second = ray.get(pid.options(scheduling_strategy=here).remote())
 print(json.dumps({"first": first, "kept": kept, "second": second}))
 """
 
+_log = logging.getLogger(__name__)
 VENV_BIN = str(Path(sys.executable).parent)
 RAY_CLI = str(Path(VENV_BIN) / "ray")  # the `ray` command of this environment
 OBJECT_STORE_BYTES = 200_000_000  # small, so that three nodes fit in memory
 # Worker ports below Linux's ephemeral range (32768-60999, where free_ports' ports fall), apart from
 # the session's Ray (10002-19999) and tests/cli/test_job_submit.py's head (23000-24999).
 _WORKER_PORTS = range(25000, 32000, 100)
+_GAVE_UP_REGISTERING = "The current node timed out during startup"  # what `ray start` says after 30 s
 
 
 @dataclass(eq=False)
@@ -122,6 +128,8 @@ class Node:
     temp_dir: str
     num_cpus: float
     worker_ports: int  # first of its 100 worker ports
+    resources: dict[str, float] | None = None
+    args: tuple[str, ...] = ()  # its `ray start` options beyond the ones every node gets
     node_id: str = ""  # known once its raylet runs
     killed: bool = False
 
@@ -226,10 +234,18 @@ class LocalCluster:
         """Join one more node to the cluster; with `wait`, return once the GCS reports it alive."""
         node = self._launch(f"node{len(self.nodes)}", num_cpus, resources, f"--address={self.address}")
         if wait:
-            self._wait_alive([node])
+            (node,) = self._wait_alive([node])
         return node
 
-    def _launch(self, name: str, num_cpus: float, resources: dict[str, float] | None, *args: str) -> Node:
+    def _launch(
+        self,
+        name: str,
+        num_cpus: float,
+        resources: dict[str, float] | None,
+        *args: str,
+        replacing: Node | None = None,
+    ) -> Node:
+        """Start a node's `ray start --block`; it takes `replacing`'s place in `nodes`, if given."""
         manager, objects, metrics, agent, agent_grpc, runtime_env = free_ports(6)
         used = {n.worker_ports for n in self.nodes if not n.killed}
         workers = secrets.choice([p for p in _WORKER_PORTS if p not in used])
@@ -264,15 +280,23 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, to be stopped or killed alone
             )
-        node = Node(name, process, temp_dir, num_cpus, workers)
-        self.nodes.append(node)
+        node = Node(name, process, temp_dir, num_cpus, workers, resources, args)
+        if replacing is None:
+            self.nodes.append(node)
+        else:
+            self.nodes[self.nodes.index(replacing)] = node
         return node
 
-    def _wait_alive(self, nodes: list[Node]) -> None:
-        """Wait until the GCS reports every one of `nodes` alive; fail with a node's log if it exits."""
+    def _wait_alive(self, nodes: list[Node]) -> list[Node]:
+        """Wait until the GCS reports every one of `nodes` alive; return them (an extra node whose
+        `ray start` gave up waiting for its raylet's registration is started again, and the new
+        one is in its place). Fail with a node's log if one exits otherwise."""
         deadline = time.monotonic() + self.start_timeout
+        nodes = list(nodes)
         while True:
-            for node in nodes:
+            for i, node in enumerate(nodes):
+                if node.process.poll() is not None and self._gave_up_registering(node, deadline):
+                    nodes[i] = node = self._relaunch(node)
                 if node.process.poll() is not None:
                     raise RuntimeError(
                         f"`ray start` of {node.name} exited with {node.process.returncode}:\n{node.log_tail()}"
@@ -284,11 +308,27 @@ class LocalCluster:
                 with contextlib.suppress(OSError, ValueError):  # the dashboard may not answer yet
                     states = self.node_states()
                     if all(states.get(n.node_id) == "ALIVE" for n in nodes):
-                        return
+                        return nodes
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- {n.name}:\n{n.log_tail()}" for n in nodes)
                 raise TimeoutError(f"nodes not alive within {self.start_timeout:.0f} s\n{logs}")
             time.sleep(0.5)
+
+    def _gave_up_registering(self, node: Node, deadline: float) -> bool:
+        return (
+            node is not self.head and time.monotonic() < deadline and _GAVE_UP_REGISTERING in node.log_tail()
+        )
+
+    def _relaunch(self, node: Node) -> Node:
+        """Start `node` again: its `ray start` exited, but the raylet it started may still live
+        and register late. Every process named with its temp dir is killed first."""
+        _log.warning("%s: `ray start` gave up on its raylet's registration; starting it again", node.name)
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if any(node.temp_dir in arg for arg in process.cmdline()):
+                    process.kill()
+        shutil.rmtree(node.temp_dir, ignore_errors=True)
+        return self._launch(node.name, node.num_cpus, node.resources, *node.args, replacing=node)
 
     # -- state ------------------------------------------------------------------------------------
 
