@@ -17,9 +17,10 @@ Ray catches this works around:
   socket paths allow 107 bytes).
 - Ray's workers put themselves in process groups of their own, so a node's process group does not
   hold them all: a node's processes are found as descendants of its `ray start`.
-- `ray start` waits a hard-coded 30 s for its raylet to register with the GCS, then gives up ("timed
-  out during startup"). On two busy cores a joining node can miss that (CI did once): an extra node
-  that gave up is started again, with fresh ports and temp dir, until `start_timeout`.
+- `ray start` waits a fixed 30 s for its raylet to register with the GCS, then stops what it started
+  and exits (RAY_GAVE_UP_REGISTERING). On two busy cores a joining node can miss that (CI did
+  once): an extra node that gave up is started again, with fresh ports and temp dir, until
+  `start_timeout`, as towerflow's own head is (local_cluster/head.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import pytest
 import yaml
 from support import blob_spec, free_ports
 
+from towerflow.local_cluster.head import RAY_GAVE_UP_REGISTERING
 from towerflow.runtime.cluster import RAY_NODE_ENV
 
 # Client-script lines, after `node` (a node id) is set: an actor holds all the node's CPUs but half of
@@ -116,7 +118,6 @@ OBJECT_STORE_BYTES = 200_000_000  # small, so that three nodes fit in memory
 # Worker ports below Linux's ephemeral range (32768-60999, where free_ports' ports fall), apart from
 # the session's Ray (10002-19999) and tests/cli/test_job_submit.py's head (23000-24999).
 _WORKER_PORTS = range(25000, 32000, 100)
-_GAVE_UP_REGISTERING = "The current node timed out during startup"  # what `ray start` says after 30 s
 
 
 @dataclass(eq=False)
@@ -316,17 +317,14 @@ class LocalCluster:
 
     def _gave_up_registering(self, node: Node, deadline: float) -> bool:
         return (
-            node is not self.head and time.monotonic() < deadline and _GAVE_UP_REGISTERING in node.log_tail()
+            node is not self.head
+            and time.monotonic() < deadline
+            and RAY_GAVE_UP_REGISTERING in node.log_tail()
         )
 
     def _relaunch(self, node: Node) -> Node:
-        """Start `node` again: its `ray start` exited, but the raylet it started may still live
-        and register late. Every process named with its temp dir is killed first."""
+        """Start `node` again (its `ray start` stopped what it had started before it exited)."""
         _log.warning("%s: `ray start` gave up on its raylet's registration; starting it again", node.name)
-        for process in psutil.process_iter():
-            with contextlib.suppress(psutil.Error):
-                if any(node.temp_dir in arg for arg in process.cmdline()):
-                    process.kill()
         shutil.rmtree(node.temp_dir, ignore_errors=True)
         return self._launch(node.name, node.num_cpus, node.resources, *node.args, replacing=node)
 

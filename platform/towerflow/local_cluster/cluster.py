@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 
 from towerflow.errors import TowerflowError
@@ -132,14 +134,16 @@ def cluster_up(
             credentials.MLFLOW_PASSWORD_VAR: password.value,
         }
         _log.info("starting the Ray head (token authentication on)")
-        head, head_process = launch_head(
+        launch = partial(
+            _launch_and_record_head,
+            state,
             token=token.value,
             log_path=state_dir / RAY_LOG,
             num_cpus=num_cpus,
             worker_ports=worker_ports,
             env=tracking,  # jobs on the head log to the tracking server without being told
         )
-        _record_head(state, head)
+        head, head_process = launch()
         _log.info("starting the MLflow tracking server (basic-auth, artifacts proxied)")
         mlflow = start_tracking_server(
             postgres, state_dir, username=username, password=password.value, port=mlflow_port
@@ -147,7 +151,7 @@ def cluster_up(
         state.tracking_uri, state.mlflow_process = mlflow.url, mlflow.process
         state.artifacts_dir = mlflow.artifacts_dir
         state.save()
-        wait_for_head(head, head_process, token.value)
+        wait_for_head(head, head_process, token.value, relaunch=launch)
     except BaseException:
         cluster_down(state_dir)
         raise
@@ -155,10 +159,13 @@ def cluster_up(
     return state
 
 
-def _record_head(state: ClusterState, head: RayHead) -> None:
+def _launch_and_record_head(state: ClusterState, **options) -> tuple[RayHead, subprocess.Popen]:
+    """`launch_head(**options)`, the head written to cluster.json at once (a second start's too)."""
+    head, process = launch_head(**options)
     state.ray_address, state.ray_gcs_address = head.dashboard_url, head.gcs_address
     state.ray_temp_dir, state.ray_process = head.temp_dir, head.process
     state.save()
+    return head, process
 
 
 def cluster_down(state_dir: Path | None = None) -> list[str]:

@@ -8,19 +8,24 @@ machine. Its temp dir is its own, under /tmp (Ray's socket paths must stay under
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from towerflow.local_cluster.processes import (
     ProcessRef,
+    ServerError,
     free_ports,
-    http_ok,
+    http_json,
+    log_tail,
     start_detached,
     stop_tree,
     wait_until,
@@ -28,6 +33,11 @@ from towerflow.local_cluster.processes import (
 from towerflow.runtime.cluster import AUTH_MODE, RAY_NODE_ENV, SINGLE_MACHINE_SWITCH
 
 DEFAULT_NUM_CPUS = 8  # logical CPUs: the example's workers, shards and Ray Data tasks fit on a small machine
+# `ray start` waits a fixed 30 s for its raylet to register with the GCS, then stops what it started
+# and exits saying this. A small machine busy starting the tracking server beside the head can miss
+# that wait; such a head is started again (fresh ports and temp dir) while the start's time lasts.
+RAY_GAVE_UP_REGISTERING = "The current node timed out during startup"
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,10 +83,11 @@ def start_head(
     (first, last) keeps its workers apart from another Ray's on this machine; `env` goes to the
     head and every job on it (a tracking server's address and credentials, as a cluster's nodes
     get them from a Secret)."""
-    head, process = launch_head(
-        token=token, log_path=log_path, num_cpus=num_cpus, worker_ports=worker_ports, env=env
+    launch = partial(
+        launch_head, token=token, log_path=log_path, num_cpus=num_cpus, worker_ports=worker_ports, env=env
     )
-    return wait_for_head(head, process, token, timeout_s)
+    head, process = launch()
+    return wait_for_head(head, process, token, timeout_s, relaunch=launch)
 
 
 def launch_head(
@@ -105,20 +116,52 @@ def launch_head(
     return head, process
 
 
-def wait_for_head(head: RayHead, process: subprocess.Popen, token: str, timeout_s: float = 120.0) -> RayHead:
-    """Return `head` once its job server answers with the token; stop it and raise if it does not."""
-    try:
-        wait_until(
-            lambda: http_ok(f"{head.dashboard_url}/api/version", {"Authorization": f"Bearer {token}"}),
-            process=process,
-            what=f"the Ray head (dashboard {head.dashboard_url})",
-            log_path=head.log_path,
-            timeout_s=timeout_s,
-        )
-    except BaseException:
-        head.stop()
-        raise
-    return head
+def wait_for_head(
+    head: RayHead,
+    process: subprocess.Popen,
+    token: str,
+    timeout_s: float = 120.0,
+    relaunch: Callable[[], tuple[RayHead, subprocess.Popen]] | None = None,
+) -> RayHead:
+    """Return `head` once the GCS lists its node alive to a caller with the token; stop it and
+    raise if it does not. A head whose `ray start` gave up on its raylet's registration is started
+    again by `relaunch` while `timeout_s` lasts; the head returned is then the new one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            wait_until(
+                partial(_head_node_alive, head, token),
+                process=process,
+                what=f"the Ray head (dashboard {head.dashboard_url})",
+                log_path=head.log_path,
+                timeout_s=max(1.0, deadline - time.monotonic()),
+            )
+            return head
+        except ServerError:
+            head.stop()
+            if relaunch is None or time.monotonic() >= deadline or not _gave_up_registering(process, head):
+                raise
+            _log.warning(
+                "the Ray head's raylet did not register within `ray start`'s 30 s (a busy machine); "
+                "starting the head again"
+            )
+            head, process = relaunch()
+        except BaseException:
+            head.stop()
+            raise
+
+
+def _head_node_alive(head: RayHead, token: str) -> bool:
+    """Whether the GCS lists the head's node ALIVE: its raylet has registered, so a job can start
+    (the dashboard answers seconds before that, and a raylet that never registers ends the head
+    after `ray start`'s 30 s)."""
+    reply = http_json(f"{head.dashboard_url}/api/v0/nodes?limit=10", {"Authorization": f"Bearer {token}"})
+    nodes = (((reply or {}).get("data") or {}).get("result") or {}).get("result") or []
+    return any(node.get("state") == "ALIVE" for node in nodes)
+
+
+def _gave_up_registering(process: subprocess.Popen, head: RayHead) -> bool:
+    return process.poll() is not None and RAY_GAVE_UP_REGISTERING in log_tail(head.log_path)
 
 
 def stop_head(process: ProcessRef, temp_dir: Path | None, timeout_s: float = 60.0) -> bool:

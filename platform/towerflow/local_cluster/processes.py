@@ -9,6 +9,7 @@ match.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -158,6 +160,16 @@ def log_tail(log_path: Path, chars: int = 2000) -> str:
 def http_ok(url: str, headers: Mapping[str, str] | None = None) -> bool:
     """Whether GET `url` answers 200 (within 2 s)."""
     return http_status(url, headers, timeout_s=2) == 200
+
+
+def http_json(url: str, headers: Mapping[str, str] | None = None, timeout_s: float = 2) -> Any:
+    """The JSON body of GET `url` when it answers 200, else None (no answer, another status, not JSON)."""
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return json.load(reply)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return None
 
 
 def http_status(url: str, headers: Mapping[str, str] | None = None, timeout_s: float = 30) -> int | None:
