@@ -22,13 +22,14 @@ pytestmark = pytest.mark.timeout(300)
 WORKER_PORTS = (21100, 21199)
 
 
-def _freeze_the_first_raylet(frozen: list[psutil.Process]) -> None:
-    """SIGSTOP the first raylet this process starts: alive, it never registers with its GCS."""
+def _freeze_the_first_head_raylet(frozen: list[psutil.Process]) -> None:
+    """SIGSTOP the raylet of the first local-cluster head this process starts (not the session's
+    Ray's, also a child of this process): alive, it never registers with its GCS."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for process in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                if process.name() == "raylet":
+                if process.name() == "raylet" and any("/tfcluster-" in arg for arg in process.cmdline()):
                     process.send_signal(signal.SIGSTOP)
                     frozen.append(process)
                     return
@@ -37,7 +38,7 @@ def _freeze_the_first_raylet(frozen: list[psutil.Process]) -> None:
 
 def test_a_head_whose_raylet_never_registers_is_started_again(tmp_path):
     frozen: list[psutil.Process] = []
-    watcher = threading.Thread(target=_freeze_the_first_raylet, args=(frozen,), daemon=True)
+    watcher = threading.Thread(target=_freeze_the_first_head_raylet, args=(frozen,), daemon=True)
     watcher.start()
     token = secrets.token_hex(16)
     log = tmp_path / "ray-head.log"
