@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _python_api_example() -> str:

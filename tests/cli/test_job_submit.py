@@ -27,7 +27,7 @@ from tracking_server import tracking_server_fixture  # noqa: F401
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.data.synth import synth_mnist, synth_tabular
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

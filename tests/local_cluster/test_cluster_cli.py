@@ -17,7 +17,7 @@ from tracking_server import process_tree, still_running
 from towerflow.local_cluster import auth_header, data_dir_for
 from towerflow.local_cluster.processes import http_status
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 TOWERFLOW = str(Path(sys.executable).parent / "towerflow")
 # Worker ports apart from the session's Ray (10002-19999), tests/cli/test_job_submit.py's head
 # (23000-24999) and tests/multinode.py's nodes (25000-31999).

@@ -16,7 +16,7 @@ from towerflow.local_cluster import start_head
 from towerflow.local_cluster.head import RAY_GAVE_UP_REGISTERING
 from towerflow.local_cluster.processes import http_status
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 # Apart from the session's Ray (10002-19999), test_cluster_cli.py's head (21000-21099),
 # tests/cli/test_job_submit.py's (23000-24999) and tests/multinode.py's nodes (25000-31999).
 WORKER_PORTS = (21100, 21199)

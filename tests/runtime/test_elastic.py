@@ -20,7 +20,7 @@ from towerflow.runtime.hooks import Hook
 from towerflow.runtime.run_control import request_scale
 from towerflow.spec import validate_spec
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 class ScaleAt(Hook):

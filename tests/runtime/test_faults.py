@@ -19,7 +19,7 @@ from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BATCH = 16
 
 

@@ -36,7 +36,7 @@ from multinode import (  # noqa: F401
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # Three actors spread over the nodes; one puts a 1 MB array into its node's object store, an actor on
 # another node reads it (a transfer between object stores), and Ray then knows both copies.

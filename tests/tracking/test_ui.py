@@ -102,6 +102,7 @@ def _listening(port: int) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_towerflow_ui_serves_the_run_page_on_loopback_until_ctrl_c(exported_run, browser):
     # As a user does it: start `towerflow ui`, open the run in a browser, press Ctrl-C.
     _, uri, result = exported_run
