@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from towerflow.local_cluster import start_head
-from towerflow.local_cluster.head import RAY_GAVE_UP_REGISTERING
+from towerflow.local_cluster.head import RAY_GAVE_UP_REGISTERING, TEMP_DIR_PREFIX
 from towerflow.local_cluster.processes import http_status
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -29,7 +29,9 @@ def _freeze_the_first_head_raylet(frozen: list[psutil.Process]) -> None:
     while time.monotonic() < deadline:
         for process in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                if process.name() == "raylet" and any("/tfcluster-" in arg for arg in process.cmdline()):
+                if process.name() == "raylet" and any(
+                    f"/tmp/{TEMP_DIR_PREFIX}" in arg for arg in process.cmdline()
+                ):
                     process.send_signal(signal.SIGSTOP)
                     frozen.append(process)
                     return

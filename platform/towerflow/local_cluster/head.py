@@ -37,6 +37,7 @@ DEFAULT_NUM_CPUS = 8  # logical CPUs: the example's workers, shards and Ray Data
 # and exits saying this. A small machine busy starting the tracking server beside the head can miss
 # that wait; such a head is started again (fresh ports and temp dir) while the start's time lasts.
 RAY_GAVE_UP_REGISTERING = "The current node timed out during startup"
+TEMP_DIR_PREFIX = "tfcluster-"  # of a head's temp dir under /tmp, which its processes' command lines name
 _log = logging.getLogger(__name__)
 
 
@@ -101,7 +102,7 @@ def launch_head(
     """Start the head's process without waiting for it (`wait_for_head`), so that other servers can
     start meanwhile."""
     gcs, dashboard, agent, agent_grpc, client = free_ports(5)
-    temp_dir = Path(tempfile.mkdtemp(prefix="tfcluster-", dir="/tmp"))
+    temp_dir = Path(tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX, dir="/tmp"))
     command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block"]
     command += [f"--port={gcs}", f"--num-cpus={num_cpus or DEFAULT_NUM_CPUS:g}", "--include-dashboard=true"]
     command += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"]
