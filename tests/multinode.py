@@ -19,8 +19,9 @@ Ray catches this works around:
   hold them all: a node's processes are found as descendants of its `ray start`.
 - `ray start` waits a fixed 30 s for its raylet to register with the GCS, then stops what it started
   and exits (RAY_GAVE_UP_REGISTERING). On two busy cores a joining node can miss that (CI did
-  once): an extra node that gave up is started again, with fresh ports and temp dir, until
-  `start_timeout`, as towerflow's own head is (local_cluster/head.py).
+  once): a node that gave up is started again until `start_timeout` (an extra node on fresh
+  ports, the head on its own, which are the cluster's address), as towerflow's own head is
+  (local_cluster/head.py).
 """
 
 from __future__ import annotations
@@ -289,9 +290,9 @@ class LocalCluster:
         return node
 
     def _wait_alive(self, nodes: list[Node]) -> list[Node]:
-        """Wait until the GCS reports every one of `nodes` alive; return them (an extra node whose
-        `ray start` gave up waiting for its raylet's registration is started again, and the new
-        one is in its place). Fail with a node's log if one exits otherwise."""
+        """Wait until the GCS reports every one of `nodes` alive; return them (a node whose `ray
+        start` gave up waiting for its raylet's registration is started again, and the new one is
+        in its place). Fail with a node's log if one exits otherwise."""
         deadline = time.monotonic() + self.start_timeout
         nodes = list(nodes)
         while True:
@@ -316,11 +317,7 @@ class LocalCluster:
             time.sleep(0.5)
 
     def _gave_up_registering(self, node: Node, deadline: float) -> bool:
-        return (
-            node is not self.head
-            and time.monotonic() < deadline
-            and RAY_GAVE_UP_REGISTERING in node.log_tail()
-        )
+        return time.monotonic() < deadline and RAY_GAVE_UP_REGISTERING in node.log_tail()
 
     def _relaunch(self, node: Node) -> Node:
         """Start `node` again (its `ray start` stopped what it had started before it exited)."""
