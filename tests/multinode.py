@@ -297,12 +297,12 @@ class LocalCluster:
         nodes = list(nodes)
         while True:
             for i, node in enumerate(nodes):
-                if node.process.poll() is not None and self._gave_up_registering(node, deadline):
-                    nodes[i] = node = self._relaunch(node)
                 if node.process.poll() is not None:
-                    raise RuntimeError(
-                        f"`ray start` of {node.name} exited with {node.process.returncode}:\n{node.log_tail()}"
-                    )
+                    if not self._gave_up_registering(node, deadline):
+                        raise RuntimeError(
+                            f"`ray start` of {node.name} exited with {node.process.returncode}:\n{node.log_tail()}"
+                        )
+                    nodes[i] = node = self._relaunch(node)
                 if not node.node_id:
                     raylet = _raylet_of(node)
                     node.node_id = _node_id_of(raylet) if raylet else ""

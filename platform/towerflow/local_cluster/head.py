@@ -138,18 +138,16 @@ def wait_for_head(
                 timeout_s=max(1.0, deadline - time.monotonic()),
             )
             return head
-        except ServerError:
+        except BaseException as exc:
             head.stop()
-            if relaunch is None or time.monotonic() >= deadline or not _gave_up_registering(process, head):
+            gave_up = isinstance(exc, ServerError) and _gave_up_registering(process, head)
+            if relaunch is None or not gave_up or time.monotonic() >= deadline:
                 raise
-            _log.warning(
-                "the Ray head's raylet did not register within `ray start`'s 30 s (a busy machine); "
-                "starting the head again"
-            )
-            head, process = relaunch()
-        except BaseException:
-            head.stop()
-            raise
+        _log.warning(
+            "the Ray head's raylet did not register within `ray start`'s 30 s (a busy machine); "
+            "starting the head again"
+        )
+        head, process = relaunch()
 
 
 def _head_node_alive(head: RayHead, token: str) -> bool:
