@@ -75,3 +75,28 @@ def test_a_process_without_gpus_imports_tensorflow_quietly_with_gpus_hidden():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "visible GPUs: []"
     assert done.stderr.strip() == "after the import", done.stderr
+
+
+_IMPORT_AS_A_SHARD = """
+import sys
+from towerflow.runtime.tf_setup import configure_tensorflow, TFProcessConfig
+
+configure_tensorflow(TFProcessConfig(cpus=1, keras=False))
+import tensorflow as tf
+print("loaded:", sorted({name.partition(".")[0] for name in sys.modules} & {"keras", "sklearn", "matplotlib"}))
+print("runs:", float(tf.reduce_sum(tf.ones([3]))))
+import keras  # a user's own code in the process may still use it
+print("importable afterwards:", type(tf.keras.layers.Dense(2)).__name__, keras.Sequential.__name__)
+"""
+
+
+def test_a_process_that_builds_no_model_loads_tensorflow_without_keras_which_stays_importable():
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_AS_A_SHARD], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "loaded: []",
+        "runs: 3.0",
+        "importable afterwards: Dense Sequential",
+    ], done.stdout

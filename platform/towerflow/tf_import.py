@@ -5,7 +5,10 @@ TensorFlow first thing, so the import is part of every job's start-up and of eve
 - Lean: TensorFlow 2.21 loads all of Keras, and Keras imports scikit-learn and matplotlib where they
   are installed (MLflow installs both), for its scikit-learn wrappers and plotting helpers, doing
   without them where they are not. No towerflow process uses either, and they are a third of the
-  import (1.1 of 3.2 s of CPU here; docs/benchmarks.md). They stay importable afterwards.
+  import (1.1 of 3.2 s of CPU here; docs/benchmarks.md). A process that builds no model (a shard,
+  a read task) leaves Keras out too: TensorFlow loads it only for its own registrations, and
+  tolerates its absence (0.5-0.7 s of CPU and 84 MB of memory per process here). What is left out
+  stays importable afterwards.
 - Quiet: TensorFlow's C++ side logs through abseil, which writes to stderr and ignores
   TF_CPP_MIN_LOG_LEVEL until it is initialised, which it is not while TensorFlow loads (upstream:
   abseil/abseil-cpp#1718). Those early lines below the level are dropped here; the rest pass.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import importlib.machinery
 import os
 import re
 import sys
@@ -36,15 +40,18 @@ _ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog() is called
 _CONTINUATIONS = ("To enable the following instructions:",)
 
 
-def import_tensorflow(*, gpus: bool = True) -> ModuleType:
-    """TensorFlow, imported as the module docstring says; `gpus=False` hides every GPU from it.
+def import_tensorflow(*, gpus: bool = True, keras: bool = True) -> ModuleType:
+    """TensorFlow, imported as the module docstring says; `gpus=False` hides every GPU from it,
+    `keras=False` leaves Keras out (for a process that builds no model: a later `import keras`
+    works, but then loads scikit-learn and matplotlib with it).
 
     Where this process has imported TensorFlow already, it is returned as it is.
     """
     if "tensorflow" in sys.modules:
         return sys.modules["tensorflow"]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", DEFAULT_MIN_LOG_LEVEL)
-    with _early_log_filtered(gpus), _refused(UNUSED_WHILE_TENSORFLOW_LOADS):
+    left_out = UNUSED_WHILE_TENSORFLOW_LOADS + (() if keras else ("keras",))
+    with _early_log_filtered(gpus), _refused(left_out):
         import tensorflow as tf
 
         if not gpus:
@@ -101,16 +108,33 @@ def _early_log_filtered(gpus: bool) -> Iterator[None]:
                 sys.stderr.flush()
 
 
-class _Refuse(importlib.abc.MetaPathFinder):
-    """Makes importing any module of these packages fail as if they were not installed."""
+class _Refuse(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes importing any module of these packages fail as if they were not installed.
+
+    The package is still found where it is (TensorFlow asks where Keras lies with
+    `importlib.util.find_spec` while it loads, and cannot take an error there); loading it fails.
+    """
 
     def __init__(self, packages: tuple[str, ...]) -> None:
         self.packages = packages
 
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in self.packages:
-            raise ModuleNotFoundError(f"No module named {name!r} (not loaded with TensorFlow)", name=name)
-        return None
+        if name.partition(".")[0] not in self.packages:
+            return None
+        found = importlib.machinery.PathFinder.find_spec(name, path)
+        if found is None:
+            return None
+        return importlib.machinery.ModuleSpec(
+            name, self, origin=found.origin, is_package=found.submodule_search_locations is not None
+        )
+
+    def create_module(self, spec):
+        raise ModuleNotFoundError(
+            f"No module named {spec.name!r} (not loaded with TensorFlow)", name=spec.name
+        )
+
+    def exec_module(self, module) -> None:  # never reached: create_module fails first
+        raise ModuleNotFoundError(module.__name__, name=module.__name__)
 
 
 @contextlib.contextmanager

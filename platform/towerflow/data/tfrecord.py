@@ -217,7 +217,7 @@ def tensorflow_for_reading():
     global _configured
     from towerflow.tf_import import import_tensorflow
 
-    tf = import_tensorflow(gpus=False)
+    tf = import_tensorflow(gpus=False, keras=False)  # a read task builds no model
     if not _configured:
         try:
             tf.config.threading.set_intra_op_parallelism_threads(1)

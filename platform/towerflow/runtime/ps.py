@@ -73,7 +73,7 @@ class ParameterShard:
 
     def __init__(self, shard_id: int, cpus: float = 0.5, *, apply_threads: int | None = None) -> None:
         # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
-        configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0)))
+        configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0), keras=False))
         import tensorflow as tf
 
         self.shard_id = shard_id

@@ -22,11 +22,12 @@ class TFProcessConfig:
     soft_placement: bool = True
     log_device_placement: bool = False
     inter_op_threads: int | None = None  # default: 1, or 2 from 2 CPUs on
+    keras: bool = True  # False where the process builds no model (a shard): TensorFlow alone
 
 
 def configure_tensorflow(config: TFProcessConfig) -> list[str]:
     """Set threads and devices; return the device names, one per tower."""
-    tf = import_tensorflow(gpus=config.gpus > 0)
+    tf = import_tensorflow(gpus=config.gpus > 0, keras=config.keras)
 
     threads = max(1, math.floor(config.cpus))
     tf.config.threading.set_intra_op_parallelism_threads(threads)

@@ -71,7 +71,8 @@ class _TFRecordShard:
     def __init__(self, path: Path, features: dict[str, dict[str, Any]]):
         from towerflow.tf_import import import_tensorflow
 
-        tf = import_tensorflow(gpus=False)  # lazily: the CLI must not pay for TensorFlow before it is needed
+        # lazily: the CLI must not pay for TensorFlow before it is needed; writing builds no model
+        tf = import_tensorflow(gpus=False, keras=False)
 
         self._writer = tf.io.TFRecordWriter(str(path))
         self._example = tf.train.Example()
