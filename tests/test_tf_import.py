@@ -49,17 +49,19 @@ def test_early_log_lines_below_the_level_are_dropped_and_the_rest_kept():
     assert kept_early_log(_EARLY_STDERR, min_level=0) == _EARLY_STDERR  # TF_CPP_MIN_LOG_LEVEL=0: all
 
 
-def test_an_actor_loads_tensorflow_without_kerass_optional_packages_which_stay_importable():
-    done = subprocess.run(
-        [sys.executable, "-c", _IMPORT_AS_AN_ACTOR], capture_output=True, text=True, timeout=240
-    )
+def _printed_by_a_fresh_process(code: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    return done.stdout.splitlines()
+
+
+def test_an_actor_loads_tensorflow_without_kerass_optional_packages_which_stay_importable():
+    assert _printed_by_a_fresh_process(_IMPORT_AS_AN_ACTOR) == [
         "loaded: []",
         "keras sees sklearn: False",
         "meta_path restored: True",
         "importable afterwards: BaseEstimator matplotlib.pyplot",
-    ], done.stdout
+    ]
 
 
 def test_a_process_without_gpus_imports_tensorflow_quietly_with_gpus_hidden():
@@ -91,12 +93,8 @@ print("importable afterwards:", type(tf.keras.layers.Dense(2)).__name__, keras.S
 
 
 def test_a_process_that_builds_no_model_loads_tensorflow_without_keras_which_stays_importable():
-    done = subprocess.run(
-        [sys.executable, "-c", _IMPORT_AS_A_SHARD], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    assert _printed_by_a_fresh_process(_IMPORT_AS_A_SHARD) == [
         "loaded: []",
         "runs: 3.0",
         "importable afterwards: Dense Sequential",
-    ], done.stdout
+    ]
