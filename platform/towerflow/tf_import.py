@@ -8,8 +8,7 @@ TensorFlow first thing, so the import is part of every job's start-up and of eve
   import (1.1 of 3.2 s of CPU here; docs/benchmarks.md). A process that builds no model (a shard,
   a read task) leaves Keras out too: TensorFlow loads it only for its own registrations, and
   tolerates its absence (2.4-2.5 s of CPU against 2.8-3.5, 84 MB less peak memory, per process
-  here). What is left out
-  stays importable afterwards.
+  here). What is left out stays importable afterwards.
 - Quiet: TensorFlow's C++ side logs through abseil, which writes to stderr and ignores
   TF_CPP_MIN_LOG_LEVEL until it is initialised, which it is not while TensorFlow loads (upstream:
   abseil/abseil-cpp#1718). Those early lines below the level are dropped here; the rest pass.
