@@ -128,13 +128,9 @@ class _Refuse(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             name, self, origin=found.origin, is_package=found.submodule_search_locations is not None
         )
 
-    def create_module(self, spec):
-        raise ModuleNotFoundError(
-            f"No module named {spec.name!r} (not loaded with TensorFlow)", name=spec.name
-        )
-
-    def exec_module(self, module) -> None:  # never reached: create_module fails first
-        raise ModuleNotFoundError(module.__name__, name=module.__name__)
+    def exec_module(self, module) -> None:
+        name = module.__name__
+        raise ModuleNotFoundError(f"No module named {name!r} (not loaded with TensorFlow)", name=name)
 
 
 @contextlib.contextmanager
