@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import mlflow_uri, tracked_spec
+from support import blobs, mlflow_uri, tracked_spec
 
 from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
 from towerflow.checkpoint.state import TrainingState
@@ -70,9 +70,17 @@ def test_checkpoint_files_round_trip_the_model_state(tmp_path):
     np.testing.assert_array_equal(back.model_state["batch_normalization/moving_variance"], [0.25, 4.0])
 
 
-def test_batch_norm_statistics_are_trained_checkpointed_resumed_and_exported(
+def _tower_workers_started() -> int:
+    """TowerWorker actors this Ray has started, dead ones included (the GCS's actor table)."""
+    from ray._private.state import actors
+
+    return sum(a["ActorClassName"].endswith("TowerWorker") for a in actors().values())
+
+
+def test_batch_norm_statistics_are_trained_checkpointed_resumed_evaluated_and_exported(
     ray_cluster, blob_data, tmp_path
 ):
+    import keras
     import mlflow
 
     spec, uri = tracked_spec(
@@ -81,12 +89,15 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_and_exported(
         "model-state",
         model={"params": {"input_dim": 8, "num_classes": 2, "hidden": [16], "seed": 1, "batch_norm": True}},
         cluster={"workers": 2, "ps": 1},  # two workers' statistics are averaged
-        data={"epochs": None},
+        data={"epochs": None, "eval": {"paths": str(blob_data / "train-00000-*")}},
         training={"max_steps": 6, "optimizer": {"name": "sgd", "learning_rate": 0.1}},
-        supervision={"checkpoint": {"every_steps": 3}},
+        # due at the last step, evaluated at the end: on a worker, idle by then, with the averaged statistics
+        supervision={"checkpoint": {"every_steps": 3}, "eval": {"every_steps": 6}},
         export={"saved_model": True},
     )
+    started = _tower_workers_started()
     result = train(spec)
+    assert _tower_workers_started() - started == 2  # the two workers: no evaluator actor was started
     means = {k: v for k, v in result.model_state.items() if "moving_mean" in k}
     assert means and all(np.abs(v).max() > 0.01 for v in means.values())  # they moved off their zeros
 
@@ -102,7 +113,19 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_and_exported(
     x = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
     expected = np.asarray(build_trained_model(spec, result.parameters, result.model_state)(x, training=False))
     initial_stats = np.asarray(build_trained_model(spec, result.parameters)(x, training=False))
-    assert not np.allclose(initial_stats, expected, atol=1e-3)  # the comparison below means something
+    assert not np.allclose(initial_stats, expected, atol=1e-3)  # the comparisons below mean something
+    # The final evaluation saw the trained statistics too (the eval file: blob_data's first 256 rows).
+    rows = blobs(1024)
+    x_eval, y_eval = rows["x"][:256], rows["label"][:256]
+
+    def eval_loss(model_state):
+        logits = build_trained_model(spec, result.parameters, model_state)(x_eval, training=False)
+        return float(np.mean(keras.losses.sparse_categorical_crossentropy(y_eval, logits, from_logits=True)))
+
+    evaluated = client.get_run(result.run_id).data.metrics
+    assert evaluated["eval_examples"] == 256
+    assert evaluated["eval_loss"] == pytest.approx(eval_loss(result.model_state), rel=1e-4)
+    assert evaluated["eval_loss"] != pytest.approx(eval_loss(None), rel=1e-4)
     model_uri = client.get_run(result.run_id).data.tags["towerflow.model_uri"]
     with mlflow_uri(uri):
         served = mlflow.pyfunc.load_model(model_uri)

@@ -96,6 +96,7 @@ class Driver(RecoveryActions, CheckpointActions):
         self.stop_signals = StopSignals()
         self._start_steps: dict[int, int] = {}  # worker id -> the global step it waits for before its first
         self._evaluator: Any = None
+        self._final_model_state: dict[str, np.ndarray] | None = None  # read once the training is over
         self._model_has_state: bool | None = None  # known from the first answer of the workers
         self.aggregator = StepAggregator(
             replicas_per_step=self._step_shape(spec.cluster.workers).batches_per_update,
@@ -208,7 +209,7 @@ class Driver(RecoveryActions, CheckpointActions):
         self.shard_group.load(
             state,
             version,
-            last_step=session.last_step,
+            final_step=session.final_step,
             snapshot_every=session.snapshot_every,
             workers=workers,
             replicas=self.elastic.replicas_to_aggregate(workers),
@@ -393,6 +394,8 @@ class Driver(RecoveryActions, CheckpointActions):
         Read as the workers are now, not at the shards' cut: they are running averages, which the
         replicas update each on its own data, and never part of the gradient step.
         """
+        if self._final_model_state is not None:
+            return self._final_model_state
         if not self.workers or self._model_has_state is False:
             return {}  # most models have none: no round trip to every worker at each checkpoint
         refs = [w.model_state.remote() for w in self.workers]
@@ -403,7 +406,10 @@ class Driver(RecoveryActions, CheckpointActions):
                 states.append(ray.get(ref))
         if states:
             self._model_has_state = bool(states[0])
-        return average_model_states(states)
+        averaged = average_model_states(states)
+        if self.state is State.FINISHED:  # final: an evaluation on a worker (below) must not change it
+            self._final_model_state = averaged
+        return averaged
 
     def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
         slots = self.group.slots
@@ -417,15 +423,24 @@ class Driver(RecoveryActions, CheckpointActions):
         batch_size: int,
         max_batches: int | None,
     ):
-        """Start an evaluation of the current parameters on an evaluator actor; returns a Future."""
-        if self._evaluator is None:
+        """Start an evaluation of the current parameters on the evaluator actor; returns a Future.
+
+        Once the training is over, a run that has not started its evaluator evaluates on a worker
+        instead: they are idle then, and a new actor would import TensorFlow and build the model
+        first (about 5 s of a short run's end on 2 cores).
+        """
+        model_state = self.model_state()
+        evaluator = self._evaluator
+        if evaluator is None and self.state is State.FINISHED and self.workers:
+            evaluator = self.workers[0]
+        if evaluator is None:
             config = self._worker_config(0)
             config.worker_id, config.start_at_step, config.profile_steps = -1, 0, None
             config.tf = TFProcessConfig(cpus=1.0)
             # No CPU reservation: evaluations are short and occasional, and must not wait for a slot.
-            self._evaluator = worker_actor(0, 0).remote(config)
-        ref = self._evaluator.evaluate.remote(
-            self.shards, self._placement(), source, metrics, batch_size, max_batches, self.model_state()
+            evaluator = self._evaluator = worker_actor(0, 0).remote(config)
+        ref = evaluator.evaluate.remote(
+            self.shards, self._placement(), source, metrics, batch_size, max_batches, model_state
         )
         return ref.future()
 

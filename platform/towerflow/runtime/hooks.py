@@ -37,6 +37,12 @@ class SessionInfo:
     runtime: Any = None  # TrainingRuntime: what hooks may ask of the running cluster
     _metric_listeners: list[Any] = field(default_factory=list, repr=False)
 
+    @property
+    def final_step(self) -> int | None:
+        """The global step the shards stop at, where known: training.max_steps or a hook's last_step."""
+        bounds = [b for b in (self.spec.training.max_steps, self.last_step) if b is not None]
+        return min(bounds) if bounds else None
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Hand metrics that are not step figures (evaluation, counters) to every hook's on_metrics."""
         for listener in self._metric_listeners:

@@ -57,7 +57,7 @@ class ShardGroup:
         state: Any,
         version: int,
         *,
-        last_step: int | None,
+        final_step: int | None,
         snapshot_every: int | None,
         workers: int,
         replicas: int,
@@ -71,7 +71,6 @@ class ShardGroup:
         spec = self.spec
         optimizer = spec.training.optimizer.model_dump(mode="json")
         initial = self._initial_pieces(state, optimizer["name"], rollback)
-        bounds = [b for b in (spec.training.max_steps, last_step) if b is not None]
         protocol = make_protocol(
             spec.training.mode,
             replicas_to_aggregate=replicas,
@@ -85,7 +84,7 @@ class ShardGroup:
                 values,
                 optimizer,
                 protocol,
-                min(bounds) if bounds else None,
+                final_step,
                 initial_slots=slots,
                 initial_version=version,
                 snapshot_every=snapshot_every,

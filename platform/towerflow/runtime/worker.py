@@ -212,8 +212,9 @@ class TowerWorker:
     ) -> tuple[int, dict[str, float]]:
         """Evaluate the shards' current parameters on the evaluation files, read in order.
 
-        Run on an evaluator actor of its own (TensorFlow's evaluator task), never on a training
-        worker: it assigns the model's variables. Returns (version evaluated, metrics).
+        Run on an evaluator actor of its own (TensorFlow's evaluator task), or on a worker whose
+        training is over, never on one still training: it assigns the model's variables and state.
+        Returns (version evaluated, metrics).
         """
         import keras
 

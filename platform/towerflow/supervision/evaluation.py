@@ -1,7 +1,8 @@
 """Eval: every N global steps, evaluate the current parameters on the eval split, off the hot path.
 
 An evaluator actor (TensorFlow's evaluator task) pulls the shards' parameters itself and streams
-the eval files; training goes on meanwhile. At most one evaluation is in flight: when it is due
+the eval files; training goes on meanwhile (the runtime decides where: the evaluation at the end
+of a run that started no evaluator runs on an idle worker). At most one evaluation is in flight: when it is due
 again before the last one returned, it waits for the next due step. Results are logged as
 `eval_<metric>` at the global step that was evaluated.
 """
@@ -42,6 +43,9 @@ class EvalHook(Hook):
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         self._collect(context.session, wait=False)
+        final = context.session.final_step
+        if self.at_end and final is not None and event.global_step >= final:
+            return  # due at the last step: the end's evaluation takes it, once the workers are idle
         if event.global_step - self._last_step >= self.every_steps and self._in_flight is None:
             self._last_step = event.global_step
             self._in_flight = self._start(context.session)
