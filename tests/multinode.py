@@ -46,7 +46,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from support import blob_spec, free_ports
+from support import blob_spec, free_ports, sqlite_store
 
 from towerflow.local_cluster.head import RAY_GAVE_UP_REGISTERING
 from towerflow.runtime.cluster import RAY_NODE_ENV
@@ -443,7 +443,7 @@ def cluster_spec_file(
 ) -> tuple[Path, str]:
     """A blob-data job spec for a run on a LocalCluster, tracked to a SQLite store in `tmp_path`
     (experiment `name`), written as `tmp_path/<name>.yaml`: (its path, the store's URI)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     raw = blob_spec(
         blob_data,
         name=name,

@@ -87,7 +87,7 @@ def tracked_spec(
     """(validated blob spec, its tracking URI): a fresh SQLite MLflow store in `folder`, `experiment`."""
     from towerflow.spec import validate_spec
 
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    uri = sqlite_store(folder)
     raw = blob_spec(
         data_dir, tracking={"tracking_uri": uri, "experiment": experiment, **(tracking or {})}, **sections
     )
@@ -169,6 +169,38 @@ def flip_byte(path: Path, offset: int) -> Path:
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
     return path
+
+
+_STORE_TEMPLATE: list[Path] = []  # made once per test session
+
+
+def sqlite_store(folder: Path, name: str = "mlflow.db") -> str:
+    """The URI of a new, empty MLflow SQLite store `folder/name`: a copy of one that MLflow made once
+    for the session. MLflow runs its whole migration history on every store it creates (over a second
+    of CPU each, some forty times a suite); the copy is the same file it would have written."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    if not _STORE_TEMPLATE:
+        template = Path(tempfile.mkdtemp(prefix="towerflow-test-store-")) / "mlflow.db"
+        made = "from mlflow.tracking import MlflowClient; MlflowClient(__import__('sys').argv[1]).search_experiments()"
+        # in a process of its own, started in the template's folder: every engine closed before the
+        # copies, and the Default experiment (which towerflow never uses) kept out of the repository
+        done = subprocess.run(
+            [sys.executable, "-c", made, f"sqlite:///{template}"],
+            cwd=template.parent,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        _STORE_TEMPLATE.append(template)
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        shutil.copyfile(_STORE_TEMPLATE[0], path)
+    return f"sqlite:///{path}"
 
 
 @contextlib.contextmanager

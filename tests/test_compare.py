@@ -13,7 +13,7 @@ import mlflow
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
-from support import blob_spec, tracked_spec
+from support import blob_spec, sqlite_store, tracked_spec
 
 from towerflow.compare import compare_modes, parse_modes, spec_for_mode
 from towerflow.errors import DataError, SpecError
@@ -119,7 +119,7 @@ def test_a_compare_job_on_the_default_store_is_warned_that_it_loses_its_runs(ray
 
 
 def test_a_failed_child_fails_the_parent(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     raw = blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "cmp-bad"})
     raw["data"]["train"]["label"] = "no_such_label"
     with pytest.raises(DataError, match="no_such_label"):

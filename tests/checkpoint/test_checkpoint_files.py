@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from support import sqlite_store
 
 from towerflow.checkpoint import (
     TrainingState,
@@ -202,7 +203,7 @@ def test_a_checkpoint_written_in_parts_reads_back_whole_and_part_by_part(tmp_pat
 def test_a_checkpoint_written_in_parts_to_an_mlflow_run(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(sqlite_store(tmp_path))
     experiment = client.create_experiment("parts", artifact_location=(tmp_path / "artifacts").as_uri())
     run = client.create_run(experiment)
     infos, values = _variables()

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import ONE_OF_EACH, blob_spec, takes_ctrl_c
+from support import ONE_OF_EACH, blob_spec, sqlite_store, takes_ctrl_c
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH
@@ -42,7 +42,7 @@ def cluster_env(ray_cluster, tmp_path):
     return {
         "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
         "RAY_AUTH_MODE": "token",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "MLFLOW_TRACKING_URI": sqlite_store(tmp_path),
     }
 
 
@@ -185,7 +185,7 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
     spec = blob_spec(blob_data, cluster=ONE_OF_EACH, supervision={"hooks": [hook]})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = sqlite_store(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_MACHINE_SWITCH, AUTH_MODE)}
     env |= {"PYTHONPATH": str(REPO / "tests"), "MLFLOW_TRACKING_URI": store}  # tests/ for the hook only
     settings = ["training.max_steps=6", "training.mode=async", "export.saved_model=true"]

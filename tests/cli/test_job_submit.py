@@ -22,6 +22,7 @@ import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import RAY_CLI, LocalCluster
+from support import sqlite_store
 from tracking_server import tracking_server_fixture  # noqa: F401
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
@@ -121,7 +122,7 @@ def _tabular_job(tmp_path: Path, *settings: str) -> tuple[str, list[str]]:
         "data.batch_size=64",
         "cluster.workers=1",
     ]
-    return f"sqlite:///{tmp_path / 'mlflow.db'}", data + list(settings)
+    return sqlite_store(tmp_path), data + list(settings)
 
 
 def test_ray_job_submit_trains_on_the_cluster_tracks_to_the_server_and_registers_its_model(

@@ -13,6 +13,7 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import (
     flip_byte,
+    sqlite_store,
     tabular_header,
     tabular_rows,
     truncate,
@@ -46,7 +47,7 @@ def _spec(tmp_path, paths, train_extra=None, input_dim=4, **data):
             },
             "cluster": {"workers": 1, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5},
             "training": {"mode": "sync", "max_steps": 200},
-            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "bad-input"},
+            "tracking": {"tracking_uri": sqlite_store(tmp_path), "experiment": "bad-input"},
         }
     )
 

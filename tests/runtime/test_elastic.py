@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blob_spec
+from support import blob_spec, sqlite_store
 
 from towerflow.launch import train
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -40,7 +40,7 @@ class ScaleAt(Hook):
 def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shards(
     ray_cluster, blob_data, tmp_path
 ):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     raw = blob_spec(
         blob_data,
         data={"batch_size": 16, "epochs": None},

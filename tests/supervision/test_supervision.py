@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 from sample_hooks import RecordingHook, StopAtStepHook
-from support import ONE_OF_EACH, blob_spec, mlflow_uri
+from support import ONE_OF_EACH, blob_spec, mlflow_uri, sqlite_store
 
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
@@ -37,7 +37,7 @@ def _spec(blob_data, uri: str | None, **sections):
 def first_run(ray_cluster, blob_data, tmp_path_factory):
     """8 steps on 2 shards (the resumes below change their number): checkpoints every 3, evaluation
     every 4, profile of steps [2, 4) on worker 0, a user hook."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path_factory.mktemp("mlflow"))
     RecordingHook.instances.clear()
     spec = _spec(
         blob_data,
@@ -182,7 +182,7 @@ def test_resume_of_an_unknown_run_is_a_clear_error(first_run):
 
 
 def test_nan_guard_fails_the_run_and_keeps_the_last_good_checkpoint(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     spec = _spec(
         blob_data,
         uri,
@@ -252,7 +252,7 @@ def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
 
 
 def test_a_hook_failing_at_the_end_fails_the_run_and_keeps_its_checkpoints(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     spec = _spec(
         blob_data,
         uri,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from mlflow.tracking import MlflowClient
-from support import blob_spec
+from support import blob_spec, sqlite_store
 
 from towerflow.checkpoint.state import TrainingState
 from towerflow.checkpoint.stores import MlflowCheckpointStore
@@ -14,7 +14,7 @@ from towerflow.tracking.auto_resume import resumable_run
 
 
 def _job(tmp_path, blob_data):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     spec = validate_spec(blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "resume-auto"}))
     client = MlflowClient(uri)
     experiment = client.create_experiment("resume-auto", artifact_location=str(tmp_path / "artifacts"))

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import ONE_OF_EACH, blob_spec, blobs, mlflow_uri, tracked_spec
+from support import ONE_OF_EACH, blob_spec, blobs, mlflow_uri, sqlite_store, tracked_spec
 
 from towerflow.errors import SpecError, TowerflowError
 from towerflow.imports import import_ref
@@ -101,7 +101,7 @@ def test_registered_names_mlflow_refuses_are_spec_errors(blob_data):
 
 def test_a_model_with_several_named_inputs_serves_dicts_and_dataframes(tmp_path):
     """MLflow's TensorFlow flavor takes one input tensor; the tabular model takes `x` and `category`."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     spec = load_spec(REPO / "pipelines" / "tabular_csv.yaml", [f"tracking.tracking_uri={uri}"])
     model = import_ref(spec.model.ref)(**spec.model.params)
     weights = [v.numpy() for v in model.trainable_variables]

@@ -10,7 +10,7 @@ import pytest
 import ray
 import tensorflow as tf
 from mlflow.tracking import MlflowClient
-from support import ONE_OF_EACH, blob_spec, tracked_spec
+from support import ONE_OF_EACH, blob_spec, sqlite_store, tracked_spec
 
 from towerflow.errors import DataError
 from towerflow.launch import train
@@ -105,7 +105,7 @@ def test_git_state_outside_a_repository_and_of_a_dirty_one(tmp_path):
 
 
 def test_failed_run_is_marked_failed(ray_cluster, blob_data, tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     raw = blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "bad"})
     raw["data"]["train"]["label"] = "no_such_label"
     with pytest.raises(DataError, match="no_such_label"):
