@@ -1,10 +1,10 @@
 """Eval: every N global steps, evaluate the current parameters on the eval split, off the hot path.
 
 An evaluator actor (TensorFlow's evaluator task) pulls the shards' parameters itself and streams
-the eval files; training goes on meanwhile (the runtime decides where: the evaluation at the end
-of a run that started no evaluator runs on an idle worker). At most one evaluation is in flight: when it is due
-again before the last one returned, it waits for the next due step. Results are logged as
-`eval_<metric>` at the global step that was evaluated.
+the eval files; training goes on meanwhile. At most one evaluation is in flight: when it is due
+again before the last one returned, it waits for the next due step. An evaluation due at the last
+step is left to the end's, which the runtime runs on an idle worker where no evaluator was started.
+Results are logged as `eval_<metric>` at the global step that was evaluated.
 """
 
 from __future__ import annotations
