@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,35 +176,33 @@ def flip_byte(path: Path, offset: int) -> Path:
     return path
 
 
-_STORE_TEMPLATE: list[Path] = []  # made once per test session
+@functools.cache
+def _store_template() -> Path:
+    """An empty store made by MLflow, once per session, in a process of its own started in the
+    template's folder: every engine closed before the copies, and the Default experiment (which
+    towerflow never uses) kept out of the repository."""
+    template = Path(tempfile.mkdtemp(prefix="towerflow-test-store-")) / "mlflow.db"
+    made = (
+        "import sys; from mlflow.tracking import MlflowClient; MlflowClient(sys.argv[1]).search_experiments()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", made, f"sqlite:///{template}"],
+        cwd=template.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return template
 
 
 def sqlite_store(folder: Path, name: str = "mlflow.db") -> str:
-    """The URI of a new, empty MLflow SQLite store `folder/name`: a copy of one that MLflow made once
-    for the session. MLflow runs its whole migration history on every store it creates (over a second
-    of CPU each, some forty times a suite); the copy is the same file it would have written."""
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-
-    if not _STORE_TEMPLATE:
-        template = Path(tempfile.mkdtemp(prefix="towerflow-test-store-")) / "mlflow.db"
-        made = "from mlflow.tracking import MlflowClient; MlflowClient(__import__('sys').argv[1]).search_experiments()"
-        # in a process of its own, started in the template's folder: every engine closed before the
-        # copies, and the Default experiment (which towerflow never uses) kept out of the repository
-        done = subprocess.run(
-            [sys.executable, "-c", made, f"sqlite:///{template}"],
-            cwd=template.parent,
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, done.stderr
-        _STORE_TEMPLATE.append(template)
+    """The URI of a new, empty MLflow SQLite store `folder/name`: a copy of `_store_template()`.
+    MLflow runs its whole migration history on every store it creates (over a second of CPU each,
+    some forty times a suite); the copy is the same file it would have written."""
     path = folder / name
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
-        shutil.copyfile(_STORE_TEMPLATE[0], path)
+        shutil.copyfile(_store_template(), path)
     return f"sqlite:///{path}"
 
 
