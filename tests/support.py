@@ -195,15 +195,22 @@ def _store_template() -> Path:
     return template
 
 
-def sqlite_store(folder: Path, name: str = "mlflow.db") -> str:
-    """The URI of a new, empty MLflow SQLite store `folder/name`: a copy of `_store_template()`.
+def sqlite_store(folder: Path) -> str:
+    """The URI of a new, empty MLflow SQLite store `folder/mlflow.db`: a copy of `_store_template()`.
     MLflow runs its whole migration history on every store it creates (over a second of CPU each,
     some forty times a suite); the copy is the same file it would have written."""
-    path = folder / name
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = folder / "mlflow.db"
     if not path.exists():
         shutil.copyfile(_store_template(), path)
     return f"sqlite:///{path}"
+
+
+def ray_actors(class_name: str) -> list[dict]:
+    """The connected Ray's actors of this class, dead ones included (the GCS's actor table:
+    `ray.util.state` would need the dashboard)."""
+    from ray._private.state import actors
+
+    return [a for a in actors().values() if a["ActorClassName"].endswith(class_name)]
 
 
 @contextlib.contextmanager

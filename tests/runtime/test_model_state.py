@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blobs, mlflow_uri, tracked_spec
+from support import blobs, mlflow_uri, ray_actors, tracked_spec
 
 from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
 from towerflow.checkpoint.state import TrainingState
@@ -70,13 +70,6 @@ def test_checkpoint_files_round_trip_the_model_state(tmp_path):
     np.testing.assert_array_equal(back.model_state["batch_normalization/moving_variance"], [0.25, 4.0])
 
 
-def _tower_workers_started() -> int:
-    """TowerWorker actors this Ray has started, dead ones included (the GCS's actor table)."""
-    from ray._private.state import actors
-
-    return sum(a["ActorClassName"].endswith("TowerWorker") for a in actors().values())
-
-
 def test_batch_norm_statistics_are_trained_checkpointed_resumed_evaluated_and_exported(
     ray_cluster, blob_data, tmp_path
 ):
@@ -95,9 +88,9 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_evaluated_and_ex
         supervision={"checkpoint": {"every_steps": 3}, "eval": {"every_steps": 6}},
         export={"saved_model": True},
     )
-    started = _tower_workers_started()
+    started = len(ray_actors("TowerWorker"))
     result = train(spec)
-    assert _tower_workers_started() - started == 2  # the two workers: no evaluator actor was started
+    assert len(ray_actors("TowerWorker")) - started == 2  # the two workers: no evaluator actor was started
     means = {k: v for k, v in result.model_state.items() if "moving_mean" in k}
     assert means and all(np.abs(v).max() > 0.01 for v in means.values())  # they moved off their zeros
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
-from support import ONE_OF_EACH, tracked_spec
+from support import ONE_OF_EACH, ray_actors, tracked_spec
 
 from towerflow.launch import train
 from towerflow.tracking.cluster_gpus import NodeGpus, format_table, probe_cluster
@@ -61,10 +61,7 @@ def test_run_has_host_metrics_of_each_ray_node(ray_cluster, blob_data, tmp_path)
     key = f"system/{label}/cpu_utilization_percentage"
     history = client.get_metric_history(run_id, key)
     assert [m.step for m in history] == list(range(len(history))) and history
-    # the samplers end with the run (the GCS's actor table; ray.util.state would need the dashboard)
-    from ray._private.state import actors
-
-    samplers = [a for a in actors().values() if a["ActorClassName"].endswith("NodeSamplerActor")]
+    samplers = ray_actors("NodeSamplerActor")  # they end with the run
     assert samplers and all(a["State"] == "DEAD" for a in samplers)
 
     # A resumed run's samples follow the first run's: no sample number twice.
