@@ -3,6 +3,8 @@ proxied into the server's artifacts destination, every socket on 127.0.0.1."""
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 from mlflow.tracking import MlflowClient
 from tracking_server import process_tree, tracking_server_fixture  # noqa: F401
@@ -26,6 +28,33 @@ def test_requests_without_valid_credentials_are_refused(tracking_server):
     assert http_status(experiments) == 401
     assert http_status(experiments, auth_header(tracking_server.username, "not-the-password")) == 401
     assert http_status(experiments, auth_header(tracking_server.username, tracking_server.password)) == 200
+
+
+def test_checked_passwords_are_cached_and_a_password_changed_through_the_api_holds_at_once(
+    tracking_server, as_admin
+):
+    """The server trusts a checked password for AUTH_CACHE_TTL_S instead of hashing it on every
+    request: a hash changed behind its back (in the database) is not seen yet. A change made
+    through MLflow's API is: the old password is refused on the next request."""
+    from mlflow.server.auth.client import AuthServiceClient
+    from werkzeug.security import generate_password_hash
+
+    users = AuthServiceClient(tracking_server.uri)
+    old, new = secrets.token_urlsafe(18), secrets.token_urlsafe(18)
+    users.create_user("cached-user", old)
+    experiments = f"{tracking_server.uri}/api/2.0/mlflow/experiments/search?max_results=1"
+    assert http_status(experiments, auth_header("cached-user", old)) == 200
+
+    with tracking_server.postgres.connect(tracking_server.database) as db:
+        db.execute(
+            "UPDATE users SET password_hash = %s WHERE username = %s",
+            (generate_password_hash(new), "cached-user"),
+        )
+    assert http_status(experiments, auth_header("cached-user", old)) == 200  # from the cache
+
+    users.update_user_password("cached-user", new)
+    assert http_status(experiments, auth_header("cached-user", old)) == 401
+    assert http_status(experiments, auth_header("cached-user", new)) == 200
 
 
 def test_a_run_goes_to_postgres_and_its_artifact_through_the_proxy(tracking_server, as_admin, tmp_path):

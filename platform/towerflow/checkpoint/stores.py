@@ -259,16 +259,19 @@ class MlflowCheckpointWriter:
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(local_directory, target)
         else:
-            _client(self.tracking_uri).log_artifacts(self.run_id, local_directory, f"{self.path}/{name}")
+            self._repository().log_artifacts(local_directory, f"{self.path}/{name}")
 
     def commit(self, meta: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
             write_meta_durably(Path(scratch) / META, meta)
-            _client(self.tracking_uri).log_artifact(self.run_id, str(Path(scratch) / META), self.path)
+            self._repository().log_artifact(str(Path(scratch) / META), self.path)
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # nothing uploaded yet is fine
-            _delete_artifacts(self.tracking_uri, self.run_id, self.path)
+            self._repository().delete_artifacts(self.path)
+
+    def _repository(self):
+        return _repository(self.tracking_uri, self.artifact_uri)
 
 
 @dataclass
@@ -290,7 +293,9 @@ class MlflowPartReader:
             return
         artifact = f"{self.path}/{name}" if name else self.path
         with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
-            yield Path(_client(self.tracking_uri).download_artifacts(self.run_id, artifact, scratch))
+            yield Path(
+                _repository(self.tracking_uri, self.artifact_uri).download_artifacts(artifact, scratch)
+            )
 
 
 class MlflowCheckpointStore:
@@ -322,12 +327,19 @@ class MlflowCheckpointStore:
             self._artifact_uri = self.client.get_run(self.run_id).info.artifact_uri
         return self._artifact_uri
 
+    @property
+    def repository(self):
+        """The run's artifact repository, called directly: through the client, each call would
+        look the run up again first (a request more per listing, each checked by the server)."""
+        return _repository(self.client.tracking_uri, self.artifact_uri)
+
     def list(self) -> list[tuple[int, float]]:
         found = []
-        for entry in self.client.list_artifacts(self.run_id, ARTIFACT_DIR):
+        repository = self.repository
+        for entry in repository.list_artifacts(ARTIFACT_DIR):
             if not entry.is_dir:
                 continue
-            names = {Path(f.path).name for f in self.client.list_artifacts(self.run_id, entry.path)}
+            names = {Path(f.path).name for f in repository.list_artifacts(entry.path)}
             if META in names:
                 step = int(Path(entry.path).name.split("-", 1)[1])
                 found.append((step, float(self._meta(entry.path)["written_at"])))
@@ -343,26 +355,21 @@ class MlflowCheckpointStore:
 
     def delete(self, step: int) -> None:
         path = f"{ARTIFACT_DIR}/{checkpoint_name(step)}"
-        _delete_artifacts(self.client.tracking_uri, self.run_id, path)
+        self.repository.delete_artifacts(path)
         self._meta_by_path.pop(path, None)
 
     def _meta(self, path: str) -> dict[str, Any]:
         """A complete checkpoint's meta.json, downloaded once (listing and opening both need it)."""
         if path not in self._meta_by_path:
             with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
-                local = self.client.download_artifacts(self.run_id, f"{path}/{META}", scratch)
+                local = self.repository.download_artifacts(f"{path}/{META}", scratch)
                 self._meta_by_path[path] = read_meta(Path(local).parent)
         return self._meta_by_path[path]
 
 
-def _client(tracking_uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri)
-
-
-def _delete_artifacts(tracking_uri: str, run_id: str, path: str) -> None:
+def _repository(tracking_uri: str, artifact_uri: str):
+    """The artifact repository of a run's `artifact_uri`, resolved against `tracking_uri` (a
+    server's `mlflow-artifacts:` URI names no host)."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-    run = _client(tracking_uri).get_run(run_id)
-    get_artifact_repository(run.info.artifact_uri).delete_artifacts(path)
+    return get_artifact_repository(artifact_uri, tracking_uri=tracking_uri)
