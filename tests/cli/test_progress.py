@@ -1,4 +1,5 @@
-"""The progress display: its total (max_steps, or the step at which the data runs out if sooner) and its banner."""
+"""The progress display: its total (the first of max_steps, a hook's last step and the step at which
+the data runs out) and its banner."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ def test_the_total_is_the_first_of_max_steps_and_the_end_of_the_data():
         hook = ProgressHook(max_steps, console=Console(file=io.StringIO()))
         hook.after_create_session(_session(data_steps))
         assert hook.total == total, (max_steps, data_steps)
+
+
+def test_a_hooks_last_step_bounds_the_total_too():
+    session = _session(468)
+    session.last_step = 300  # StopAtStepHook.begin sets it before any hook's after_create_session
+    hook = ProgressHook(1000, console=Console(file=io.StringIO()))
+    hook.after_create_session(session)
+    assert hook.total == 300
 
 
 def test_the_banner_counts_one_tower_per_gpu():

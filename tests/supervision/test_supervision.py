@@ -280,6 +280,17 @@ def test_stop_at_step_stops_exactly(ray_cluster, blob_data, tmp_path):
     )
     result = train(spec, track=False, output_dir=tmp_path)
     assert result.global_step == 5
+    # Resumed where its stop_at_step already is, a run trains nothing and is no error (its data
+    # did not end before a first step: its bound was reached).
+    at_the_bound = _spec(
+        blob_data,
+        None,
+        cluster=ONE_OF_EACH,
+        training={"max_steps": 100},
+        supervision={"stop_at_step": {"last_step": 5}},
+    )
+    resumed = train(at_the_bound, track=False, resume=str(tmp_path), output_dir=tmp_path)
+    assert resumed.global_step == 5
 
 
 class WaitForTheEnd(Hook):

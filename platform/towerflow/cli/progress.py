@@ -32,8 +32,9 @@ class ProgressHook(Hook):
     def after_create_session(self, session: SessionInfo) -> None:
         shape = f"{session.num_workers} workers x {session.spec.cluster.towers_per_worker} towers, {session.num_shards} PS"
         self.console.print(f"[bold]towerflow[/]: {session.spec.name} ({session.spec.training.mode}, {shape})")
-        if session.data_steps is not None:  # the data may end the run before max_steps
-            self.total = min(self.total, session.data_steps) if self.total else session.data_steps
+        # The run ends at the first of max_steps, a hook's last step (StopAtStep) and the data's end.
+        bounds = [b for b in (self.total, session.final_step, session.data_steps) if b is not None]
+        self.total = min(bounds) if bounds else None
         if self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("step"),

@@ -453,11 +453,12 @@ class Driver(RecoveryActions, CheckpointActions):
 
     def _check_something_trained(self) -> None:
         """A job whose data ended before its first step trained nothing: fail it, so that no untrained
-        model is exported or registered as if it were a result. (A resume at max_steps is no error.)"""
-        max_steps = self.spec.training.max_steps
+        model is exported or registered as if it were a result. (A resume at the run's final step,
+        max_steps or a hook's last step, is no error.)"""
+        final_step = self.session.final_step
         if self.aggregator.last_event is not None or self.context.stop_requested:
             return
-        if max_steps is not None and self.session.start_step >= max_steps:
+        if final_step is not None and self.session.start_step >= final_step:
             return
         data = self.spec.data
         raise DataError(
