@@ -42,8 +42,14 @@ from towerflow.checkpoint.files import (
     write_meta_durably,
 )
 from towerflow.checkpoint.state import TrainingState
+from towerflow.errors import TrainingError
 
 ARTIFACT_DIR = "checkpoints"
+
+
+class StoreUnavailable(TrainingError):
+    """The checkpoint store did not take a write because it is away or busy (a tracking server that
+    does not answer): a later checkpoint may well be written."""
 
 
 class CheckpointWriter(Protocol):
@@ -259,12 +265,29 @@ class MlflowCheckpointWriter:
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(local_directory, target)
         else:
-            self._repository().log_artifacts(local_directory, f"{self.path}/{name}")
+            with self._unavailable_as_such(f"part {name}"):
+                self._repository().log_artifacts(local_directory, f"{self.path}/{name}")
 
     def commit(self, meta: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory(prefix="towerflow-ckpt-") as scratch:
             write_meta_durably(Path(scratch) / META, meta)
-            self._repository().log_artifact(str(Path(scratch) / META), self.path)
+            with self._unavailable_as_such(META):
+                self._repository().log_artifact(str(Path(scratch) / META), self.path)
+
+    @contextlib.contextmanager
+    def _unavailable_as_such(self, what: str) -> Iterator[None]:
+        """A server that is away or busy raises StoreUnavailable; its refusals stay what they are."""
+        from towerflow.tracking.store import server_unavailable
+
+        try:
+            yield
+        except Exception as exc:
+            if _local_artifact_path(self.artifact_uri) is not None or not server_unavailable(exc):
+                raise
+            raise StoreUnavailable(
+                f"checkpoint of step {self.step}: {what} was not written to run {self.run_id}'s "
+                f"artifacts at {self.tracking_uri}: {str(exc).strip()[:500]}"
+            ) from exc
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # nothing uploaded yet is fine

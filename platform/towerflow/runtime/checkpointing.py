@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from towerflow.checkpoint.stores import StoreUnavailable
 from towerflow.errors import TrainingError
 from towerflow.runtime.hooks import SavedCheckpoint
 from towerflow.runtime.recovery import State
@@ -104,6 +105,10 @@ class CheckpointActions:
                     data_position or self._data_position(),
                 )
             )
+        except StoreUnavailable:
+            # An abort would not reach the store either. The parts written stay without a
+            # meta.json: never listed, never picked by a resume.
+            raise
         except BaseException:
             writer.abort()
             raise

@@ -3,6 +3,9 @@
 TensorFlow's defaults: every 600 s when no interval is given, keep the newest 5, optionally one
 every n hours for good. A state that holds a NaN/inf is never saved, so the newest checkpoint is
 always a good one to resume from. A run stopped by SIGTERM or Ctrl-C saves its final state too.
+A checkpoint due while the store is away (a tracking server that does not answer) is skipped with
+a warning and training goes on; the next one due is tried as usual. The final one is not skipped:
+a run that cannot save it fails, and a resume continues from the newest one written.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from towerflow.checkpoint.retention import checkpoints_to_delete
-from towerflow.checkpoint.stores import CheckpointStore
+from towerflow.checkpoint.stores import CheckpointStore, StoreUnavailable
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class CheckpointSaverHook(Hook):
         self.at_end = at_end
         self.saved: list[int] = []
         self.skipped_nonfinite: list[int] = []
+        self.skipped_unavailable: list[int] = []  # due while the store was away
         self._last_step = 0
         self._last_time = 0.0
         self._started_at = time.time()
@@ -58,9 +62,21 @@ class CheckpointSaverHook(Hook):
         every = self.every_steps
         if every is not None and event.global_step // every > self._last_step // every:
             step = event.global_step // every * every
-            self.save(context.session, step, {"examples_seen": event.examples_seen, "global_step": step})
+            position = {"examples_seen": event.examples_seen, "global_step": step}
+            self._save_or_skip(context.session, step, step, position)
         elif self.every_secs is not None and time.monotonic() - self._last_time >= self.every_secs:
-            self.save(context.session)
+            self._save_or_skip(context.session, event.global_step)
+
+    def _save_or_skip(
+        self, session: SessionInfo, due: int, step: int | None = None, position: dict | None = None
+    ) -> None:
+        """`save`; where the store is away, skip the checkpoint due at step `due` and train on."""
+        try:
+            self.save(session, step, position)
+        except StoreUnavailable as exc:
+            self._last_step, self._last_time = due, time.monotonic()
+            self.skipped_unavailable.append(due)
+            log.warning("checkpoint skipped, training goes on: %s", exc)
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if not self.at_end or session.runtime is None:
@@ -87,9 +103,12 @@ class CheckpointSaverHook(Hook):
         if not saved.written:  # this step is saved already
             return saved.step
         self.saved.append(saved.step)
-        for step in checkpoints_to_delete(
-            self.store.list(), self.max_to_keep, self.keep_every_n_hours, started_at=self._started_at
-        ):
-            self.store.delete(step)
+        try:
+            for step in checkpoints_to_delete(
+                self.store.list(), self.max_to_keep, self.keep_every_n_hours, started_at=self._started_at
+            ):
+                self.store.delete(step)
+        except Exception as exc:  # housekeeping: the next save prunes again
+            log.warning("old checkpoints not pruned after step %d: %s", saved.step, exc)
         session.log_metrics({"checkpoint_step": float(saved.step)}, saved.step)
         return saved.step

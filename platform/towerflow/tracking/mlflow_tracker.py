@@ -1,15 +1,19 @@
 """MLflowTracker: one MLflow run per job; the flattened spec as params, step metrics as metrics.
 
 All logging happens here, in the driver: SQLite-backed stores do not like many writers, so the
-workers' figures reach MLflow only through the step events. Metrics are buffered and written
-with `log_batch` every few seconds (and at the end), so tracking stays off the hot path.
+workers' figures reach MLflow only through the step events. Metrics are buffered and handed every
+few seconds (and at the end) to a thread that writes them with `log_batch` (shipper.py), so neither
+the hot path nor the driver's loop waits for the server, and a server away for a while loses
+nothing: the run's end waits for it (END_WAIT_S at most).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+from towerflow.errors import TrainingError
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.runtime.protocol import protocol_for
 from towerflow.spec import flatten_spec
@@ -17,7 +21,10 @@ from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.step_metrics import StepWindow
 from towerflow.tracking.store import ensure_experiment, run_store_uri
 
+log = logging.getLogger(__name__)
+
 SPEC_ARTIFACT = "spec.yaml"
+END_WAIT_S = 600.0  # how long a run's end waits for a tracking server that does not answer
 
 
 class MLflowTracker(Hook):
@@ -54,6 +61,7 @@ class MLflowTracker(Hook):
         self._window = StepWindow(staleness=not protocol_for(spec.training.mode).lockstep)
         self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
         self._faults = 0  # fault tags written
+        self._shipper = None  # towerflow.tracking.shipper.MetricShipper, once the run is open
 
     @property
     def client(self):
@@ -100,7 +108,7 @@ class MLflowTracker(Hook):
         params.update(run_params())
         # The whole spec, loadable again (towerflow.tracking.export.load_run_spec): export and resume need it.
         self._client.log_dict(self.run_id, spec.model_dump(mode="json"), SPEC_ARTIFACT)
-        self._log_batch(params=[mlflow.entities.Param(k, v[:6000]) for k, v in sorted(params.items())])
+        self._log_params([mlflow.entities.Param(k, v[:6000]) for k, v in sorted(params.items())])
 
     def _resumable_run(self):
         from mlflow.exceptions import MlflowException
@@ -140,8 +148,8 @@ class MLflowTracker(Hook):
             return
 
         sizes = [sum(session.pieces[i].nbytes for i in shard) for shard in session.shard_assignment]
-        self._log_batch(
-            params=[
+        self._log_params(
+            [
                 Param("model.trainable_variables", str(len(session.variables))),
                 Param("model.parameters_bytes", str(sum(v.nbytes for v in session.variables))),
                 Param("cluster.shard_bytes", ",".join(str(s) for s in sizes)),
@@ -185,10 +193,11 @@ class MLflowTracker(Hook):
         """A tag per lost actor (what, when, what was done); the counts arrive as metrics."""
         if self._client is None or self.run_id is None:
             return
+        from mlflow.entities import RunTag
+
         self._faults += 1
-        self._client.set_tag(
-            self.run_id, f"towerflow.fault.{self._faults:03d}", f"{event.what}: {event.action}"[:5000]
-        )
+        tag = RunTag(f"towerflow.fault.{self._faults:03d}", f"{event.what}: {event.action}"[:5000])
+        self._ship().put(tags=[tag])
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._client is None or self.run_id is None:
@@ -199,8 +208,13 @@ class MLflowTracker(Hook):
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:
             self._log_step(last)  # the final step is always logged
-        self.flush()
+        self._buffer, metrics = [], self._buffer
+        self._ship().put(metrics)
+        refusal = self._wait_for_the_server()
         status, error = outcome.status, outcome.error
+        if refusal is not None and error is None:
+            status, error = "FAILED", refusal
+            self.end_error = refusal
         if status == "FINISHED" and self.spec.export.saved_model:
             try:
                 self._export(outcome.result)
@@ -244,15 +258,51 @@ class MLflowTracker(Hook):
         self._system = system
 
     def flush(self) -> None:
+        """Hand the buffered metrics to the shipper's thread (sent in order, retried until taken)."""
         self._last_flush = time.monotonic()
         if self._buffer:
             metrics, self._buffer = self._buffer, []
-            for start in range(0, len(metrics), 1000):
-                self._log_batch(metrics=metrics[start : start + 1000])
+            self._ship().put(metrics)
+        refusal = self._shipper.take_refusal() if self._shipper is not None else None
+        if refusal is not None:
+            raise refusal  # the store refused a batch: as a write from this loop would
 
-    def _log_batch(self, metrics=(), params=()) -> None:
-        metrics, params = list(metrics), list(params)
-        if metrics:
-            self._client.log_batch(self.run_id, metrics=metrics)
+    def _ship(self):
+        if self._shipper is None:
+            from towerflow.tracking.shipper import MetricShipper
+
+            run_id, client = self.run_id, self.client
+            self._shipper = MetricShipper(
+                lambda metrics, tags: client.log_batch(run_id, metrics=metrics, tags=tags)
+            )
+        return self._shipper
+
+    def _wait_for_the_server(self) -> BaseException | None:
+        """Everything logged is sent before the run is closed: wait for a server that is away.
+        Returns a refusal of the store's not raised yet."""
+        shipper, self._shipper = self._shipper, None
+        if shipper is None:
+            return None
+        try:
+            if shipper.failing_since is not None:
+                log.warning(
+                    "waiting up to %.0f s for the tracking server at %s to take the run's last %s metrics",
+                    END_WAIT_S,
+                    self.tracking_uri,
+                    f"{shipper.pending:,}",
+                )
+            if not shipper.drain(END_WAIT_S):
+                raise TrainingError(
+                    f"the tracking server at {self.tracking_uri} did not answer for {END_WAIT_S:.0f} s at "
+                    f"the end of run {self.run_id} ({shipper.last_error}): its last {shipper.pending:,} "
+                    "metrics and its status were not written. Its checkpoints written before are in the "
+                    f"run: `--resume {self.run_id}` continues it"
+                )
+            return shipper.take_refusal()
+        finally:
+            shipper.close()
+
+    def _log_params(self, params: list[Any]) -> None:
+        """Params at the run's start, written at once (a server that does not answer then fails the start)."""
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self._client.log_batch(self.run_id, params=params[start : start + 100])

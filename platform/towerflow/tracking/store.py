@@ -76,3 +76,32 @@ def _in_job_working_dir() -> bool:
     except ValueError:
         return False
     return bool((config.get("runtime_env") or {}).get("working_dir"))
+
+
+# What a server that answers says when it cannot serve now (MLflow's error codes); any other answer
+# is a refusal. No answer at all (refused connection, timeout, MLflow's retries used up) is an outage.
+TRANSIENT_CODES = frozenset(
+    {
+        "INTERNAL_ERROR",
+        "TEMPORARILY_UNAVAILABLE",
+        "SERVICE_UNDER_MAINTENANCE",
+        "DEADLINE_EXCEEDED",
+        "REQUEST_LIMIT_EXCEEDED",
+        "RESOURCE_EXHAUSTED",
+        "ABORTED",
+        "COULD_NOT_ACQUIRE_LOCK",
+    }
+)
+
+
+def server_unavailable(exc: BaseException) -> bool:
+    """Whether a failed write means the tracking server is away or busy (worth trying again), not
+    that it refused the write: an API error by its code, an artifact upload's by its HTTP status."""
+    import requests
+    from mlflow.exceptions import RestException
+
+    if isinstance(exc, RestException):
+        return exc.error_code in TRANSIENT_CODES
+    if isinstance(exc, requests.HTTPError) and exc.response is not None:
+        return exc.response.status_code >= 500 or exc.response.status_code == 429
+    return True

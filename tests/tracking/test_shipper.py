@@ -1,0 +1,179 @@
+"""The run's metrics go to the tracking server from a thread of their own (tracking/shipper.py):
+in order, kept and sent again while the server is away, refusals handed to the driver. End to end:
+a real tracking server stopped mid-run and started again while `towerflow train` trains on."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import yaml
+from conftest import REPO
+from mlflow.entities import Metric, RunTag
+from mlflow.exceptions import RestException
+from mlflow.tracking import MlflowClient
+from support import ONE_OF_EACH, blob_spec
+from tracking_server import process_tree, tracking_server_fixture  # noqa: F401
+
+from towerflow.checkpoint.stores import MlflowCheckpointStore
+from towerflow.tracking.shipper import MetricShipper
+
+FAST = {"backoff_s": (0.01, 0.05)}
+
+
+def _metrics(name: str, count: int) -> list[Metric]:
+    return [Metric(name, float(i), 0, i) for i in range(count)]
+
+
+class Server:
+    """A `send` that fails while `away` is set, and records what it took."""
+
+    def __init__(self, failures: list[Exception] | None = None) -> None:
+        self.failures = list(failures or [])
+        self.taken: list[tuple[list, list]] = []
+        self.away = threading.Event()
+
+    def send(self, metrics, tags) -> None:
+        if self.away.is_set():
+            raise ConnectionError("connection refused")
+        if self.failures:
+            raise self.failures.pop(0)
+        self.taken.append((metrics, tags))
+
+
+def test_batches_go_in_order_and_are_sent_again_until_the_server_takes_them():
+    server = Server([ConnectionError("refused"), TimeoutError("timed out"), ConnectionError("refused")])
+    shipper = MetricShipper(server.send, **FAST)
+    shipper.put(_metrics("a", 3))
+    shipper.put(_metrics("b", 2500), [RunTag("t", "1")])  # more than a batch: split, tags with the first
+    assert shipper.drain(10)
+    assert [(m[0].key, len(m), len(t)) for m, t in server.taken] == [
+        ("a", 3, 0),
+        ("b", 1000, 1),
+        ("b", 1000, 0),
+        ("b", 500, 0),
+    ]
+    assert [m.step for m, _ in server.taken[1:] for m in m] == list(range(2500))
+    assert shipper.failing_since is None and shipper.pending == 0 and shipper.dropped == 0
+    shipper.close()
+
+
+def test_a_refused_batch_is_dropped_and_its_error_handed_over_once():
+    refusal = RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "bad key"})
+    busy = RestException({"error_code": "TEMPORARILY_UNAVAILABLE", "message": "try later"})
+    server = Server([busy, refusal])
+    shipper = MetricShipper(server.send, **FAST)
+    shipper.put(_metrics("refused", 1))  # busy once (sent again), then refused
+    shipper.put(_metrics("next", 1))
+    assert shipper.drain(10)
+    assert [m[0].key for m, _ in server.taken] == ["next"]
+    assert shipper.take_refusal() is refusal and shipper.take_refusal() is None
+    shipper.close()
+
+
+def test_while_the_server_is_away_the_oldest_metrics_make_room_and_tags_stay():
+    server = Server()
+    server.away.set()
+    shipper = MetricShipper(server.send, max_pending=2500, **FAST)
+    shipper.put(_metrics("old", 1000), [RunTag("fault", "a worker was lost")])
+    shipper.put(_metrics("older", 1000))
+    shipper.put(_metrics("new", 1000))
+    assert not shipper.drain(0.2) and shipper.failing_since is not None
+    assert shipper.dropped == 1000 and shipper.pending == 2000
+    server.away.clear()
+    assert shipper.drain(10)
+    sent = [(m[0].key if m else None, [t.key for t in tags]) for m, tags in server.taken]
+    # The batch out when room was needed stays whole; the next oldest goes.
+    assert sent in ([("old", ["fault"]), ("new", [])], [(None, ["fault"]), ("older", []), ("new", [])])
+    shipper.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_training_goes_on_while_the_tracking_server_is_away_and_loses_nothing(
+    tracking_server, blob_data, tmp_path, monkeypatch
+):
+    """At step 100 every process of the tracking server is stopped (SIGSTOP: it holds its port and
+    answers nothing, as a server cut off by the network) for OUTAGE_S, then let go on. Every
+    step's metrics reach it, the checkpoints due meanwhile are skipped with a warning, the later
+    ones are written, and the run ends FINISHED. MLflow's clients are told to give up after 2 s
+    and not to retry, so that each write meets the outage instead of riding it out inside
+    MLflow's own retries (about four minutes of them by default)."""
+    max_steps, outage_s = 1500, 12.0
+    raw = blob_spec(
+        blob_data,
+        name="outage",
+        data={"epochs": None},
+        cluster=ONE_OF_EACH,
+        training={"max_steps": max_steps},
+        tracking={"tracking_uri": tracking_server.uri, "experiment": "outage"},
+        supervision={"checkpoint": {"every_steps": 100}, "log_every_steps": 1},
+    )
+    spec = tmp_path / "outage.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "towerflow", "train", str(spec), "--no-progress"],
+        cwd=REPO,
+        env={**_environ(), **tracking_server.env, **quick, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for key, value in tracking_server.env.items():
+        monkeypatch.setenv(key, value)
+    server = process_tree(tracking_server.server.process.pid)
+    try:
+        client = MlflowClient(tracking_server.uri)
+        run_id = _wait_for_step(client, 100, driver)
+        for process in server:
+            process.suspend()
+        time.sleep(outage_s)
+        for process in server:
+            process.resume()
+        out, _ = driver.communicate(timeout=240)
+    finally:
+        for process in server:
+            with contextlib.suppress(psutil.Error):
+                process.resume()
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, out
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED", out
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+    assert steps == list(range(1, max_steps + 1))  # nothing lost in the outage
+    assert "did not take the run's metrics" in out and "takes the run's metrics again" in out, out
+    skipped = {
+        int(step)
+        for step in re.findall(r"checkpoint skipped, training goes on: checkpoint of step (\d+)", out)
+    }
+    assert skipped, out
+    written = [step for step in range(100, max_steps + 1, 100) if step not in skipped]
+    listed = [step for step, _ in MlflowCheckpointStore(client, run_id).list()]
+    assert listed == written[-5:], (listed, skipped, out)
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+
+
+def _wait_for_step(client: MlflowClient, step: int, driver: subprocess.Popen, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if driver.poll() is not None:
+            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
+        found = client.get_experiment_by_name("outage")
+        runs = client.search_runs([found.experiment_id]) if found else []
+        if runs and runs[0].data.metrics.get("global_step", 0) >= step:
+            return runs[0].info.run_id
+        time.sleep(0.3)
+    raise TimeoutError(f"no step {step} within {timeout:.0f} s")
