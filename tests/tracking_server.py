@@ -3,9 +3,10 @@ artifacts proxied by the server, all on 127.0.0.1 (towerflow.local_cluster start
 
 A test module imports `tracking_server_fixture` (noqa: F401) and asks for `tracking_server`; it
 gets an `AuthenticatedServer`, whose `env` is what a client (this process, a subprocess, a Ray job)
-needs: MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD. The fixture
-stops both servers at the end of the module, checks that none of their processes is left, and
-removes the database.
+needs: MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD. One server
+serves the whole session (starting one costs 10-13 s on 2 cores; the modules that use it keep to
+experiments of their own). The fixture stops both servers at the end, checks that none of their
+processes is left, and removes the database.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def still_running(processes: list[psutil.Process]) -> list[str]:
     return alive
 
 
-@pytest.fixture(scope="module", name="tracking_server")
+@pytest.fixture(scope="session", name="tracking_server")
 def tracking_server_fixture(tmp_path_factory) -> Iterator[AuthenticatedServer]:
     state_dir = tmp_path_factory.mktemp("tracking-server")
     password = secrets.token_urlsafe(18)
