@@ -100,12 +100,15 @@ def test_training_goes_on_while_the_tracking_server_is_away_and_loses_nothing(
     tracking_server, blob_data, tmp_path, monkeypatch
 ):
     """At step 100 every process of the tracking server is stopped (SIGSTOP: it holds its port and
-    answers nothing, as a server cut off by the network) for OUTAGE_S, then let go on. Every
+    answers nothing, as a server cut off by the network) until the driver has said that both a
+    metrics batch and a checkpoint met the outage, then let go on (an outage sized by what it
+    hit, not by a clock, so a fast machine does not train to its end meanwhile). Every
     step's metrics reach it, the checkpoints due meanwhile are skipped with a warning, the later
     ones are written, and the run ends FINISHED. MLflow's clients are told to give up after 2 s
     and not to retry, so that each write meets the outage instead of riding it out inside
     MLflow's own retries (about four minutes of them by default)."""
-    max_steps, outage_s = 1500, 12.0
+    max_steps = 1500
+    both = ("did not take the run's metrics", "checkpoint skipped, training goes on")
     raw = blob_spec(
         blob_data,
         name="outage",
@@ -128,16 +131,23 @@ def test_training_goes_on_while_the_tracking_server_is_away_and_loses_nothing(
     )
     for key, value in tracking_server.env.items():
         monkeypatch.setenv(key, value)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(driver.stdout), daemon=True)
+    reader.start()
     server = process_tree(tracking_server.server.process.pid)
     try:
         client = MlflowClient(tracking_server.uri)
-        run_id = _wait_for_step(client, 100, driver)
+        run_id = _wait_for_step(client, 100, driver, lines)
         for process in server:
             process.suspend()
-        time.sleep(outage_s)
+        deadline = time.monotonic() + 60
+        while not all(any(m in line for line in lines) for m in both) and time.monotonic() < deadline:
+            time.sleep(0.2)
         for process in server:
             process.resume()
-        out, _ = driver.communicate(timeout=240)
+        driver.wait(timeout=240)
+        reader.join(timeout=10)
+        out = "".join(lines)
     finally:
         for process in server:
             with contextlib.suppress(psutil.Error):
@@ -149,7 +159,7 @@ def test_training_goes_on_while_the_tracking_server_is_away_and_loses_nothing(
     assert run.info.status == "FINISHED", out
     steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
     assert steps == list(range(1, max_steps + 1))  # nothing lost in the outage
-    assert "did not take the run's metrics" in out and "takes the run's metrics again" in out, out
+    assert all(m in out for m in both) and "takes the run's metrics again" in out, out
     skipped = {
         int(step)
         for step in re.findall(r"checkpoint skipped, training goes on: checkpoint of step (\d+)", out)
@@ -166,11 +176,14 @@ def _environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
 
 
-def _wait_for_step(client: MlflowClient, step: int, driver: subprocess.Popen, timeout: float = 180) -> str:
+def _wait_for_step(
+    client: MlflowClient, step: int, driver: subprocess.Popen, lines: list[str], timeout: float = 180
+) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if driver.poll() is not None:
-            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
+            time.sleep(1)  # the reader's last lines
+            raise AssertionError(f"the driver exited with {driver.returncode}:\n{''.join(lines)}")
         found = client.get_experiment_by_name("outage")
         runs = client.search_runs([found.experiment_id]) if found else []
         if runs and runs[0].data.metrics.get("global_step", 0) >= step:
