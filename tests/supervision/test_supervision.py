@@ -271,25 +271,20 @@ def test_a_hook_failing_at_the_end_fails_the_run_and_keeps_its_checkpoints(ray_c
 
 
 def test_stop_at_step_stops_exactly(ray_cluster, blob_data, tmp_path):
-    spec = _spec(
-        blob_data,
-        None,
-        cluster=ONE_OF_EACH,
-        training={"max_steps": 100},
-        supervision={"stop_at_step": {"num_steps": 5}},
-    )
-    result = train(spec, track=False, output_dir=tmp_path)
+    def stopping(**stop_at_step):
+        return _spec(
+            blob_data,
+            None,
+            cluster=ONE_OF_EACH,
+            training={"max_steps": 100},
+            supervision={"stop_at_step": stop_at_step},
+        )
+
+    result = train(stopping(num_steps=5), track=False, output_dir=tmp_path)
     assert result.global_step == 5
     # Resumed where its stop_at_step already is, a run trains nothing and is no error (its data
     # did not end before a first step: its bound was reached).
-    at_the_bound = _spec(
-        blob_data,
-        None,
-        cluster=ONE_OF_EACH,
-        training={"max_steps": 100},
-        supervision={"stop_at_step": {"last_step": 5}},
-    )
-    resumed = train(at_the_bound, track=False, resume=str(tmp_path), output_dir=tmp_path)
+    resumed = train(stopping(last_step=5), track=False, resume=str(tmp_path), output_dir=tmp_path)
     assert resumed.global_step == 5
 
 

@@ -208,8 +208,7 @@ class MLflowTracker(Hook):
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:
             self._log_step(last)  # the final step is always logged
-        self._buffer, metrics = [], self._buffer
-        self._ship().put(metrics)
+        self._hand_over()
         refusal = self._wait_for_the_server()
         status, error = outcome.status, outcome.error
         if refusal is not None and error is None:
@@ -260,12 +259,14 @@ class MLflowTracker(Hook):
     def flush(self) -> None:
         """Hand the buffered metrics to the shipper's thread (sent in order, retried until taken)."""
         self._last_flush = time.monotonic()
-        if self._buffer:
-            metrics, self._buffer = self._buffer, []
-            self._ship().put(metrics)
+        self._hand_over()
         refusal = self._shipper.take_refusal() if self._shipper is not None else None
         if refusal is not None:
             raise refusal  # the store refused a batch: as a write from this loop would
+
+    def _hand_over(self) -> None:
+        metrics, self._buffer = self._buffer, []
+        self._ship().put(metrics)
 
     def _ship(self):
         if self._shipper is None:
