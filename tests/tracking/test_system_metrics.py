@@ -13,6 +13,7 @@ from support import ONE_OF_EACH, ray_actors, tracked_spec
 from towerflow.launch import train
 from towerflow.tracking.cluster_gpus import NodeGpus, format_table, probe_cluster
 from towerflow.tracking.gpu import GpuProcess, GpuReading, NVMLMonitor, nvml, read_gpus
+from towerflow.tracking.host_metrics import HostMonitor
 from towerflow.tracking.system_metrics import NodeSampler, node_labels
 
 NO_NVML = nvml() is None
@@ -40,6 +41,42 @@ def test_without_nvml_there_are_no_gpus_and_no_error():
     assert set(metrics) >= HOST_METRICS
     assert not any(name.startswith("gpu") for name in metrics)
     assert 0 <= metrics["cpu_utilization_percentage"] <= 100
+
+
+def test_host_metrics_are_named_and_aggregated_as_mlflows_own_monitors():
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    ours, theirs = HostMonitor(), [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+    for _ in range(3):
+        for monitor in (ours, *theirs):
+            monitor.collect_metrics()
+    mine = ours.aggregate_metrics()
+    mlflows = {k: v for monitor in theirs for k, v in monitor.aggregate_metrics().items()}
+    assert set(mine) == set(mlflows) >= HOST_METRICS
+    for name in (
+        "system_memory_usage_percentage",
+        "disk_usage_percentage",
+    ):  # the same reading, moments apart
+        assert mine[name] == pytest.approx(mlflows[name], abs=2.0), name
+    assert mine["network_receive_megabytes"] >= 0 and mine["network_transmit_megabytes"] >= 0
+    ours.clear_metrics()
+    assert ours.aggregate_metrics() == {}
+
+
+def test_a_node_sampler_process_imports_no_mlflow():
+    # One sampler process per node per run: importing MLflow there cost 1.4-2 s of CPU for nothing.
+    probe = (
+        "import sys\n"
+        "from towerflow.tracking.system_metrics import NodeSampler\n"
+        "sampler = NodeSampler(interval_s=0.05)\n"
+        "assert sampler.stop()['disk_usage_percentage'] > 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorflow')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_run_has_host_metrics_of_each_ray_node(ray_cluster, blob_data, tmp_path):

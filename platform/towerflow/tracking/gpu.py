@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
-from mlflow.system_metrics.metrics.base_metrics_monitor import BaseMetricsMonitor
+
+from towerflow.tracking.host_metrics import Monitor
 
 MB = 1024 * 1024  # nvidia-smi's MiB
 
@@ -105,8 +106,8 @@ def gpu_fields(lib: Any, handle: Any) -> dict[str, float]:
     return out
 
 
-class NVMLMonitor(BaseMetricsMonitor):
-    """MLflow system-metrics monitor for every NVIDIA GPU of the machine: `gpu_<i>_<field>`, averaged
+class NVMLMonitor(Monitor):
+    """A system-metrics monitor for every NVIDIA GPU of the machine: `gpu_<i>_<field>`, averaged
     over the samples of a logging period. Construct it only where `nvml()` is not None."""
 
     def __init__(self) -> None:

@@ -1,11 +1,12 @@
 """System metrics of every Ray node, in the job's MLflow run as `system/<node>/<metric>`.
 
 One small actor per alive node (no CPU reserved, pinned with NodeAffinitySchedulingStrategy)
-samples MLflow's own CPU, memory, disk and network monitors, plus every NVIDIA GPU through NVML
-(towerflow.tracking.gpu) where there is one. The driver drains the nodes' aggregated samples and
-logs them itself, so the store has one writer and remote nodes need no access to it. The names
-follow MLflow's system metrics (`system/` prefix, node id after it: what MLFLOW_SYSTEM_METRICS_NODE_ID
-does), so the run page's "System metrics" tab shows them, with step = sample number per node.
+samples the host's CPU, memory, disk and network (towerflow.tracking.host_metrics: the process
+imports no MLflow), plus every NVIDIA GPU through NVML (towerflow.tracking.gpu) where there is one.
+The driver drains the nodes' aggregated samples and logs them itself, so the store has one writer
+and remote nodes need no access to it. The names follow MLflow's system metrics (`system/` prefix,
+node id after it: what MLFLOW_SYSTEM_METRICS_NODE_ID does), so the run page's "System metrics" tab
+shows them, with step = sample number per node.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 
 import ray
 
+from towerflow.tracking.gpu import NVMLMonitor, nvml
+from towerflow.tracking.host_metrics import HostMonitor, Monitor
+
 PREFIX = "system"
 
 
@@ -24,13 +28,7 @@ class NodeSampler:
     """Samples this node's monitors every `interval_s` in a thread; `drain` averages what it has."""
 
     def __init__(self, interval_s: float) -> None:
-        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
-
-        from towerflow.tracking.gpu import NVMLMonitor, nvml
-
-        self.monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        self.monitors: list[Monitor] = [HostMonitor()]
         self.gpus = nvml() is not None
         if self.gpus:
             self.monitors.append(NVMLMonitor())
