@@ -5,6 +5,7 @@ a real tracking server stopped mid-run and started again while `towerflow train`
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -131,23 +132,20 @@ def test_training_goes_on_while_the_tracking_server_is_away_and_loses_nothing(
     )
     for key, value in tracking_server.env.items():
         monkeypatch.setenv(key, value)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(driver.stdout), daemon=True)
-    reader.start()
+    output = _Output(driver)
     server = process_tree(tracking_server.server.process.pid)
     try:
         client = MlflowClient(tracking_server.uri)
-        run_id = _wait_for_step(client, 100, driver, lines)
+        run_id = _wait_for_step(client, 100, driver, output)
         for process in server:
             process.suspend()
         deadline = time.monotonic() + 60
-        while not all(any(m in line for line in lines) for m in both) and time.monotonic() < deadline:
+        while not output.has(*both) and time.monotonic() < deadline:
             time.sleep(0.2)
         for process in server:
             process.resume()
         driver.wait(timeout=240)
-        reader.join(timeout=10)
-        out = "".join(lines)
+        out = output.text()
     finally:
         for process in server:
             with contextlib.suppress(psutil.Error):
@@ -170,20 +168,34 @@ def test_training_goes_on_while_the_tracking_server_is_away_and_loses_nothing(
     assert listed == written[-5:], (listed, skipped, out)
 
 
-def _environ() -> dict[str, str]:
-    import os
+class _Output:
+    """The driver's output, read by a thread as it comes, so the test can wait for lines in it."""
 
+    def __init__(self, driver: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(driver.stdout), daemon=True)
+        self._reader.start()
+
+    def has(self, *markers: str) -> bool:
+        return all(any(marker in line for line in self.lines) for marker in markers)
+
+    def text(self) -> str:
+        """All of it, once the driver has exited (its end of the pipe closed)."""
+        self._reader.join(timeout=10)
+        return "".join(self.lines)
+
+
+def _environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
 
 
 def _wait_for_step(
-    client: MlflowClient, step: int, driver: subprocess.Popen, lines: list[str], timeout: float = 180
+    client: MlflowClient, step: int, driver: subprocess.Popen, output: _Output, timeout: float = 180
 ) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if driver.poll() is not None:
-            time.sleep(1)  # the reader's last lines
-            raise AssertionError(f"the driver exited with {driver.returncode}:\n{''.join(lines)}")
+            raise AssertionError(f"the driver exited with {driver.returncode}:\n{output.text()}")
         found = client.get_experiment_by_name("outage")
         runs = client.search_runs([found.experiment_id]) if found else []
         if runs and runs[0].data.metrics.get("global_step", 0) >= step:

@@ -55,10 +55,8 @@ def test_host_metrics_are_named_and_aggregated_as_mlflows_own_monitors():
     mine = ours.aggregate_metrics()
     mlflows = {k: v for monitor in theirs for k, v in monitor.aggregate_metrics().items()}
     assert set(mine) == set(mlflows) >= HOST_METRICS
-    for name in (
-        "system_memory_usage_percentage",
-        "disk_usage_percentage",
-    ):  # the same reading, moments apart
+    # The same readings, moments apart.
+    for name in ("system_memory_usage_percentage", "disk_usage_percentage"):
         assert mine[name] == pytest.approx(mlflows[name], abs=2.0), name
     assert mine["network_receive_megabytes"] >= 0 and mine["network_transmit_megabytes"] >= 0
     ours.clear_metrics()

@@ -265,8 +265,10 @@ class MLflowTracker(Hook):
             raise refusal  # the store refused a batch: as a write from this loop would
 
     def _hand_over(self) -> None:
-        metrics, self._buffer = self._buffer, []
-        self._ship().put(metrics)
+        """The buffered metrics to the shipper (started with the first of them)."""
+        if self._buffer:
+            metrics, self._buffer = self._buffer, []
+            self._ship().put(metrics)
 
     def _ship(self):
         if self._shipper is None:
