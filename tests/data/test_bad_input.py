@@ -4,6 +4,7 @@ the MLflow run FAILED, and no hang; `on_bad_record: skip` trains on and logs wha
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from support import (
     write_uneven_shards,
 )
 
+from towerflow.data.ingest import prepare_split
 from towerflow.errors import DataError
 from towerflow.launch import train
 from towerflow.spec import validate_spec
@@ -84,31 +86,60 @@ def test_missing_listed_file(ray_cluster, tmp_path):
 def test_truncated_tfrecord(ray_cluster, tmp_path):
     paths = _shards(tmp_path)
     truncate(paths[1], 5)
-    run = _fails_with(tmp_path, _spec(tmp_path, str(tmp_path / "data" / "train-*")), r"train-00001-of-00002: record 99")
+    run = _fails_with(
+        tmp_path, _spec(tmp_path, str(tmp_path / "data" / "train-*")), r"train-00001-of-00002: record 99"
+    )
     assert "corrupt TFRecord" in run.data.tags["towerflow.error"]
 
 
 def test_corrupt_crc(ray_cluster, tmp_path):
     paths = _shards(tmp_path)
     flip_byte(paths[0], os.path.getsize(paths[0]) // 2)
-    _fails_with(tmp_path, _spec(tmp_path, str(tmp_path / "data" / "train-*")), r"train-00000-of-00002: record \d+: corrupt")
+    _fails_with(
+        tmp_path,
+        _spec(tmp_path, str(tmp_path / "data" / "train-*")),
+        r"train-00000-of-00002: record \d+: corrupt",
+    )
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (lambda e: e.pop("x"), r"record 7: .*Feature: x .*required"),
-        (lambda e: e.update(label=[0.5]), r"record 7: .*label.*Data types don't match"),
-        (lambda e: e.update(x=[1.0, 2.0]), r"record 7: .*x.*Values size: 2"),
-    ],
-    ids=["feature-missing", "dtype-mismatch", "shape-mismatch"],
-)
-def test_example_not_matching_the_spec(ray_cluster, tmp_path, change, message):
+def _read_error(spec, path) -> str:
+    """The DataError that reading `path` raises, read as a run's read task reads it (in this process:
+    the run's way to FAILED is the same for every bad record, and tested once per format below)."""
+    reader = prepare_split(spec.data.train, "data.train").reader
+    with pytest.raises(DataError) as raised:
+        list(reader(str(path)))
+    return str(raised.value)
+
+
+def _example_spec(tmp_path, change):
     examples = [{"x": [0.5] * 4, "label": [i % 2], "example_id": [i]} for i in range(40)]
     change(examples[7])
     path = write_examples(tmp_path / "data" / "train-00000-of-00001", examples)
-    features = {"x": {"dtype": "float32", "shape": [4]}, "label": {"dtype": "int64"}, "example_id": {"dtype": "int64"}}
-    spec = _spec(tmp_path, str(path), {"features": features})
+    features = {
+        "x": {"dtype": "float32", "shape": [4]},
+        "label": {"dtype": "int64"},
+        "example_id": {"dtype": "int64"},
+    }
+    return _spec(tmp_path, str(path), {"features": features}), path
+
+
+_NOT_MATCHING = {
+    "feature-missing": (lambda e: e.pop("x"), r"record 7: .*Feature: x .*required"),
+    "dtype-mismatch": (lambda e: e.update(label=[0.5]), r"record 7: .*label.*Data types don't match"),
+    "shape-mismatch": (lambda e: e.update(x=[1.0, 2.0]), r"record 7: .*x.*Values size: 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(_NOT_MATCHING))
+def test_example_not_matching_the_spec(tmp_path, case):
+    change, message = _NOT_MATCHING[case]
+    spec, path = _example_spec(tmp_path, change)
+    assert re.search(r"train-00000-of-00001: " + message, _read_error(spec, path))
+
+
+def test_a_run_reading_an_example_not_matching_the_spec_fails(ray_cluster, tmp_path):
+    change, message = _NOT_MATCHING["feature-missing"]
+    spec, _ = _example_spec(tmp_path, change)
     _fails_with(tmp_path, spec, r"train-00000-of-00001: " + message)
 
 
@@ -119,19 +150,29 @@ def _csv_spec(tmp_path, **data):
     return _spec(tmp_path, str(tmp_path / "csv" / "*.csv"), train_extra, input_dim=3, **data)
 
 
-@pytest.mark.parametrize(
-    ("broken", "message"),
-    [
-        (lambda r: r[:-1], r"line 12: missing fields"),
-        (lambda r: [*r, 7], r"line 12: extra fields"),
-        (lambda r: [r[0], "1.2.3", *r[2:]], r"line 12: column 'f0': '1.2.3' is not float32"),
-    ],
-    ids=["missing-fields", "extra-fields", "unparseable"],
-)
-def test_csv_bad_row(ray_cluster, tmp_path, broken, message):
+_BAD_ROWS = {
+    "missing-fields": (lambda r: r[:-1], r"line 12: missing fields"),
+    "extra-fields": (lambda r: [*r, 7], r"line 12: extra fields"),
+    "unparseable": (lambda r: [r[0], "1.2.3", *r[2:]], r"line 12: column 'f0': '1.2.3' is not float32"),
+}
+
+
+def _csv_with_a_bad_row(tmp_path, broken):
     rows = tabular_rows(60)
     rows[10] = broken(rows[10])
-    write_csv(tmp_path / "csv" / "train-00000-of-00001.csv", tabular_header(), rows)
+    return write_csv(tmp_path / "csv" / "train-00000-of-00001.csv", tabular_header(), rows)
+
+
+@pytest.mark.parametrize("case", list(_BAD_ROWS))
+def test_csv_bad_row(tmp_path, case):
+    broken, message = _BAD_ROWS[case]
+    path = _csv_with_a_bad_row(tmp_path, broken)
+    assert re.search(r"train-00000-of-00001\.csv: " + message, _read_error(_csv_spec(tmp_path), path))
+
+
+def test_a_run_reading_a_bad_csv_row_fails(ray_cluster, tmp_path):
+    broken, message = _BAD_ROWS["unparseable"]
+    _csv_with_a_bad_row(tmp_path, broken)
     _fails_with(tmp_path, _csv_spec(tmp_path), r"train-00000-of-00001\.csv: " + message)
 
 
@@ -160,7 +201,11 @@ def test_cli_exits_non_zero_with_one_paragraph(ray_cluster, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "towerflow", "train", str(job), "--no-progress"],
         cwd=REPO,
-        env={**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"},
+        env={
+            **os.environ,
+            "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+            "RAY_AUTH_MODE": "token",
+        },
         capture_output=True,
         text=True,
         timeout=240,
@@ -169,7 +214,9 @@ def test_cli_exits_non_zero_with_one_paragraph(ray_cluster, tmp_path):
     ours = [line for line in out.stderr.splitlines() if "pid=" not in line]  # not forwarded actor logs
     errors = [line for line in ours if line.startswith("towerflow: error:")]
     assert len(errors) == 1 and "train-00000-of-00002: record 99: corrupt TFRecord" in errors[0], out.stderr
-    assert out.stderr.rstrip().splitlines()[-1] == errors[0], "the error is the last word, after any actor's log"
+    assert out.stderr.rstrip().splitlines()[-1] == errors[0], (
+        "the error is the last word, after any actor's log"
+    )
     # Ray Data's own coordinator logs its task's traceback; with log_to_driver those lines carry "pid=".
     assert not any("Traceback" in line for line in ours)
     _, run = _only_run(tmp_path)

@@ -1,8 +1,8 @@
 """Towerflow on a real multi-node Ray cluster (tests/multinode.py's LocalCluster, one per module: this
 module holds every test that needs one). The cluster itself: three real nodes, token auth, placement
-across nodes, a lost node. Runs placed over its nodes (cluster.placement) against the same runs on one
-node. Faults, the driver run as users run it (`python -m towerflow train` with RAY_ADDRESS): a node
-holding a worker is lost (its raylet killed); the driver itself is SIGKILLed and `--resume auto`
+across nodes, a lost node, the strict placements. Runs spread over its nodes against the same training
+in one process. Faults, the driver run as users run it (`python -m towerflow train` with
+RAY_ADDRESS): a node holding a worker is lost (its raylet killed); the driver itself is SIGKILLed and `--resume auto`
 continues its run; an elastic run grows onto a node that joins, shrinks when that node is lost, and
 shrinks again on `towerflow scale`.
 
@@ -148,6 +148,28 @@ print(json.dumps({"warmed": warmed, "read_pid": int(read["pid"]), "tensorflow": 
 """
 
 
+# A run's placement group under each strict strategy (runtime/placement.py), reserved and released:
+# the node of each bundle. 2 shards and 2 workers of small reservations fit on one 2-CPU node.
+PLACEMENT_CLIENT = """
+import json
+
+import ray
+
+from towerflow.runtime.placement import ActorPlacement
+from towerflow.spec.schema import ClusterSpec
+
+ray.init(logging_level="ERROR", log_to_driver=False)
+nodes = {}
+for strategy, workers in (("strict_pack", 2), ("strict_spread", 1)):
+    cluster = ClusterSpec(workers=workers, ps=2, cpus_per_worker=0.5, cpus_per_ps=0.25, placement=strategy)
+    placement = ActorPlacement(cluster, f"probe-{strategy}")
+    placement.reserve()
+    nodes[strategy] = list(ray.util.placement_group_table(placement.group)["bundles_to_node_id"].values())
+    ray.util.remove_placement_group(placement.group)
+print(json.dumps(nodes))
+"""
+
+
 def _client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
     """Run a client script on the cluster; the JSON on its last line of output."""
     out = subprocess.run(
@@ -178,21 +200,21 @@ def test_a_node_full_of_actors_keeps_an_idle_task_worker_for_the_next_task(multi
 STEPS = 20
 
 
-def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str, mode: str, placement: str):
+def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str, mode: str):
     """`python -m towerflow train` of a 2-worker, 2-shard run on the cluster, as a user runs it;
     returns its loss curve."""
     spec, uri = cluster_spec_file(
         tmp_path,
         blob_data,
         name,
-        # small reservations: strict_pack puts all four actors on one 2-CPU node
+        # small reservations, spread: Ray puts shards and workers on every node
         cluster={
             "workers": 2,
             "ps": 2,
             "cpus_per_worker": 0.5,
             "cpus_per_ps": 0.25,
             "data_cpus": 0.5,
-            "placement": placement,
+            "placement": "spread",
             "min_slice_bytes": 64,
         },
         training={"mode": mode, "max_steps": STEPS, "optimizer": {"name": "sgd", "learning_rate": 0.1}},
@@ -228,41 +250,59 @@ def _nodes_of_run(cluster: LocalCluster, name: str) -> dict[str, list[str]]:
     return found
 
 
+def test_strict_placements_pack_onto_one_node_and_spread_over_all(multinode_cluster: LocalCluster):
+    nodes = _client_report(multinode_cluster, PLACEMENT_CLIENT)
+    assert len(nodes["strict_pack"]) == 4 and len(set(nodes["strict_pack"])) == 1, nodes
+    assert sorted(set(nodes["strict_spread"])) == sorted(multinode_cluster.alive_nodes()), nodes
+
+
 @pytest.fixture(scope="module")
-def one_node_losses(multinode_cluster: LocalCluster, blob_data, tmp_path_factory) -> list[float]:
-    """The reference: the same sync run with every actor on one node (strict_pack)."""
-    losses = _train_on(
-        multinode_cluster, blob_data, tmp_path_factory.mktemp("packed"), "packed", "sync", "strict_pack"
-    )
-    packed = _nodes_of_run(multinode_cluster, "packed")
-    assert len(packed["ParameterShard"]) == len(packed["TowerWorker"]) == 2, packed
-    assert len(set(packed["ParameterShard"] + packed["TowerWorker"])) == 1, packed
+def one_process_losses() -> list[float]:
+    """The reference: the same model, optimizer and global batch (2 workers x 16), trained in this
+    process on the blob data's examples in file order, one loss per step as a run logs it."""
+    import keras
+    import tensorflow as tf
+    from support import blobs
+
+    from models import mlp
+
+    columns = blobs(1024)  # blob_data's examples
+    model = mlp.build(input_dim=8, num_classes=2, hidden=[16], seed=1)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    losses, batch = [], 32
+    for t in range(STEPS):
+        xb, yb = columns["x"][t * batch : (t + 1) * batch], columns["label"][t * batch : (t + 1) * batch]
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        for var, grad in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
+            var.assign_sub(0.1 * grad)
+        losses.append(float(loss))
     return losses
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_runs_spread_over_nodes_train_as_a_one_node_run_does(
-    multinode_cluster: LocalCluster, blob_data, tmp_path, one_node_losses, mode
+def test_runs_spread_over_nodes_train_as_one_process_does(
+    multinode_cluster: LocalCluster, blob_data, tmp_path, one_process_losses, mode
 ):
     """Shards and workers on different nodes (tensors cross object stores), each shard writing its
-    own checkpoint part from its node; the loss curve matches the sync run packed onto one node."""
+    own checkpoint part from its node; the loss curve matches the same training in one process."""
     cluster = multinode_cluster
-    apart = _train_on(cluster, blob_data, tmp_path, f"spread-{mode}", mode, "spread")
+    apart = _train_on(cluster, blob_data, tmp_path, f"spread-{mode}", mode)
     spread = _nodes_of_run(cluster, f"spread-{mode}")
     assert len(spread["ParameterShard"]) == 2 and len(spread["TowerWorker"]) == 2, spread
     assert len(set(spread["ParameterShard"] + spread["TowerWorker"])) == 3, spread  # every node used
     assert set(spread["TowerWorker"]) - set(spread["ParameterShard"]), spread  # a worker away from a shard
-    assert len(apart) == len(one_node_losses) == STEPS
-    for losses in (apart, one_node_losses):
+    assert len(apart) == len(one_process_losses) == STEPS
+    for losses in (apart, one_process_losses):
         assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:5]), losses  # it learns
     if mode == "sync":
         # Same spec and seed: the curves differ only by which batches met in a step, well within this.
-        assert np.mean(apart[-10:]) == pytest.approx(np.mean(one_node_losses[-10:]), rel=0.25, abs=0.05)
+        assert np.mean(apart[-10:]) == pytest.approx(np.mean(one_process_losses[-10:]), rel=0.25, abs=0.05)
     else:
         # An async step is one worker's push: by step k it has seen the examples of sync step k/2 (two
         # workers) in k updates, so its loss lies between sync's at k/2 and at k; staleness adds noise.
-        seen_alike = np.mean(one_node_losses[STEPS // 4 : STEPS // 2])
-        assert np.mean(apart[-10:]) <= 1.25 * seen_alike + 0.05, (apart, one_node_losses)
+        seen_alike = np.mean(one_process_losses[STEPS // 4 : STEPS // 2])
+        assert np.mean(apart[-10:]) <= 1.25 * seen_alike + 0.05, (apart, one_process_losses)
 
 
 def test_a_killed_node_is_reported_dead_and_a_new_one_joins(multinode_cluster: LocalCluster):
@@ -380,8 +420,8 @@ def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_clus
 def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
     # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
-    # 100 steps were done by then (the run had ended FINISHED before the kill): 600.
-    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=600)
+    # 100 steps were done by then (the run had ended FINISHED before the kill): three times that.
+    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=300)
     driver = _train(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
     run_id = _wait_for_step(uri, "driver-loss", 30, driver)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
@@ -398,7 +438,7 @@ def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_dat
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["global_step"] == 600
+    assert run.data.metrics["global_step"] == 300
     assert int(run.data.tags["towerflow.resumed_from_step"]) >= 20
 
 

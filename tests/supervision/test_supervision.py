@@ -222,14 +222,14 @@ def test_checkpoints_of_steps_the_shards_no_longer_hold_are_cut_at_a_later_one(
         blob_data,
         None,
         cluster={"workers": 2, "ps": 2},
-        training={"max_steps": 400},
+        training={"max_steps": 200},
         supervision={"checkpoint": {"every_steps": 1, "max_to_keep": 1000}},
     )
     result = train(spec, hooks=[_SlowChief(at_step=3, seconds=1.0)], track=False, output_dir=tmp_path)
-    assert result.global_step == 400
+    assert result.global_step == 200
     store = LocalCheckpointStore(tmp_path / "checkpoints")
     steps = [step for step, _ in store.list()]
-    assert len(steps) < 400  # steps the shards had dropped were skipped, not saved out of order
+    assert len(steps) < 200  # steps the shards had dropped were skipped, not saved out of order
     for step in steps:
         state = store.load(step)
         assert state.global_step == step and state.all_finite()

@@ -45,11 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"towerflow: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        if signals.stopped_by_sigterm():
-            print("towerflow: terminated (SIGTERM)", file=sys.stderr)
-            return signals.EXIT_CODE
-        print("towerflow: interrupted", file=sys.stderr)
-        return 130
+        return _stopped()
     except Exception as exc:  # a bug, not a user error: keep the traceback, say what to do
         _stop_forwarding_ray_logs()
         traceback.print_exc()
@@ -59,6 +55,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _stopped() -> int:
+    """The last word and exit code of a command stopped by a signal: as a shell reports a process
+    ended by SIGTERM (`ray job stop`, Kubernetes) or by Ctrl-C."""
+    if signals.stopped_by_sigterm():
+        print("towerflow: terminated (SIGTERM)", file=sys.stderr)
+        return signals.EXIT_CODE
+    print("towerflow: interrupted", file=sys.stderr)
+    return 130
 
 
 def _stop_forwarding_ray_logs() -> None:

@@ -1,0 +1,42 @@
+"""Stop signals, as the driver takes them: noted while a run trains, raised between steps, a second one
+at once; the command's last word and exit code name which signal it was (real signals to this process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from towerflow.cli.main import _stopped
+from towerflow.runtime.signals import EXIT_CODE, StopRequested, StopSignals, stopped_by_sigterm
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "last_word"),
+    [
+        (signal.SIGTERM, 143, "towerflow: terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "towerflow: interrupted"),
+    ],
+    ids=["SIGTERM", "Ctrl-C"],
+)
+def test_a_signal_is_noted_then_raised_between_steps_and_named_in_the_exit(signum, code, last_word, capsys):
+    before = signal.getsignal(signum)
+    with StopSignals() as stop:
+        stop.check()  # nothing came yet
+        os.kill(os.getpid(), signum)  # noted, not raised where the driver happens to be
+        assert stop.name == signal.Signals(signum).name
+        with pytest.raises(StopRequested, match=stop.name):
+            stop.check()
+    assert signal.getsignal(signum) is before  # the handler in place before the run is back
+    assert stopped_by_sigterm() == (signum == signal.SIGTERM)
+    assert _stopped() == code
+    assert capsys.readouterr().err.splitlines() == [last_word]
+
+
+def test_a_second_signal_interrupts_at_once():
+    with StopSignals(), pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+    assert not stopped_by_sigterm()  # the last signal decides the exit: Ctrl-C's
+    assert EXIT_CODE == 128 + signal.SIGTERM
