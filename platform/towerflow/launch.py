@@ -113,9 +113,9 @@ def train(
             print(f"towerflow: {data.resume_note}")
         if skipped is not None:
             skipped.ledger = data.ledger
-        return DataFeed(
-            data.splits, data.feature_scales, data.steps, partial(warm_reader_process, data.reader)
-        )
+        # A spare's node readies a process for the next pipeline's reads only where reads spread.
+        ready = partial(warm_reader_process, data.reader) if data.reads_spread else None
+        return DataFeed(data.splits, data.feature_scales, data.steps, ready)
 
     def latest_checkpoint():
         """The run's newest complete checkpoint (a lost shard rolls every shard back to it)."""

@@ -17,6 +17,7 @@ from towerflow.data.ingest import (
     build_training_data,
     epochs_for_steps,
     read_runs,
+    read_task_placement,
     resume_point,
     steps_allowed,
 )
@@ -245,6 +246,14 @@ def test_file_reads_are_cut_into_runs_that_start_small():
     assert max(len(run) for run in runs) - min(len(run) for run in runs[4:]) <= 1  # then even
 
 
+def test_reads_one_at_a_time_stay_where_ray_places_tasks_by_default_and_more_spread():
+    # One read at a time gains nothing from Ray Data's SPREAD, which started a reader (importing
+    # TensorFlow) on every node in turn (tests/runtime/test_multinode_cluster.py checks the node).
+    assert read_task_placement(data_cpus=0.5, task_cpus=0.5) == {"scheduling_strategy": "DEFAULT"}
+    assert read_task_placement(data_cpus=1.5, task_cpus=1.0) == {"scheduling_strategy": "DEFAULT"}
+    assert read_task_placement(data_cpus=2.0, task_cpus=1.0) == {}  # Ray Data's own: SPREAD
+
+
 def test_resume_point_skips_whole_epochs_then_whole_files():
     orders = [["a", "b", "c"], ["c", "a", "b"]]  # epoch 2 reads its files in another order
     counts = {"a": 10, "b": 20, "c": 5}  # 35 examples an epoch
@@ -281,7 +290,9 @@ def test_a_batch_larger_than_the_data_allows_no_step_and_is_named(ray_cluster, t
     ):
         build_training_data(spec, 2, _shape(spec))
     smaller = spec.model_copy(update={"data": spec.data.model_copy(update={"batch_size": 300})})
-    assert build_training_data(smaller, 2, _shape(smaller)).steps == 1  # one sync step of both workers' batches
+    assert (
+        build_training_data(smaller, 2, _shape(smaller)).steps == 1
+    )  # one sync step of both workers' batches
 
 
 def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):

@@ -44,7 +44,8 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
     raw = blob_spec(
         blob_data,
         data={"batch_size": 16, "epochs": None},
-        cluster={"workers": {"min": 1, "max": 2}, "ps": 1},
+        # Two reads at a time: Ray Data spreads them over the nodes, so a spare's node readies a reader.
+        cluster={"workers": {"min": 1, "max": 2}, "ps": 1, "data_cpus": 2},
         training={"mode": "sync", "max_steps": 200, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
         tracking={"tracking_uri": uri, "experiment": "elastic"},
     )

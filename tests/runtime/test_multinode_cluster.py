@@ -239,14 +239,19 @@ def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str,
 
 
 def _nodes_of_run(cluster: LocalCluster, name: str) -> dict[str, list[str]]:
-    """Node ids of the run's shards and workers: the actors of its placement group (state API)."""
+    """Node ids of the run's shards, workers and read tasks: the actors of its placement group, the
+    tasks of their job that read files (state API)."""
     groups = cluster.state_api("/api/v0/placement_groups?limit=1000&detail=true")["data"]["result"]["result"]
     (group,) = [g for g in groups if g["name"].startswith(f"towerflow-{name}-")]
     actors = cluster.state_api("/api/v0/actors?limit=1000&detail=true")["data"]["result"]["result"]
-    found: dict[str, list[str]] = {"ParameterShard": [], "TowerWorker": []}
+    found: dict[str, list[str]] = {"ParameterShard": [], "TowerWorker": [], "reads": []}
+    jobs = set()
     for actor in actors:
         if actor.get("placement_group_id") == group["placement_group_id"] and actor["class_name"] in found:
             found[actor["class_name"]].append(actor["node_id"])
+            jobs.add(actor["job_id"])
+    tasks = cluster.state_api("/api/v0/tasks?limit=10000&detail=true")["data"]["result"]["result"]
+    found["reads"] = [t["node_id"] for t in tasks if t["job_id"] in jobs and "read_files" in t["name"]]
     return found
 
 
@@ -292,6 +297,8 @@ def test_runs_spread_over_nodes_train_as_one_process_does(
     assert len(spread["ParameterShard"]) == 2 and len(spread["TowerWorker"]) == 2, spread
     assert len(set(spread["ParameterShard"] + spread["TowerWorker"])) == 3, spread  # every node used
     assert set(spread["TowerWorker"]) - set(spread["ParameterShard"]), spread  # a worker away from a shard
+    # One read at a time (data_cpus 0.5): on one node, which imported TensorFlow for it, not on each
+    assert spread["reads"] and len(set(spread["reads"])) == 1, spread
     assert len(apart) == len(one_process_losses) == STEPS
     for losses in (apart, one_process_losses):
         assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:5]), losses  # it learns

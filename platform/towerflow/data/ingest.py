@@ -75,6 +75,7 @@ class TrainingData:
     resume_note: str | None = None  # where a resumed run's stream starts, for the user
     steps: int | None = None  # the most global steps these streams make (None: counts unknown)
     reader: ShardReader | None = None  # what the read tasks run
+    reads_spread: bool = True  # read tasks go over the nodes (else they stay near the driver's)
 
 
 @dataclass
@@ -166,7 +167,9 @@ def build_training_data(
     orders = epoch_file_orders(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
     resume_note = None
     if examples_seen and counts is None:
-        resume_note = "the data position is unknown (no manifest with per-file example counts): the stream starts over"
+        resume_note = (
+            "the data position is unknown (no manifest with per-file example counts): the stream starts over"
+        )
     elif examples_seen:
         start = resume_point(orders, counts, examples_seen)
         orders = orders[start.epoch :]
@@ -194,9 +197,12 @@ def build_training_data(
             "raise data.epochs."
         )
     task_cpus = min(1.0, spec.cluster.data_cpus)
+    placement = read_task_placement(spec.cluster.data_cpus, task_cpus)
     runs = read_runs(ordered)
     ds = ray.data.from_items([{"paths": run} for run in runs], override_num_blocks=len(runs))
-    ds = ds.map_batches(read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus)
+    ds = ds.map_batches(
+        read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus, **placement
+    )
     bound_readahead(ds.context, spec.cluster.data_cpus, data.readahead_mb * MIB, data.deterministic)
     pace_scheduling_loop(ds.context, data.executor_step_ms / 1000)
     # Not the execution plan at INFO in every job's log: Ray forwards the split coordinator's lines
@@ -212,7 +218,9 @@ def build_training_data(
         tower_preprocess=list(source.tower_preprocess),
     )
     grouped = _grouped(groups)
-    scales = {name: f["scale"] for name, f in features.items() if f.get("scale") is not None and name not in grouped}
+    scales = {
+        name: f["scale"] for name, f in features.items() if f.get("scale") is not None and name not in grouped
+    }
     return TrainingData(
         [WorkerStream(it, options) for it in iterators],
         features,
@@ -226,7 +234,20 @@ def build_training_data(
         resume_note,
         steps,
         reader,
+        reads_spread=not placement,
     )
+
+
+def read_task_placement(data_cpus: float, task_cpus: float) -> dict[str, Any]:
+    """Where the read tasks go (their Ray options). Ray Data spreads its tasks over the nodes, and a
+    node's first read starts a process that imports TensorFlow (4-5 s of CPU here, and its memory
+    for the rest of the run). A pipeline that runs one read at a time (`data_cpus` under two tasks'
+    share) gains nothing from spreading and paid that on every node, its reads waiting each time:
+    its reads go where Ray's default strategy puts them, the split coordinator's node (the driver's,
+    which resolved the files) while it has room, else the same next node."""
+    if data_cpus >= 2 * task_cpus:
+        return {}
+    return {"scheduling_strategy": "DEFAULT"}
 
 
 def bound_readahead(context: Any, cpus: float, object_store_bytes: float, deterministic: bool) -> None:
@@ -237,7 +258,9 @@ def bound_readahead(context: Any, cpus: float, object_store_bytes: float, determ
     options = context.execution_options
     options.resource_limits = ExecutionResources(cpu=cpus, object_store_memory=object_store_bytes)
     options.preserve_order = deterministic
-    context.target_max_block_size = int(max(MIB, min(context.target_max_block_size or 1 << 30, object_store_bytes / 8)))
+    context.target_max_block_size = int(
+        max(MIB, min(context.target_max_block_size or 1 << 30, object_store_bytes / 8))
+    )
 
 
 def read_files(batch: dict[str, Any], reader: ShardReader):
