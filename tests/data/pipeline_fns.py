@@ -33,7 +33,9 @@ def mean_of_ids(ragged: bool = False):
         if isinstance(t, tf.RaggedTensor):
             return tf.reduce_mean(tf.cast(t, tf.float32), axis=1, keepdims=True)
         valid = tf.cast(t >= 0, tf.float32)
-        return tf.reduce_sum(tf.cast(t, tf.float32) * valid, 1, keepdims=True) / tf.reduce_sum(valid, 1, keepdims=True)
+        return tf.reduce_sum(tf.cast(t, tf.float32) * valid, 1, keepdims=True) / tf.reduce_sum(
+            valid, 1, keepdims=True
+        )
 
     hidden = keras.layers.Lambda(mean, output_shape=(1,))(inputs)
     outputs = keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(seed=0))(hidden)

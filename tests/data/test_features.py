@@ -62,7 +62,9 @@ def test_bad_groups_are_named(groups, message):
 
 
 def test_infer_tfrecord_shapes_dtypes_and_varlen(tmp_path):
-    records = [{"x": [0.5, 1.5], "ids": list(range(i % 3 + 1)), "raw": [b"ab"], "label": [1]} for i in range(5)]
+    records = [
+        {"x": [0.5, 1.5], "ids": list(range(i % 3 + 1)), "raw": [b"ab"], "label": [1]} for i in range(5)
+    ]
     found = infer_tfrecord(str(write_examples(tmp_path / "a", records)))
     assert found == {
         "ids": {"dtype": "int64", "shape": [], "varlen": True},
@@ -109,17 +111,24 @@ def test_sources_on_another_filesystem():
     """fsspec's in-memory filesystem stands in for s3:// and friends: globbing, CSV and TFRecord reads."""
     fs = fsspec.filesystem("memory")
     rows = tabular_rows(5)
-    fs.pipe("/bucket/csv/train-00000-of-00001.csv", ("\n".join(",".join(map(str, r)) for r in [tabular_header(), *rows]) + "\n").encode())
+    fs.pipe(
+        "/bucket/csv/train-00000-of-00001.csv",
+        ("\n".join(",".join(map(str, r)) for r in [tabular_header(), *rows]) + "\n").encode(),
+    )
     record = example_bytes({"x": [1.0], "label": [0]})
     framed = _frame(record)
     fs.pipe("/bucket/tfr/train-00000-of-00001", framed * 3)
     (csv_file,) = resolve_files(["memory://bucket/csv/*.csv"])
     assert csv_file.startswith("memory://") and csv_file.endswith("/bucket/csv/train-00000-of-00001.csv")
-    features = normalize({n: {"dtype": "float32" if n.startswith("f") else "int64"} for n in tabular_header()}, origin="t")
+    features = normalize(
+        {n: {"dtype": "float32" if n.startswith("f") else "int64"} for n in tabular_header()}, origin="t"
+    )
     (batch,) = read_csv_file(csv_file, CsvLayout(), features)
     assert batch["example_id"].tolist() == list(range(5))
     (files,) = [resolve_files(["memory://bucket/tfr/train-*"])]
-    (batch,) = read_tfrecord_file(files[0], normalize({"x": {"dtype": "float32"}, "label": {"dtype": "int64"}}, origin="t"))
+    (batch,) = read_tfrecord_file(
+        files[0], normalize({"x": {"dtype": "float32"}, "label": {"dtype": "int64"}}, origin="t")
+    )
     assert batch["x"].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(DataError, match="matches no files"):
         resolve_files(["memory://bucket/none-*"])
@@ -146,12 +155,19 @@ def test_several_label_columns_grouped_into_one_label(ray_cluster, tmp_path):
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 4))
-    rows = [[i, *(repr(float(v)) for v in x[i]), repr(float(x[i].sum())), repr(float(x[i, 0]))] for i in range(256)]
+    rows = [
+        [i, *(repr(float(v)) for v in x[i]), repr(float(x[i].sum())), repr(float(x[i, 0]))]
+        for i in range(256)
+    ]
     write_csv(tmp_path / "train-00000-of-00001.csv", ["example_id", "a0", "a1", "a2", "a3", "t0", "t1"], rows)
     spec = validate_spec(
         {
             "name": "two-labels",
-            "model": {"ref": "models.mlp:build", "params": {"input_dim": 4, "num_classes": 2, "seed": 1}, "loss": "mse"},
+            "model": {
+                "ref": "models.mlp:build",
+                "params": {"input_dim": 4, "num_classes": 2, "seed": 1},
+                "loss": "mse",
+            },
             "data": {
                 "train": {
                     "paths": str(tmp_path / "train-*.csv"),

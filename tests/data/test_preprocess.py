@@ -29,7 +29,11 @@ def _spec(tmp_path, **train_extra):
                 "drop_remainder": False,
             },
             "cluster": {"workers": 1, "ps": 1},
-            "training": {"mode": "sync", "max_steps": 1000, "optimizer": {"name": "sgd", "learning_rate": 0.5}},
+            "training": {
+                "mode": "sync",
+                "max_steps": 1000,
+                "optimizer": {"name": "sgd", "learning_rate": 0.5},
+            },
         }
     )
 
@@ -53,7 +57,9 @@ def test_tower_preprocess_runs_before_the_model(ray_cluster, tmp_path):
 
 def test_tower_model_applies_functions_in_order_with_the_training_flag():
     model = mlp.build(**PARAMS)
-    wrapped = TowerModel(model, ["tests.data.pipeline_fns:add_one", "tests.data.pipeline_fns:zero_inputs_when_training"])
+    wrapped = TowerModel(
+        model, ["tests.data.pipeline_fns:add_one", "tests.data.pipeline_fns:zero_inputs_when_training"]
+    )
     x = tf.ones((3, 4))
     np.testing.assert_allclose(wrapped(x, training=True), model(tf.zeros((3, 4))), atol=1e-6)
     np.testing.assert_allclose(wrapped(x, training=False), model(x + 1.0), atol=1e-6)

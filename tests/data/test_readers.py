@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support import example_bytes, flip_byte, tabular_header, tabular_rows, truncate, write_csv, write_examples
+from support import (
+    example_bytes,
+    flip_byte,
+    tabular_header,
+    tabular_rows,
+    truncate,
+    write_csv,
+    write_examples,
+)
 
 from towerflow.data.bad_records import BadRecords
 from towerflow.data.csv import CsvLayout, read_csv_file
@@ -115,7 +123,10 @@ def test_decode_raw_bytes_and_wrong_size(tmp_path):
     pixels = [bytes(range(6)), bytes(range(6, 12)), bytes(5)]
     path = write_examples(tmp_path / "a", [{"image": [p], "label": [i]} for i, p in enumerate(pixels)])
     features = normalize(
-        {"image": {"dtype": "bytes", "decode": "uint8", "decoded_shape": [2, 3]}, "label": {"dtype": "int64"}},
+        {
+            "image": {"dtype": "bytes", "decode": "uint8", "decoded_shape": [2, 3]},
+            "label": {"dtype": "int64"},
+        },
         origin="test",
     )
     with pytest.raises(DataError, match=r"record 2: feature 'image' has 5 bytes"):
@@ -134,7 +145,9 @@ def test_varlen_padded_or_per_record(tmp_path):
     )
     columns, _ = _read(path, padded)
     assert columns["ids"].tolist() == [[0, -1, -1, -1], [0, 1, 2, -1], [-1] * 4, [0, 1, 2, 3]]
-    ragged = normalize({"ids": {"dtype": "int64", "varlen": True}, "label": {"dtype": "int64"}}, origin="test")
+    ragged = normalize(
+        {"ids": {"dtype": "int64", "varlen": True}, "label": {"dtype": "int64"}}, origin="test"
+    )
     columns, _ = _read(path, ragged)
     assert [list(r) for r in columns["ids"]] == [[0], [0, 1, 2], [], [0, 1, 2, 3, 4]]
 
@@ -142,9 +155,9 @@ def test_varlen_padded_or_per_record(tmp_path):
 # -- CSV -------------------------------------------------------------------------------------------
 
 
-def _read_csv(path, mode="error", layout=CsvLayout(), features=CSV_FEATURES):
+def _read_csv(path, mode="error", layout=None, features=CSV_FEATURES):
     bad = BadRecords(mode)
-    batches = list(read_csv_file(str(path), layout, features, bad))
+    batches = list(read_csv_file(str(path), layout or CsvLayout(), features, bad))
     return {k: np.concatenate([b[k] for b in batches]) for k in features}, bad
 
 

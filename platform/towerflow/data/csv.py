@@ -86,7 +86,9 @@ def _open(path: str, raw, layout: CsvLayout, features, invalid: _InvalidRows, *,
         column_names=None if layout.header else (names or list(features)),
     )
     parse = pacsv.ParseOptions(delimiter=layout.delimiter, invalid_row_handler=invalid)
-    types = {n: (getattr(pa, _ARROW_TYPES[f["dtype"]])() if typed else pa.string()) for n, f in features.items()}
+    types = {
+        n: (getattr(pa, _ARROW_TYPES[f["dtype"]])() if typed else pa.string()) for n, f in features.items()
+    }
     convert = pacsv.ConvertOptions(
         column_types=types,
         include_columns=list(features),
@@ -108,7 +110,9 @@ def _open(path: str, raw, layout: CsvLayout, features, invalid: _InvalidRows, *,
         raise
 
 
-def _finish(path, batch, first, layout, features, bad: BadRecords, skipped_lines) -> dict[str, np.ndarray] | None:
+def _finish(
+    path, batch, first, layout, features, bad: BadRecords, skipped_lines
+) -> dict[str, np.ndarray] | None:
     """Arrow batch to NumPy columns; empty cells take the feature's default or are bad rows."""
     keep = np.ones(batch.num_rows, dtype=bool)
     columns = {}
@@ -182,7 +186,9 @@ def _line_of(row: int, layout: CsvLayout, skipped_lines: list[int]) -> int:
     return line
 
 
-_CONVERSION = re.compile(r"In CSV column #(\d+): Row #(\d+): CSV conversion error to (\w+): invalid value '(.*)'")
+_CONVERSION = re.compile(
+    r"In CSV column #(\d+): Row #(\d+): CSV conversion error to (\w+): invalid value '(.*)'"
+)
 
 
 def _conversion_message(exc: Exception, features, layout: CsvLayout) -> str:
@@ -212,7 +218,9 @@ def header_columns(path: str, layout: CsvLayout) -> list[str]:
             reader = pacsv.open_csv(
                 raw,
                 read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 16),
-                parse_options=pacsv.ParseOptions(delimiter=layout.delimiter, invalid_row_handler=lambda r: "skip"),
+                parse_options=pacsv.ParseOptions(
+                    delimiter=layout.delimiter, invalid_row_handler=lambda r: "skip"
+                ),
                 convert_options=pacsv.ConvertOptions(column_types={}),
             )
         except pa.ArrowInvalid as exc:

@@ -31,7 +31,9 @@ def eval_source(spec: Any) -> EvalSource:
     return EvalSource(split.files, split.reader, split.varlen, list(source.tower_preprocess))
 
 
-def iter_eval_batches(files: list[str], reader: ShardReader, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+def iter_eval_batches(
+    files: list[str], reader: ShardReader, batch_size: int
+) -> Iterator[dict[str, np.ndarray]]:
     pending: list[dict[str, np.ndarray]] = []
     held = 0
     for path in files:

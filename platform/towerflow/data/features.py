@@ -68,9 +68,13 @@ def expand_groups(
                 raise DataError(f"data.train.groups: {member!r} is in both {taken[member]!r} and {group!r}")
             spec = features[member]
             if spec["dtype"] == "bytes" and spec["decode"] is None:
-                raise DataError(f"data.train.groups.{group}: {member!r} holds bytes; only numbers can be grouped")
+                raise DataError(
+                    f"data.train.groups.{group}: {member!r} holds bytes; only numbers can be grouped"
+                )
             if spec["varlen"]:
-                raise DataError(f"data.train.groups.{group}: {member!r} is varlen; only fixed-length features group")
+                raise DataError(
+                    f"data.train.groups.{group}: {member!r} is varlen; only fixed-length features group"
+                )
             taken[member] = group
         if group in features and group not in members:
             raise DataError(f"data.train.groups: group name {group!r} is already a feature's name")
@@ -94,7 +98,9 @@ class ColumnPlan:
         for fn in self.functions():
             columns = fn(columns)
             if not isinstance(columns, dict):
-                raise DataError(f"data.train.preprocess: a function returned {type(columns).__name__}, not a dict")
+                raise DataError(
+                    f"data.train.preprocess: a function returned {type(columns).__name__}, not a dict"
+                )
         return columns
 
     def functions(self) -> list[Any]:

@@ -34,7 +34,9 @@ def infer_tfrecord(path: str, sample: int = SAMPLE_RECORDS) -> dict[str, dict[st
                         continue
                     dtype = _KINDS[kind]
                     if dtypes.setdefault(name, dtype) != dtype:
-                        raise DataError(f"{path}: feature {name!r} is {dtypes[name]} in one record, {dtype} in another")
+                        raise DataError(
+                            f"{path}: feature {name!r} is {dtypes[name]} in one record, {dtype} in another"
+                        )
                     lengths.setdefault(name, set()).add(len(getattr(feature, kind).value))
                 seen += 1
         except tf.errors.DataLossError as exc:
@@ -72,7 +74,9 @@ def infer_csv(path: str, layout: CsvLayout) -> dict[str, dict[str, Any]]:
             reader = pacsv.open_csv(
                 raw,
                 read_options=read,
-                parse_options=pacsv.ParseOptions(delimiter=layout.delimiter, invalid_row_handler=lambda r: "skip"),
+                parse_options=pacsv.ParseOptions(
+                    delimiter=layout.delimiter, invalid_row_handler=lambda r: "skip"
+                ),
             )
             schema = reader.schema
     except pa.ArrowInvalid as exc:
@@ -97,7 +101,9 @@ def resolve_features(
     from towerflow.data.features import describe, normalize
 
     if source.features:
-        features = normalize({n: f.model_dump() for n, f in source.features.items()}, origin=f"{key}.features")
+        features = normalize(
+            {n: f.model_dump() for n, f in source.features.items()}, origin=f"{key}.features"
+        )
     elif manifest and manifest.get("features"):
         features = normalize(manifest["features"], origin=f"manifest.json beside {files[0]}")
     else:

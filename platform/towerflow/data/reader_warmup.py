@@ -26,4 +26,6 @@ def _warm(reader: Any) -> int:
 def warm_reader_process(reader: Any, node_id: str) -> ray.ObjectRef:
     """Start a process on `node_id` that imports what `reader` (a ShardReader) needs; the ref is
     done (the process's pid) once it has. It holds no CPU: it runs beside a node's actors."""
-    return _warm.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(reader)
+    return _warm.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+        reader
+    )

@@ -121,5 +121,3 @@ def examples_per_file(files: list[str], manifest: dict[str, Any] | None) -> dict
     if not all(n in per_file for n in names.values()):
         return None
     return {f: per_file[n] for f, n in names.items()}
-
-

@@ -192,7 +192,9 @@ def _corrupt(tf, path, local, first, records, parsers, features, bad: BadRecords
         with tempfile.NamedTemporaryFile(prefix="towerflow-tail-") as rest:
             rest.write(tail)
             rest.flush()
-            yield from _read_local(tf, path, rest.name, first + index + 1, parsers, features, bad, resynced=True)
+            yield from _read_local(
+                tf, path, rest.name, first + index + 1, parsers, features, bad, resynced=True
+            )
 
 
 def _bytes_after(local: str, index: int) -> bytes | None:
