@@ -239,12 +239,11 @@ def build_training_data(
 
 
 def read_task_placement(data_cpus: float, task_cpus: float) -> dict[str, Any]:
-    """Where the read tasks go (their Ray options). Ray Data spreads its tasks over the nodes, and a
-    node's first read starts a process that imports TensorFlow (4-5 s of CPU here, and its memory
-    for the rest of the run). A pipeline that runs one read at a time (`data_cpus` under two tasks'
-    share) gains nothing from spreading and paid that on every node, its reads waiting each time:
-    its reads go where Ray's default strategy puts them, the split coordinator's node (the driver's,
-    which resolved the files) while it has room, else the same next node."""
+    """The read tasks' Ray options. Ray Data spreads its tasks over the nodes, and each node's first
+    read starts a process that imports TensorFlow (4-5 s of CPU here, and its memory for the rest
+    of the run). A pipeline that reads one file at a time (`data_cpus` under two tasks' share) gains
+    nothing from spreading: its reads take Ray's default strategy, which keeps them on the split
+    coordinator's node (the driver's) while it has room."""
     if data_cpus >= 2 * task_cpus:
         return {}
     return {"scheduling_strategy": "DEFAULT"}
