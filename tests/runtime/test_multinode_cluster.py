@@ -26,53 +26,17 @@ import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import (  # noqa: F401
-    HOLD_ALL_BUT_HALF_A_CPU,
     IDLE_WORKER_CLIENT,
     RAY_CLI,
     LocalCluster,
     cluster_spec_file,
     multinode_cluster_fixture,
 )
+from multinode_clients import CLAIMS_CLIENT, PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-# Three actors spread over the nodes; one puts a 1 MB array into its node's object store, an actor on
-# another node reads it (a transfer between object stores), and Ray then knows both copies.
-SPREAD_CLIENT = """
-import json
-import time
-
-import numpy as np
-import ray
-
-ray.init(logging_level="ERROR", log_to_driver=False)
-
-
-@ray.remote(num_cpus=1, scheduling_strategy="SPREAD")
-class Probe:
-    def node(self):
-        return ray.get_runtime_context().get_node_id()
-
-    def put(self):
-        return [ray.put(np.arange(250_000, dtype=np.int32))]  # in a list: the caller gets the ref
-
-    def total(self, refs):
-        return int(ray.get(refs[0]).sum())
-
-
-probes = [Probe.remote() for _ in range(3)]
-nodes = ray.get([p.node.remote() for p in probes])
-(ref,) = ray.get(probes[0].put.remote())
-total = ray.get(probes[1].total.remote([ref]))
-for _ in range(50):  # the reader's node tells the owner of its copy asynchronously
-    locations = ray.experimental.get_object_locations([ref])[ref]["node_ids"]
-    if nodes[1] in locations:
-        break
-    time.sleep(0.1)
-print(json.dumps({"nodes": nodes, "total": total, "locations": locations}))
-"""
 
 
 def test_the_cluster_has_three_alive_nodes_and_refuses_clients_without_the_token(
@@ -99,75 +63,6 @@ def test_the_cluster_has_three_alive_nodes_and_refuses_clients_without_the_token
         timeout=60,
     )
     assert out.returncode != 0 and "InvalidAuthToken" in out.stdout + out.stderr, out.stdout + out.stderr
-
-
-# The data pipelines' claims on the cluster's cores on record (data/claims.py): coordinator -> requester.
-CLAIMS_CLIENT = """
-import json
-
-import ray
-
-ray.init(logging_level="ERROR", log_to_driver=False)
-from towerflow.data import claims
-
-print(json.dumps(claims.recorded()))
-"""
-
-
-# A spare fills a node that has just joined but for a read task's share; the node readies a process
-# for reading (data/reader_warmup.py), then a Ray Data map task runs there. Prints the readied
-# process's pid and the map task's: its pid, and whether TensorFlow was imported before it began.
-WARM_READER_CLIENT = """
-import json
-import os
-import sys
-
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from towerflow.data.features import ColumnPlan
-from towerflow.data.ingest import ShardReader
-from towerflow.data.reader_warmup import warm_reader_process
-
-ray.init(logging_level="ERROR", log_to_driver=False)
-node = sys.argv[1]
-"""
-WARM_READER_CLIENT += HOLD_ALL_BUT_HALF_A_CPU  # the spare
-WARM_READER_CLIENT += """
-warmed = ray.get(warm_reader_process(ShardReader("tfrecord", {}, ColumnPlan({})), node))
-
-
-def where(batch):
-    return {"pid": [os.getpid()], "tensorflow": ["tensorflow" in sys.modules]}
-
-
-read = ray.data.from_items([{"x": 0}]).map_batches(
-    where, batch_size=1, num_cpus=0.5, scheduling_strategy=here
-).take_all()[0]
-print(json.dumps({"warmed": warmed, "read_pid": int(read["pid"]), "tensorflow": bool(read["tensorflow"])}))
-"""
-
-
-# A run's placement group under each strict strategy (runtime/placement.py), reserved and released:
-# the node of each bundle. 2 shards and 2 workers of small reservations fit on one 2-CPU node.
-PLACEMENT_CLIENT = """
-import json
-
-import ray
-
-from towerflow.runtime.placement import ActorPlacement
-from towerflow.spec.schema import ClusterSpec
-
-ray.init(logging_level="ERROR", log_to_driver=False)
-nodes = {}
-for strategy, workers in (("strict_pack", 2), ("strict_spread", 1)):
-    cluster = ClusterSpec(workers=workers, ps=2, cpus_per_worker=0.5, cpus_per_ps=0.25, placement=strategy)
-    placement = ActorPlacement(cluster, f"probe-{strategy}")
-    placement.reserve()
-    nodes[strategy] = list(ray.util.placement_group_table(placement.group)["bundles_to_node_id"].values())
-    ray.util.remove_placement_group(placement.group)
-print(json.dumps(nodes))
-"""
 
 
 def _client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
