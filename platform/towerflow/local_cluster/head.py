@@ -165,8 +165,9 @@ def _gave_up_registering(process: subprocess.Popen, head: RayHead) -> bool:
 
 def stop_head(process: ProcessRef, temp_dir: Path | None, timeout_s: float = 60.0) -> bool:
     """Stop a head (`ray start --block` stops its raylet, GCS and workers on SIGTERM) and remove its
-    temp dir. Returns whether it was running."""
-    stopped = stop_tree(process, timeout_s)
+    temp dir. Returns whether it was running. The signal goes to `ray start` alone: it stops the
+    raylet before the GCS, whereas a GCS signalled beside its raylet waits ~30 s to exit."""
+    stopped = stop_tree(process, timeout_s, whole_group=False)
     if temp_dir is not None:
         shutil.rmtree(temp_dir, ignore_errors=True)
     return stopped

@@ -78,10 +78,13 @@ def start_detached(
         )
 
 
-def stop_tree(ref: ProcessRef, timeout_s: float = 30.0, grace_s: float = 5.0) -> bool:
-    """SIGTERM the process (its whole group when it leads one), wait up to `timeout_s` for it, then
-    `grace_s` for its descendants (Ray's workers leave their parent's process group), and SIGKILL
-    whatever is left. Returns whether there was anything to stop."""
+def stop_tree(
+    ref: ProcessRef, timeout_s: float = 30.0, grace_s: float = 5.0, *, whole_group: bool = True
+) -> bool:
+    """SIGTERM the process (its whole group when it leads one and `whole_group`), wait up to
+    `timeout_s` for it, then `grace_s` for its descendants (Ray's workers leave their parent's
+    process group), and SIGKILL whatever is left. Returns whether there was anything to stop.
+    `whole_group=False` is for a leader that stops its own children in an order of its own."""
     process = ref.process()
     if process is None:
         return False
@@ -91,7 +94,7 @@ def stop_tree(ref: ProcessRef, timeout_s: float = 30.0, grace_s: float = 5.0) ->
         tree = [process]
     try:
         leads_group = os.getpgid(ref.pid) == ref.pid
-        if leads_group:
+        if leads_group and whole_group:
             os.killpg(ref.pid, signal.SIGTERM)
         else:
             process.terminate()
