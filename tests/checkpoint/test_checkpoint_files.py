@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,8 @@ from towerflow.checkpoint.files import (
     MODEL_PART,
     PartLayout,
     checkpoint_meta,
+    checkpoint_name,
+    checkpoint_step,
     read_meta,
     shard_part_name,
     write_part,
@@ -200,20 +203,50 @@ def test_a_checkpoint_written_in_parts_reads_back_whole_and_part_by_part(tmp_pat
     ]
 
 
-def test_a_checkpoint_written_in_parts_to_an_mlflow_run(tmp_path):
+def _mlflow_store(tmp_path) -> MlflowCheckpointStore:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(sqlite_store(tmp_path))
     experiment = client.create_experiment("parts", artifact_location=(tmp_path / "artifacts").as_uri())
-    run = client.create_run(experiment)
+    return MlflowCheckpointStore(client, client.create_run(experiment).info.run_id)
+
+
+def test_a_checkpoint_written_in_parts_to_an_mlflow_run(tmp_path):
     infos, values = _variables()
-    store = MlflowCheckpointStore(client, run.info.run_id)
+    store = _mlflow_store(tmp_path)
     pieces, assignment = _write_in_parts(
         store, infos, values, 2, model_state={"bn/mean": np.arange(3, dtype=np.float32)}
     )
     _check_reads_back(store, infos, values, pieces, assignment)
     store.delete(7)
     assert store.list() == []
+
+
+@pytest.mark.parametrize("kind", ["local", "mlflow"])
+def test_checkpoints_begun_and_never_finished_are_pruned_once_a_later_one_is_complete(tmp_path, kind):
+    """What a write cut short leaves (an outage, a killed driver): parts and no meta.json."""
+    store = LocalCheckpointStore(tmp_path / "local") if kind == "local" else _mlflow_store(tmp_path)
+    for step in (5, 9):
+        writer = store.writer(step)
+        with tempfile.TemporaryDirectory() as scratch:
+            write_part(scratch, [np.ones(2, np.float32)], [])
+            writer.write_part(shard_part_name(0), scratch)
+    infos, values = _variables()
+    _write_in_parts(store, infos, values, 2)  # step 7, complete
+    assert store.prune_unfinished(before=7) == [5]  # 9 may be a write under way
+    assert store.prune_unfinished(before=10) == [9] and store.prune_unfinished(before=10) == []
+    assert [step for step, _ in store.list()] == [7]
+    if kind == "local":
+        left = [path.name for path in store.directory.iterdir()]
+    else:
+        left = [Path(e.path).name for e in store.repository.list_artifacts("checkpoints")]
+    assert left == [checkpoint_name(7)]
+
+
+def test_checkpoint_directory_names_give_their_step():
+    assert checkpoint_step(checkpoint_name(7)) == 7
+    assert checkpoint_step(".tmp-ckpt-000000012-1a2b3c4d") == 12  # a staging directory
+    assert [checkpoint_step(n) for n in ("meta.json", ".tmp-12", "ckpt-", "ckpt-x", "model")] == [None] * 5
 
 
 def test_an_aborted_checkpoint_leaves_nothing(tmp_path):
@@ -275,6 +308,8 @@ def test_a_writer_killed_mid_write_leaves_nothing_a_resume_would_pick(tmp_path):
         assert latest_step(store) == max(steps)
         state = store.load(max(steps))
         assert state.global_step == max(steps) and state.variables["w"].dtype == np.float32
+    assert store.prune_unfinished(before=200)  # what a save after these writers does
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint_name(s) for s, _ in store.list()]
 
 
 def test_retention_keeps_newest_and_one_every_n_hours():

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from sample_hooks import RecordingHook, StopAtStepHook
 from support import ONE_OF_EACH, blob_spec, mlflow_uri, sqlite_store
 
+from towerflow.checkpoint.files import checkpoint_name
 from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
@@ -131,8 +132,13 @@ def test_resume_onto_more_shards_restores_exactly(first_run, blob_data):
         np.testing.assert_array_equal(again.variables[name], value)
 
 
-def test_resume_onto_fewer_shards_continues_the_same_run(first_run):
+def test_resume_onto_fewer_shards_continues_the_same_run(first_run, tmp_path):
     spec, uri, result, _ = first_run
+    store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
+    # What a driver killed while writing step 10's checkpoint leaves: a part, no meta.json.
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "state.index").write_bytes(b"cut short")
+    store.writer(10).write_part("shard-00000", str(tmp_path / "part"))
     more = spec.model_copy(
         update={
             "cluster": spec.cluster.model_copy(update={"ps": 1}),
@@ -146,7 +152,10 @@ def test_resume_onto_fewer_shards_continues_the_same_run(first_run):
     assert run.info.status == "FINISHED" and run.data.tags["towerflow.resumed_from_step"] == "8"
     steps = [m.step for m in client.get_metric_history(result.run_id, "loss")]
     assert steps[:8] == list(range(1, 9)) and steps[-1] == 11 and all(s > 8 for s in steps[8:])
-    assert [s for s, _ in MlflowCheckpointStore(client, result.run_id).list()][-1] == 11
+    assert [s for s, _ in store.list()][-1] == 11
+    # The resumed run went on from step 8, and its save at 11 removed the unfinished 10.
+    left = [Path(e.path).name for e in client.list_artifacts(result.run_id, "checkpoints")]
+    assert left == [checkpoint_name(step) for step, _ in store.list()], left
 
 
 def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, blob_data, tmp_path, capsys):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from support import ONE_OF_EACH, blob_spec
 from tracking_server import process_tree, tracking_server_fixture  # noqa: F401
 
+from towerflow.checkpoint.files import checkpoint_name
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.tracking.shipper import MetricShipper
 
@@ -166,6 +168,10 @@ def test_training_goes_on_while_the_tracking_server_is_away_and_loses_nothing(
     written = [step for step in range(100, max_steps + 1, 100) if step not in skipped]
     listed = [step for step, _ in MlflowCheckpointStore(client, run_id).list()]
     assert listed == written[-5:], (listed, skipped, out)
+    # Nothing is left of the skipped checkpoints (parts of one that reached the server go with a
+    # later save's pruning).
+    left = sorted(Path(e.path).name for e in client.list_artifacts(run_id, "checkpoints"))
+    assert left == [checkpoint_name(step) for step in listed], (left, out)
 
 
 class _Output:

@@ -28,13 +28,25 @@ import numpy as np
 from towerflow.checkpoint.state import TrainingState
 
 META = "meta.json"
+CHECKPOINT_PREFIX = "ckpt-"
+STAGING_PREFIX = ".tmp-"
 PREFIX = "state"  # tf.train.Checkpoint file prefix inside a part's directory
 FORMAT_VERSION = 2
 MODEL_PART = "model"  # the model's non-trainable state (batch-norm statistics)
 
 
 def checkpoint_name(step: int) -> str:
-    return f"ckpt-{step:09d}"
+    return f"{CHECKPOINT_PREFIX}{step:09d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint's directory (`ckpt-<step>`) or of its staging directory
+    (`.tmp-ckpt-<step>-<id>`, `staging_directory`) by its name; None for any other name."""
+    rest = name.removeprefix(STAGING_PREFIX)
+    if not rest.startswith(CHECKPOINT_PREFIX):
+        return None
+    digits = rest[len(CHECKPOINT_PREFIX) :].split("-", 1)[0]
+    return int(digits) if digits.isdigit() else None
 
 
 def shard_part_name(shard: int) -> str:
@@ -138,7 +150,7 @@ def staging_directory(parent: str | Path, step: int) -> Path:
     """A hidden directory to build `ckpt-<step>` in (never listed: it has no checkpoint's name)."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
-    staging = parent / f".tmp-{checkpoint_name(step)}-{uuid.uuid4().hex[:8]}"
+    staging = parent / f"{STAGING_PREFIX}{checkpoint_name(step)}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     return staging
 

@@ -28,9 +28,11 @@ import numpy as np
 from towerflow.checkpoint.files import (
     META,
     MODEL_PART,
+    STAGING_PREFIX,
     PartArrays,
     PartLayout,
     checkpoint_name,
+    checkpoint_step,
     meta_parts,
     publish,
     read_checkpoint,
@@ -78,6 +80,9 @@ class CheckpointStore(Protocol):
     def open(self, step: int) -> StoredCheckpoint: ...
     def load(self, step: int) -> TrainingState: ...
     def delete(self, step: int) -> None: ...
+    # Remove the checkpoints of steps before `before` that were begun and never committed (a write
+    # cut short by an outage or a killed driver); returns their steps.
+    def prune_unfinished(self, before: int) -> list[int]: ...
 
 
 def latest_step(store: CheckpointStore) -> int | None:
@@ -228,6 +233,17 @@ class LocalCheckpointStore:
     def delete(self, step: int) -> None:
         shutil.rmtree(self.directory / checkpoint_name(step), ignore_errors=True)
 
+    def prune_unfinished(self, before: int) -> list[int]:
+        """Staging directories of earlier steps: their writers were killed (a commit renames its
+        staging directory away)."""
+        pruned = []
+        for path in self.directory.glob(f"{STAGING_PREFIX}*") if self.directory.is_dir() else ():
+            step = checkpoint_step(path.name)
+            if step is not None and step < before:
+                shutil.rmtree(path, ignore_errors=True)
+                pruned.append(step)
+        return sorted(pruned)
+
 
 # -- an MLflow run's artifacts ---------------------------------------------------------------------
 def _local_artifact_path(artifact_uri: str) -> Path | None:
@@ -357,16 +373,30 @@ class MlflowCheckpointStore:
         return _repository(self.client.tracking_uri, self.artifact_uri)
 
     def list(self) -> list[tuple[int, float]]:
-        found = []
+        return sorted(
+            (step, float(self._meta(path)["written_at"]))
+            for step, path, complete in self._checkpoint_dirs()
+            if complete
+        )
+
+    def prune_unfinished(self, before: int) -> list[int]:
+        """Checkpoint directories of earlier steps without a `meta.json`: parts uploaded before the
+        server went away, or before their driver was killed."""
+        pruned = []
+        for step, path, complete in self._checkpoint_dirs():
+            if not complete and step < before:
+                self.repository.delete_artifacts(path)
+                pruned.append(step)
+        return sorted(pruned)
+
+    def _checkpoint_dirs(self) -> Iterator[tuple[int, str, bool]]:
+        """(step, artifact path, whether it holds a `meta.json`) of each `ckpt-<step>` directory."""
         repository = self.repository
         for entry in repository.list_artifacts(ARTIFACT_DIR):
-            if not entry.is_dir:
-                continue
-            names = {Path(f.path).name for f in repository.list_artifacts(entry.path)}
-            if META in names:
-                step = int(Path(entry.path).name.split("-", 1)[1])
-                found.append((step, float(self._meta(entry.path)["written_at"])))
-        return sorted(found)
+            step = checkpoint_step(Path(entry.path).name)
+            if entry.is_dir and step is not None:
+                names = {Path(f.path).name for f in repository.list_artifacts(entry.path)}
+                yield step, entry.path, META in names
 
     def open(self, step: int) -> StoredCheckpoint:
         path = f"{ARTIFACT_DIR}/{checkpoint_name(step)}"

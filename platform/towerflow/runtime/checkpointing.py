@@ -107,7 +107,7 @@ class CheckpointActions:
             )
         except StoreUnavailable:
             # An abort would not reach the store either. The parts written stay without a
-            # meta.json: never listed, never picked by a resume.
+            # meta.json: never listed, never picked by a resume, pruned by a later save.
             raise
         except BaseException:
             writer.abort()

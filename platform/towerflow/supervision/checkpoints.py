@@ -108,6 +108,8 @@ class CheckpointSaverHook(Hook):
                 self.store.list(), self.max_to_keep, self.keep_every_n_hours, started_at=self._started_at
             ):
                 self.store.delete(step)
+            if unfinished := self.store.prune_unfinished(before=saved.step):
+                log.info("removed the parts of checkpoints never finished, of steps %s", unfinished)
         except Exception as exc:  # housekeeping: the next save prunes again
             log.warning("old checkpoints not pruned after step %d: %s", saved.step, exc)
         session.log_metrics({"checkpoint_step": float(saved.step)}, saved.step)
