@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,9 +201,13 @@ def build_training_data(
     placement = read_task_placement(spec.cluster.data_cpus, task_cpus)
     runs = read_runs(ordered)
     ds = ray.data.from_items([{"paths": run} for run in runs], override_num_blocks=len(runs))
-    ds = ds.map_batches(
-        read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus, **placement
-    )
+    with warnings.catch_warnings():
+        # A scheduling strategy has no named parameter in Ray 2.60 (pinned), only `ray_remote_args`,
+        # which warns of its removal in Ray 2.64: a warning for Ray, not for a user's every run.
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        ds = ds.map_batches(
+            read_files, batch_size=1, fn_kwargs={"reader": reader}, num_cpus=task_cpus, **placement
+        )
     bound_readahead(ds.context, spec.cluster.data_cpus, data.readahead_mb * MIB, data.deterministic)
     pace_scheduling_loop(ds.context, data.executor_step_ms / 1000)
     # Not the execution plan at INFO in every job's log: Ray forwards the split coordinator's lines
