@@ -1,6 +1,6 @@
 """`python -m towerflow ...` is the same command as `towerflow ...` (what `ray job submit` runs)."""
 
-from towerflow.cli.main import main
+from towerflow.cli.main import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -68,6 +68,19 @@ def test_missing_spec_is_a_clear_error():
     assert "Traceback" not in out.stderr
 
 
+def test_the_command_runs_its_exit_handlers_and_keeps_its_exit_code():
+    """`run` ends the process itself after `main` (no interpreter teardown): what was registered to
+    run at exit still runs, and what it printed still comes out."""
+    script = (
+        "import atexit, sys; from towerflow.cli.main import run; "
+        "atexit.register(print, 'an exit handler ran', end=''); "
+        "sys.argv = ['towerflow', 'train', 'does/not/exist.yaml']; run()"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "an exit handler ran", out
+    assert "no such spec file" in out.stderr
+
+
 def test_invalid_spec_names_the_key(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({**blob_spec(tmp_path), "trainig": {"mode": "sync"}}))
