@@ -14,6 +14,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from towerflow.cli.cluster_command import add_cluster_command
 from towerflow.errors import TowerflowError
@@ -22,7 +23,7 @@ from towerflow.runtime.cluster import keep_embedded_ray_local
 from towerflow.runtime.hooks import Hook, SessionInfo
 
 
-def run() -> None:
+def run() -> NoReturn:
     """The command (`towerflow`, `python -m towerflow`): `main`, the exit handlers, then the end of
     the process without the interpreter's teardown of TensorFlow's, Ray's and MLflow's modules, which
     took 1.5-2 s after the command's last word for nothing. A thread still running keeps the usual
