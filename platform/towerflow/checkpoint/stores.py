@@ -237,7 +237,7 @@ class LocalCheckpointStore:
         """Staging directories of earlier steps: their writers were killed (a commit renames its
         staging directory away)."""
         pruned = []
-        for path in self.directory.glob(f"{STAGING_PREFIX}*") if self.directory.is_dir() else ():
+        for path in self.directory.glob(f"{STAGING_PREFIX}*"):  # none where the directory is not
             step = checkpoint_step(path.name)
             if step is not None and step < before:
                 shutil.rmtree(path, ignore_errors=True)
