@@ -204,6 +204,9 @@ def render(
         "",
         targets,
     ]
+    missed = report.missed_targets(figures, args.cores)
+    if missed:
+        parts += ["", "Each missed target, from this run's own figures:", "", missed]
     for workload in ("lenet", "mlp"):
         if not any(f.config.workload == workload for f in figures.values()):
             continue
@@ -219,7 +222,7 @@ def render(
             "",
             f"CPU per global batch by process (ms, medians; {workload}):",
             "",
-            report.cpu_table(figures, workload),
+            report.cpu_table(figures, workload, args.cores),
             "",
             report.accuracy_table(figures, workload),
         ]
@@ -262,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         costs = args.render_from / "costs.json"
         found = json.loads(costs.read_text()) if costs.is_file() else None
         args.rounds = max(r.round for r in runs)
+        args.cores = saved.get("cores", os.cpu_count() or 1)  # the machine's that ran them
     else:
         source = source_revision(ROOT)  # before the run rewrites docs/benchmarks.md
+        args.cores = os.cpu_count() or 1
         ensure_mnist(args.data, log)
         shutil.rmtree(args.out, ignore_errors=True)
         args.out.mkdir(parents=True)
@@ -274,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             "started": started,
             "elapsed_s": elapsed,
             "source": source,
+            "cores": args.cores,
             "runs": [r.to_dict() for r in runs],
         }
         (args.out / "runs.json").write_text(json.dumps(saved))

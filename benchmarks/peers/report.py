@@ -193,11 +193,8 @@ def split_table(figures: dict[str, Figures], workload: str) -> str:
     return "\n".join(lines)
 
 
-def cpu_table(figures: dict[str, Figures], workload: str) -> str:
+def cpu_table(figures: dict[str, Figures], workload: str, cores: int) -> str:
     """Where the CPU of a global batch goes, by process, against its wall time on the machine's cores."""
-    import os
-
-    cores = os.cpu_count() or 1
     rows = [(f, f.cpu_ms()) for f in figures.values() if f.config.workload == workload]
     rows = [(f, cpu) for f, cpu in rows if cpu and f.rate]
     if not rows:
@@ -254,6 +251,55 @@ def targets_table(figures: dict[str, Figures]) -> tuple[str, dict[str, float | N
         f"{_fmt(tta)} | | {met} |"
     )
     return "\n".join(lines), values
+
+
+def why_missed(figures: dict[str, Figures], target: Target, cores: int) -> str | None:
+    """Why a missed target was missed, from this run's own figures; None where it was met.
+
+    On `cores` cores a step cannot take less wall time than its CPU over the cores, so the
+    numerator's CPU per global batch bounds its rate, and with it the ratio, whatever it overlaps:
+    below the goal, the target is out of reach of this design on this machine; above it, the run
+    lost the rest to waiting (idle cores), which the rounds' spread may cover too."""
+    value = ratio(figures, target.numerator, target.denominator)
+    if value is None or value >= target.goal:
+        return None
+    top, bottom = figures[target.numerator], figures[target.denominator]
+    said = []
+    cpu = top.cpu_ms()
+    if cpu:
+        batch = WORKLOADS[top.config.workload].global_batch
+        total = sum(cpu.values())
+        busy = total * top.rate / (1000 * cores * batch)
+        ceiling = 1000 * cores * batch / total / bottom.rate
+        parts = ", ".join(f"{role} {ms:.1f}" for role, ms in cpu.items())
+        spends = f"{top.config.label} spends {total:.1f} ms of CPU per global batch ({parts})"
+        if ceiling < target.goal:
+            said.append(
+                f"out of reach on {cores} cores. {spends}: with every core busy that is "
+                f"{ceiling:.3f}x {bottom.config.label} at most, and the run kept them {busy:.0%} busy"
+            )
+        else:
+            said.append(
+                f"within the CPU's reach. {spends}: with every core busy that would be "
+                f"{ceiling:.3f}x, but the cores were {busy:.0%} busy, the rest went to waiting"
+            )
+    rounds = paired_ratios(figures, target.numerator, target.denominator)
+    if rounds and max(rounds) >= target.goal:
+        said.append(
+            f"the rounds' own ratios ran {min(rounds):.2f}-{max(rounds):.2f}: the goal lies within their spread"
+        )
+    return "; ".join(said) or "no CPU figures to say why"
+
+
+def missed_targets(figures: dict[str, Figures], cores: int) -> str:
+    """A line per missed target: by how much, and why (`why_missed`); empty where all were met."""
+    lines = []
+    for t in TARGETS:
+        why = why_missed(figures, t, cores)
+        if why is not None:
+            value = ratio(figures, t.numerator, t.denominator)
+            lines.append(f"- **{t.what}: {value:.3f} against {t.goal}** ({value / t.goal - 1:+.0%}): {why}.")
+    return "\n".join(lines)
 
 
 def time_to_accuracy_ratio(figures: dict[str, Figures]) -> float | None:
