@@ -3,7 +3,7 @@
 import time
 
 from towerflow.runtime.events import StepAggregator
-from towerflow.runtime.worker import StepRecord
+from towerflow.runtime.worker_messages import StepRecord
 
 
 def record(worker: int, step: int, verdict: str = "applied", replicas: int = 0) -> StepRecord:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from towerflow.runtime.worker import WorkerReport
 from towerflow.runtime.worker_group import WorkerGroup
+from towerflow.runtime.worker_messages import WorkerReport
 
 pytestmark = pytest.mark.timeout(120)
 

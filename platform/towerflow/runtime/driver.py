@@ -26,8 +26,8 @@ from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.hook_queries import HookQueries
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, end_hooks
-from towerflow.runtime.model_state import average_model_states
 from towerflow.runtime.placement import ActorPlacement
 from towerflow.runtime.protocol import protocol_for, step_shape
 from towerflow.runtime.recovery import RecoveryActions, State
@@ -35,7 +35,6 @@ from towerflow.runtime.result import TrainResult, staleness_summary
 from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.signals import StopRequested, StopSignals
-from towerflow.runtime.tf_setup import TFProcessConfig
 from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
@@ -45,7 +44,7 @@ from towerflow.shared_types import DataFeed, StepShape, join_pieces
 log = logging.getLogger(__name__)
 
 
-class Driver(RecoveryActions, CheckpointActions):
+class Driver(RecoveryActions, CheckpointActions, HookQueries):
     def __init__(
         self,
         spec: Any,
@@ -386,67 +385,6 @@ class Driver(RecoveryActions, CheckpointActions):
         session = self.session
         whole = join_pieces(ray.get([r.params for r in replies]), session.pieces, session.shard_assignment)
         return [whole[i] for i in sorted(whole)]
-
-    # -- TrainingRuntime: what hooks may ask of the cluster -------------------------------------
-    def model_state(self) -> dict[str, np.ndarray]:
-        """The workers' non-trainable variables, averaged (batch-norm statistics); {} if the model has none.
-
-        Read as the workers are now, not at the shards' cut: they are running averages, which the
-        replicas update each on its own data, and never part of the gradient step.
-        """
-        if self._final_model_state is not None:
-            return self._final_model_state
-        if not self.workers or self._model_has_state is False:
-            return {}  # most models have none: no round trip to every worker at each checkpoint
-        refs = [w.model_state.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
-        states = []
-        for ref in ready:
-            with contextlib.suppress(ray.exceptions.RayError):  # a lost worker: average the others
-                states.append(ray.get(ref))
-        if states:
-            self._model_has_state = bool(states[0])
-        averaged = average_model_states(states)
-        if self.state is State.FINISHED:  # final: an evaluation on a worker (below) must not change it
-            self._final_model_state = averaged
-        return averaged
-
-    def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
-        slots = self.group.slots
-        chosen = [w for w in workers if w in slots and not slots[w].lost]
-        return dict(zip(chosen, ray.get([slots[w].actor.profile.remote() for w in chosen])))
-
-    def evaluate(
-        self,
-        source: Any,
-        metrics: list[str],
-        batch_size: int,
-        max_batches: int | None,
-    ):
-        """Start an evaluation of the current parameters on the evaluator actor; returns a Future.
-
-        Once the training is over, a run that has not started its evaluator evaluates on a worker
-        instead: they are idle then, and a new actor would import TensorFlow and build the model
-        first (about 5 s of a short run's end on 2 cores).
-        """
-        model_state = self.model_state()
-        evaluator = self._evaluator
-        if evaluator is None and self.state is State.FINISHED and self.workers:
-            evaluator = self.workers[0]
-        if evaluator is None:
-            config = self._worker_config(0)
-            config.worker_id, config.start_at_step, config.profile_steps = -1, 0, None
-            config.tf = TFProcessConfig(cpus=1.0)
-            # No CPU reservation: evaluations are short and occasional, and must not wait for a slot.
-            evaluator = self._evaluator = worker_actor(0, 0).remote(config)
-        ref = evaluator.evaluate.remote(
-            self.shards, self._placement(), source, metrics, batch_size, max_batches, model_state
-        )
-        return ref.future()
-
-    def last_event(self):
-        """The newest step event heard of (None before the first)."""
-        return self.aggregator.last_event
 
     def _data_position(self) -> dict[str, Any]:
         return {"examples_seen": self.aggregator.examples_seen}

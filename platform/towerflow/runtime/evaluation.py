@@ -1,4 +1,5 @@
-"""Streaming evaluation metrics, accumulated batch by batch and reset at each evaluation.
+"""Evaluation: the loop over the evaluation files (`evaluate_model`) and its streaming metrics,
+accumulated batch by batch and made anew at each evaluation.
 
 Classification metrics come from one running confusion matrix (accuracy, macro precision and
 recall); AUC from Keras's streaming AUC (one-vs-rest, macro, for more than two classes);
@@ -8,9 +9,12 @@ regression metrics from running sums; perplexity is exp of the mean per-token cr
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from towerflow.runtime.worker_config import WorkerConfig
 
 CLASSIFICATION = {"accuracy", "precision", "recall", "auc"}
 
@@ -127,3 +131,38 @@ class StreamingMetrics:
 def per_example_loss(loss_fn: Any, labels: Any, outputs: Any) -> np.ndarray:
     """The loss of every example (or token): Keras losses with reduction=None."""
     return np.asarray(loss_fn(labels, outputs))
+
+
+def evaluate_model(
+    model: Any,
+    adapter: Any,
+    source: Any,
+    config: WorkerConfig,
+    loss_config: dict[str, Any],
+    metric_names: list[str],
+    batch_size: int,
+    max_batches: int | None = None,
+) -> dict[str, float]:
+    """`model`'s metrics, its variables as they are, over the evaluation files of `source` read in
+    order (at most `max_batches` batches); `adapter` turns a batch into the model's inputs and labels."""
+    import keras
+
+    from towerflow.data.eval_reader import iter_eval_batches
+    from towerflow.runtime.batches import TowerModel
+
+    loss_fn = keras.losses.get({**loss_config, "config": {**loss_config["config"], "reduction": None}})
+    outputs_shape = model.outputs[0].shape
+    metrics = StreamingMetrics(
+        metric_names,
+        loss=config.loss,
+        from_logits=config.from_logits,
+        num_outputs=int(outputs_shape[-1]) if outputs_shape[-1] is not None else 1,
+    )
+    forward = TowerModel(model, source.tower_preprocess) if source.tower_preprocess else model
+    for count, batch in enumerate(iter_eval_batches(source.files, source.reader, batch_size)):
+        if max_batches is not None and count >= max_batches:
+            break
+        inputs, labels = adapter(batch)
+        outputs = np.asarray(forward(inputs, training=False))
+        metrics.update(labels, outputs, per_example_loss(loss_fn, labels, outputs))
+    return metrics.result()

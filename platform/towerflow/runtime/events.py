@@ -7,7 +7,7 @@ import time
 
 from towerflow.runtime.hooks import StepEvent
 from towerflow.runtime.protocol import Verdict
-from towerflow.runtime.worker import StepRecord
+from towerflow.runtime.worker_messages import StepRecord
 
 PHASES = ("data", "pull", "compute", "push", "apply")
 

@@ -16,7 +16,7 @@ from towerflow.errors import DataError, TrainingError
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, LossKind
 from towerflow.runtime.hooks import FaultEvent
-from towerflow.runtime.worker import Rejoin
+from towerflow.runtime.worker_messages import Rejoin
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""TensorFlow process configuration for an actor: threads from its CPU share, devices for towers.
+"""TensorFlow process configuration for an actor: threads from its CPU share, devices for towers
+(and the GPU memory they used).
 
 All of it must run before TensorFlow creates its context (the first op), so actors call
 `configure_tensorflow` first thing in their constructor.
@@ -57,3 +58,17 @@ def configure_tensorflow(config: TFProcessConfig) -> list[str]:
             cpu, [tf.config.LogicalDeviceConfiguration()] * config.towers
         )
     return [f"/CPU:{i}" for i in range(config.towers)]
+
+
+def gpu_peak_mb(devices: list[str]) -> dict[str, float]:
+    """Peak memory TensorFlow allocated on each GPU tower device (MiB); {} on CPUs."""
+    import tensorflow as tf
+
+    peaks = {}
+    for device in devices:
+        if "GPU" in device.upper():
+            try:
+                peaks[device] = tf.config.experimental.get_memory_info(device)["peak"] / (1 << 20)
+            except (ValueError, RuntimeError):  # a device TF cannot report on
+                continue
+    return peaks

@@ -12,7 +12,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,61 +25,17 @@ from towerflow.runtime.protocol import Verdict
 from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.step_profiler import StepWindowProfiler
-from towerflow.runtime.tf_setup import configure_tensorflow
+from towerflow.runtime.tf_setup import configure_tensorflow, gpu_peak_mb
 from towerflow.runtime.towers import signature_of
 from towerflow.runtime.user_errors import misfit_error
 from towerflow.runtime.worker_config import WorkerConfig
+from towerflow.runtime.worker_messages import Rejoin, StepRecord, WarmUp, WorkerReport
 from towerflow.shared_types import VariableInfo, as_stream, until_stopped
 
 log = logging.getLogger(__name__)
 # How long a spare waits for its node's reader (TensorFlow's import took up to ~20 s on a loaded
 # 2-core test node) before it joins without it; the first read task there then starts a process.
 READER_READY_TIMEOUT_S = 120.0
-
-
-@dataclass
-class StepRecord:
-    """One gradient a worker computed and what became of it."""
-
-    worker: int
-    step: int  # global step it went into, -1 if dropped
-    verdict: Verdict  # APPLIED, STALE, REJECTED, SKIPPED, DONE (the shards'), PARTIAL or NONFINITE
-    version_read: int
-    loss: float
-    metrics: dict[str, float]
-    examples: int
-    staleness: int
-    time_split: dict[str, float] = field(default_factory=dict)  # data, pull, compute, push, apply
-    finished_at: float = 0.0
-    replicas: int = 0  # gradients the step aggregated, as the lead shard applied it (0: unknown)
-
-
-@dataclass
-class Rejoin:
-    """What a replacement worker needs beyond its config: its lost predecessor's unused rows
-    (data/splits.Leftover pieces), and the model's non-trainable state as the others hold it."""
-
-    leftover: list[Any] = field(default_factory=list)
-    model_state: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-@dataclass
-class WorkerReport:
-    """What a worker tells the controller at each poll: its new step records, and for how long it
-    has been working on its current step (None while it waits for the shards or has not stepped
-    yet): a worker busy for longer than the timeout is hung."""
-
-    records: list[StepRecord]
-    busy_s: float | None
-
-
-@dataclass(frozen=True)
-class WarmUp:
-    """A member's batch, as a spare traces its step ahead: types and shapes, and the towers' own
-    preprocessing (the model the step calls)."""
-
-    signature: tuple[Any, Any]
-    tower_preprocess: list[str]
 
 
 class TowerWorker:
@@ -216,34 +171,24 @@ class TowerWorker:
         training is over, never on one still training: it assigns the model's variables and state.
         Returns (version evaluated, metrics).
         """
-        import keras
-
-        from towerflow.data.eval_reader import iter_eval_batches
-        from towerflow.runtime.batches import TowerModel
-        from towerflow.runtime.evaluation import StreamingMetrics, per_example_loss
+        from towerflow.runtime.evaluation import evaluate_model
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
         self._assign(parameter_values(replies), placement, _staging_buffers(self.model, placement))
         if model_state:
             load_model_state(self.model, model_state)
-        loss_config = {**self.loss_config, "config": {**self.loss_config["config"], "reduction": None}}
-        loss_fn = keras.losses.get(loss_config)
-        outputs_shape = self.model.outputs[0].shape
-        metrics = StreamingMetrics(
-            metric_names,
-            loss=self.config.loss,
-            from_logits=self.config.from_logits,
-            num_outputs=int(outputs_shape[-1]) if outputs_shape[-1] is not None else 1,
-        )
         self.adapter.varlen = source.varlen
-        forward = TowerModel(self.model, source.tower_preprocess) if source.tower_preprocess else self.model
-        for count, batch in enumerate(iter_eval_batches(source.files, source.reader, batch_size)):
-            if max_batches is not None and count >= max_batches:
-                break
-            inputs, labels = self.adapter(batch)
-            outputs = np.asarray(forward(inputs, training=False))
-            metrics.update(labels, outputs, per_example_loss(loss_fn, labels, outputs))
-        return replies[0].version, metrics.result()
+        metrics = evaluate_model(
+            self.model,
+            self.adapter,
+            source,
+            self.config,
+            self.loss_config,
+            metric_names,
+            batch_size,
+            max_batches,
+        )
+        return replies[0].version, metrics
 
     def _assign(self, per_shard: list[list[np.ndarray]], placement, staging: dict[int, np.ndarray]) -> None:
         """Load pulled parameters into the model: whole variables directly, slices via `staging`."""
@@ -445,7 +390,7 @@ class TowerWorker:
             "examples": examples,
             "seconds": time.perf_counter() - start,
             "devices": list(self.devices),
-            "gpu_peak_mb": _gpu_peak_mb(self.devices),
+            "gpu_peak_mb": gpu_peak_mb(self.devices),
             "traces": self.towers.traces - traces,  # 0: its step was traced before (a warmed spare's)
             "node_readied_for_reading": self._node_readied,
         }
@@ -454,20 +399,6 @@ class TowerWorker:
 def _nonfinite_record(worker: int, version_read: int, loss: float, rows: int) -> StepRecord:
     """A step whose loss was NaN/inf: nothing of it was applied (its batch was used all the same)."""
     return StepRecord(worker, -1, Verdict.NONFINITE, version_read, loss, {}, rows, 0, finished_at=time.time())
-
-
-def _gpu_peak_mb(devices: list[str]) -> dict[str, float]:
-    """Peak memory TensorFlow allocated on each GPU tower device (MiB); {} on CPUs."""
-    import tensorflow as tf
-
-    peaks = {}
-    for device in devices:
-        if "GPU" in device.upper():
-            try:
-                peaks[device] = tf.config.experimental.get_memory_info(device)["peak"] / (1 << 20)
-            except (ValueError, RuntimeError):  # a device TF cannot report on
-                continue
-    return peaks
 
 
 def _staging_buffers(model, placement) -> dict[int, np.ndarray]:

@@ -1,0 +1,60 @@
+"""What a tower worker and the driver tell each other: the record of each gradient, a
+replacement's start, the report at each poll and what a spare traces its step for.
+
+Apart from the worker's actor so that the driver's side (events, recovery) reads them without
+loading the worker's module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from towerflow.runtime.protocol import Verdict
+
+
+@dataclass
+class StepRecord:
+    """One gradient a worker computed and what became of it."""
+
+    worker: int
+    step: int  # global step it went into, -1 if dropped
+    verdict: Verdict  # APPLIED, STALE, REJECTED, SKIPPED, DONE (the shards'), PARTIAL or NONFINITE
+    version_read: int
+    loss: float
+    metrics: dict[str, float]
+    examples: int
+    staleness: int
+    time_split: dict[str, float] = field(default_factory=dict)  # data, pull, compute, push, apply
+    finished_at: float = 0.0
+    replicas: int = 0  # gradients the step aggregated, as the lead shard applied it (0: unknown)
+
+
+@dataclass
+class Rejoin:
+    """What a replacement worker needs beyond its config: its lost predecessor's unused rows
+    (data/splits.Leftover pieces), and the model's non-trainable state as the others hold it."""
+
+    leftover: list[Any] = field(default_factory=list)
+    model_state: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerReport:
+    """What a worker tells the controller at each poll: its new step records, and for how long it
+    has been working on its current step (None while it waits for the shards or has not stepped
+    yet): a worker busy for longer than the timeout is hung."""
+
+    records: list[StepRecord]
+    busy_s: float | None
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """A member's batch, as a spare traces its step ahead: types and shapes, and the towers' own
+    preprocessing (the model the step calls)."""
+
+    signature: tuple[Any, Any]
+    tower_preprocess: list[str]
