@@ -43,6 +43,19 @@ def _timed(fn, repeat: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
+def _paired_difference(fn, baseline, repeat: int) -> float:
+    """Median over `repeat` back-to-back pairs of `fn`'s wall seconds less `baseline`'s: the drift
+    of a busy machine between two separate medians (several times a small part's cost) cancels."""
+    differences = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        middle = time.perf_counter()
+        baseline()
+        differences.append((middle - started) - (time.perf_counter() - middle))
+    return statistics.median(differences)
+
+
 def _probe_class():
     import ray
 
@@ -110,7 +123,7 @@ def _probe_class():
 
             return [ray.put(list(self.weights))]
 
-        def take_push(self, *arrays) -> None:
+        def take_push(self, arrays: list) -> None:
             total = getattr(self, "_total", None) or [np.zeros_like(a) for a in arrays]
             for t, a in zip(total, arrays):
                 np.add(t, a, out=t)
@@ -167,10 +180,14 @@ def measure_workload(workload: str, repeat: int) -> dict:
     out_s = ray.get(worker.gradients_out.remote(repeat))
     version = ray.get(shard.put_version.remote())
     in_s = ray.get(worker.parameters_in.remote(version, repeat))
-    arrays = [ray.put(w) for w in ray.get(ray.get(shard.put_version.remote())[0])]
-    ray.get(shard.nothing.remote())
+    # A push is one object (a worker's gradients, serialized together), put beforehand: the
+    # worker's side is `gradients_out`. Resolved and summed by the shard, less a call's round trip.
+    pushed = ray.put(ray.get(ray.get(shard.put_version.remote())[0]))
+    ray.get([shard.nothing.remote(), shard.take_push.remote(pushed)])  # first calls: set-up
     call_s = _timed(lambda: ray.get(shard.nothing.remote()), repeat * 4)[0]
-    push_s = _timed(lambda: ray.get(shard.take_push.remote(*arrays)), repeat)[0] - call_s
+    push_s = _paired_difference(
+        lambda: ray.get(shard.take_push.remote(pushed)), lambda: ray.get(shard.nothing.remote()), repeat * 4
+    )
     apply_s = ray.get(shard.apply.remote(repeat))
     publish_s = ray.get(shard.publish.remote(repeat))
     return {
