@@ -83,7 +83,15 @@ class CheckpointActions:
                     raise TrainingError(
                         f"shards ended at different versions {sorted(versions)}: no consistent cut"
                     )
-                return self.save_checkpoint(store, None, None, skip)  # cut again, as capture_state does
+                later = self.save_checkpoint(store, None, None, skip)  # cut again, as capture_state does
+                if version is not None and later.written:
+                    log.info(
+                        "checkpoint due at step %d taken at step %d: the shards had moved past it "
+                        "(the driver heard of the step late)",
+                        version,
+                        later.step,
+                    )
+                return later
             if not all(r.finite for r in reports):
                 writer.abort()
                 return SavedCheckpoint(target, written=False, nonfinite=True)
