@@ -204,11 +204,10 @@ def cpu_table(figures: dict[str, Figures], workload: str, cores: int) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for f, cpu in rows:
-        wall_ms = 1000 * WORKLOADS[workload].global_batch / f.rate
         total = sum(cpu.values())
         lines.append(
             f"| {f.config.label} | {cpu['workers']:.1f} | {cpu['shards']:.1f} | {cpu['other']:.1f} | "
-            f"{total:.1f} | {total / (cores * wall_ms):.0%} |"
+            f"{total:.1f} | {_busy(f, total, cores):.0%} |"
         )
     return "\n".join(lines)
 
@@ -253,6 +252,11 @@ def targets_table(figures: dict[str, Figures]) -> tuple[str, dict[str, float | N
     return "\n".join(lines), values
 
 
+def _busy(f: Figures, cpu_ms: float, cores: int) -> float:
+    """The share of the cores' time that `cpu_ms` of CPU per global batch kept busy at f's rate."""
+    return cpu_ms * f.rate / (1000 * cores * WORKLOADS[f.config.workload].global_batch)
+
+
 def why_missed(figures: dict[str, Figures], target: Target, cores: int) -> str | None:
     """Why a missed target was missed, from this run's own figures; None where it was met.
 
@@ -269,7 +273,7 @@ def why_missed(figures: dict[str, Figures], target: Target, cores: int) -> str |
     if cpu:
         batch = WORKLOADS[top.config.workload].global_batch
         total = sum(cpu.values())
-        busy = total * top.rate / (1000 * cores * batch)
+        busy = _busy(top, total, cores)
         ceiling = 1000 * cores * batch / total / bottom.rate
         parts = ", ".join(f"{role} {ms:.1f}" for role, ms in cpu.items())
         spends = f"{top.config.label} spends {total:.1f} ms of CPU per global batch ({parts})"
