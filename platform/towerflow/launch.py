@@ -52,6 +52,7 @@ def train(
     from towerflow.runtime.cluster import budget_for, check_actors_fit_nodes, ensure_ray, live_node_resources
     from towerflow.runtime.driver import Driver
     from towerflow.runtime.shard_count import resolve_shards
+    from towerflow.runtime.worker_cpus import resolve_worker_cpus
     from towerflow.shared_types import DataFeed
     from towerflow.supervision import build_supervision_hooks
     from towerflow.supervision.artifacts import LocalArtifactSink, MlflowArtifactSink
@@ -59,7 +60,9 @@ def train(
 
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, overrides)
-    spec = resolve_shards(spec)  # cluster.ps: auto -> a number, before anything sizes the cluster
+    # cluster.cpus_per_worker and cluster.ps: auto -> numbers, before anything sizes the cluster;
+    # the shard count's estimate of a worker's compute counts its CPUs.
+    spec = resolve_shards(resolve_worker_cpus(spec))
     local_root = Path(output_dir or Path(os.environ.get("TOWERFLOW_RUNS_DIR", "runs")) / spec.name)
     tracker = None
     if track and resume == AUTO_RESUME:

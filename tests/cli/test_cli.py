@@ -19,6 +19,8 @@ from support import ONE_OF_EACH, blob_spec, sqlite_store, takes_ctrl_c
 
 from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH
+from towerflow.runtime.worker_cpus import auto_worker_cpus, machine_cores
+from towerflow.spec import validate_spec
 
 # `python -m towerflow` puts the working directory on sys.path; the console script (what `make
 # example` runs) does not, so both are exercised.
@@ -175,7 +177,10 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
     # models.mlp from the working directory. A hook records every address Ray's processes listen on.
     record = tmp_path / "listening.json"
     hook = {"ref": "sample_hooks:ListeningAddressesHook", "params": {"out": str(record)}}
-    spec = blob_spec(blob_data, cluster=ONE_OF_EACH, supervision={"hooks": [hook]})
+    # cpus_per_worker: auto (the default) resolved on the machine the command starts Ray on
+    spec = blob_spec(
+        blob_data, cluster={**ONE_OF_EACH, "cpus_per_worker": "auto"}, supervision={"hooks": [hook]}
+    )
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     store = sqlite_store(tmp_path)
@@ -201,6 +206,9 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
     run = MlflowClient(store).get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["training.mode"] == "async" and run.data.params["cluster.workers"] == "1"
+    cpus = auto_worker_cpus(validate_spec(spec).cluster, machine_cores())
+    assert run.data.params["cluster.cpus_per_worker"] == str(float(cpus))
+    assert f"cluster.cpus_per_worker: auto -> {cpus} (this machine's {machine_cores()} cores" in out.stderr
     assert run.data.tags["mode"] == "async"
     assert {"loss", "global_step", "examples_per_sec"} <= set(run.data.metrics)
     assert run.data.metrics["global_step"] == 6

@@ -237,6 +237,7 @@ def entrypoint_spec(entrypoint: str) -> tuple[str | None, list[str], list[str]]:
 def rayjob_problems(job: Object, cluster: Object) -> list[str]:
     """A RayJob against the rules, and against the shared RayCluster `cluster` of the same build."""
     from towerflow.runtime.cluster import budget_for
+    from towerflow.runtime.worker_cpus import resolve_worker_cpus
     from towerflow.spec import load_spec
 
     where, spec = name_of(job), job["spec"]
@@ -262,7 +263,9 @@ def rayjob_problems(job: Object, cluster: Object) -> list[str]:
         return problems
     if not spec_path.startswith("pipelines/") or not (REPO / spec_path).is_file():
         return problems + [f"{where}: {spec_path} is not a pipeline file in pipelines/"]
-    job_spec = load_spec(REPO / spec_path, overrides)
+    job_spec = resolve_worker_cpus(
+        load_spec(REPO / spec_path, overrides), embedded=False
+    )  # joins the RayCluster
     needed = budget_for(job_spec.cluster, job_spec.cluster.fewest_workers)
     cpus, gpus = starting_capacity(spec["rayClusterSpec"])
     if cpus + 1e-9 < needed.cpus or gpus + 1e-9 < needed.gpus:

@@ -82,6 +82,6 @@ def test_a_worker_bigger_than_any_node_fails_up_front_naming_it():
     with pytest.raises(ClusterError, match=r"a worker asks for 6 CPU.*the largest: 4 CPU, 1 GPU over 3 node"):
         check_actors_fit_nodes(ClusterSpec(workers=1, cpus_per_worker=6), nodes)
     with pytest.raises(ClusterError, match=r"a worker asks for 1 CPU, 2 GPU \(cluster.cpus_per_worker"):
-        check_actors_fit_nodes(ClusterSpec(workers=1, gpus_per_worker=2, towers=2), nodes)
+        check_actors_fit_nodes(ClusterSpec(workers=1, cpus_per_worker=1, gpus_per_worker=2, towers=2), nodes)
     with pytest.raises(ClusterError, match=r"a parameter server asks for 5 CPU"):
-        check_actors_fit_nodes(ClusterSpec(cpus_per_ps=5), nodes)
+        check_actors_fit_nodes(ClusterSpec(cpus_per_worker=1, cpus_per_ps=5), nodes)

@@ -70,6 +70,12 @@ RAY_NODE_CONFIG = {"idle_worker_killing_time_threshold_ms": 60_000}
 RAY_NODE_ENV = {f"RAY_{name}": str(value) for name, value in RAY_NODE_CONFIG.items()}
 
 
+def starts_embedded_ray() -> bool:
+    """Whether `ensure_ray` starts a local Ray of its own: no RAY_ADDRESS, and none joined here yet."""
+    ray = sys.modules.get("ray")
+    return not os.environ.get("RAY_ADDRESS") and not (ray is not None and ray.is_initialized())
+
+
 def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> str:
     """Connect or start Ray (an embedded one sized for `budget`); check it can hold `needed` (default
     `budget`: an elastic job needs room for its fewest workers only). Returns 'connected' or 'embedded'."""

@@ -146,7 +146,13 @@ class ClusterSpec(_Strict):
     )
     gpus_per_worker: float = Field(0, ge=0)
     towers: int = Field(1, ge=1, description="Towers per worker; with GPUs, one per GPU.")
-    cpus_per_worker: float = Field(1.0, gt=0)
+    cpus_per_worker: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "CPUs per worker, and so its TensorFlow's threads; auto: on an embedded Ray, each worker's share "
+            "of the machine's cores after the shards' and Ray Data's, else 1 (runtime/worker_cpus.py)."
+        ),
+    )
     cpus_per_ps: float = Field(0.5, gt=0)
     data_cpus: float = Field(1.0, gt=0, description="Logical CPUs kept free for Ray Data's read tasks.")
     placement: Literal["spread", "pack", "strict_spread", "strict_pack"] = Field(
