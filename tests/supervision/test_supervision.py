@@ -388,7 +388,7 @@ def test_checkpoints_every_n_seconds_and_retention(ray_cluster, blob_data, tmp_p
 
 
 def test_a_user_hook_with_a_misspelt_parameter_is_named_with_those_it_takes():
-    from towerflow.spec.schema import HookRef
+    from towerflow.spec.supervision_schema import HookRef
     from towerflow.supervision.factory import load_user_hooks
 
     entry = HookRef(ref="sample_hooks:StopAtStepHook", params={"stp": 3})

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PositiveFloat, Tag, model_validator
+from pydantic import Discriminator, Field, PositiveFloat, Tag, model_validator
+
+from towerflow.spec.strict import StrictModel
+from towerflow.spec.supervision_schema import SupervisionSpec
 
 OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "rmsprop"]
 
@@ -25,11 +28,7 @@ _OPTIMIZER_FIELDS: dict[str, set[str]] = {
 FunctionRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # module.path:function
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class FeatureSpec(_Strict):
+class FeatureSpec(StrictModel):
     """One feature of a record (or one CSV column): its stored type and shape, how raw bytes decode,
     and, for variable-length features, how they become dense (padded) or stay ragged."""
 
@@ -58,7 +57,7 @@ class FeatureSpec(_Strict):
         return self
 
 
-class CsvSpec(_Strict):
+class CsvSpec(StrictModel):
     """How CSV shards are laid out; column types come from `features`, the manifest, or inference."""
 
     header: bool = True
@@ -66,7 +65,7 @@ class CsvSpec(_Strict):
     columns: list[str] | None = Field(None, description="Column names, needed only without a header row.")
 
 
-class SourceSpec(_Strict):
+class SourceSpec(StrictModel):
     """Where one split's shards live and what their records hold."""
 
     paths: str | list[str]
@@ -91,7 +90,7 @@ class SourceSpec(_Strict):
         return [self.paths] if isinstance(self.paths, str) else list(self.paths)
 
 
-class DataSpec(_Strict):
+class DataSpec(StrictModel):
     train: SourceSpec
     eval: SourceSpec | None = None
     batch_size: int = Field(128, gt=0, description="Examples per worker per step, split across its towers.")
@@ -116,7 +115,7 @@ class DataSpec(_Strict):
     )
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     ref: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module.path:function")
     params: dict[str, Any] = Field(default_factory=dict)
     loss: Literal[
@@ -126,7 +125,7 @@ class ModelSpec(_Strict):
     metrics: list[Literal["accuracy", "mse", "mae"]] = Field(default_factory=list)
 
 
-class ClusterSpec(_Strict):
+class ClusterSpec(StrictModel):
     workers: int = Field(
         1,
         ge=1,
@@ -224,7 +223,7 @@ class ClusterSpec(_Strict):
         return self
 
 
-class LearningRateSchedule(_Strict):
+class LearningRateSchedule(StrictModel):
     schedule: Literal["constant", "exponential_decay"]
     initial_learning_rate: float = Field(gt=0)
     decay_steps: int | None = Field(None, gt=0)
@@ -250,7 +249,7 @@ LearningRate = Annotated[
 ]
 
 
-class OptimizerSpec(_Strict):
+class OptimizerSpec(StrictModel):
     name: OptimizerName = "sgd"
     learning_rate: LearningRate = 0.01
     clip_global_norm: float | None = Field(None, gt=0, description="Clip each replica's whole gradient.")
@@ -281,7 +280,7 @@ class OptimizerSpec(_Strict):
         }
 
 
-class FailureSpec(_Strict):
+class FailureSpec(StrictModel):
     """What a run survives (runtime/failure.py): lost workers are replaced, a lost parameter server
     rolls every shard back to the newest checkpoint; past a budget the run fails."""
 
@@ -300,7 +299,7 @@ class FailureSpec(_Strict):
     )
 
 
-class TrainingSpec(_Strict):
+class TrainingSpec(StrictModel):
     mode: Literal["sync", "async"] = "sync"
     max_steps: int | None = Field(None, gt=0, description="Global steps (applied updates).")
     replicas_to_aggregate: int | None = Field(None, ge=1)
@@ -319,7 +318,7 @@ class TrainingSpec(_Strict):
     failure: FailureSpec = Field(default_factory=FailureSpec)
 
 
-class TrackingSpec(_Strict):
+class TrackingSpec(StrictModel):
     experiment: str | None = None
     tracking_uri: str | None = None
     run_name: str | None = None
@@ -329,7 +328,7 @@ class TrackingSpec(_Strict):
     system_metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between system metric samples.")
 
 
-class ExportSpec(_Strict):
+class ExportSpec(StrictModel):
     saved_model: bool = False
     register_as: str | None = Field(
         None, pattern=r"^[^/:]+$", description="Registered model name (no / or :)."
@@ -339,89 +338,14 @@ class ExportSpec(_Strict):
     )
 
 
-class TFConfigSpec(_Strict):
+class TFConfigSpec(StrictModel):
     memory_growth: bool = True
     memory_limit_mb: int | None = Field(None, gt=0)
     soft_placement: bool = True
     log_device_placement: bool = False
 
 
-class CheckpointSpec(_Strict):
-    """CheckpointSaver: TensorFlow's defaults (every 600 s when no interval is given, keep 5)."""
-
-    enabled: bool = True
-    every_steps: int | None = Field(None, gt=0)
-    every_secs: float | None = Field(
-        None, gt=0, description="600 when neither every_steps nor every_secs is set."
-    )
-    max_to_keep: int = Field(5, ge=1)
-    keep_checkpoint_every_n_hours: float | None = Field(None, gt=0)
-    at_end: bool = Field(True, description="Also save when training ends normally.")
-
-    @property
-    def interval_secs(self) -> float | None:
-        return 600.0 if self.every_steps is None and self.every_secs is None else self.every_secs
-
-
-class StopAtStepSpec(_Strict):
-    num_steps: int | None = Field(None, gt=0, description="Steps to run from the (restored) start.")
-    last_step: int | None = Field(None, gt=0, description="Global step to stop at.")
-
-    @model_validator(mode="after")
-    def _one_of(self) -> StopAtStepSpec:
-        if (self.num_steps is None) == (self.last_step is None):
-            raise ValueError("give exactly one of num_steps and last_step")
-        return self
-
-
-class ProfileSpec(_Strict):
-    """Profile global steps [start_step, stop_step) on the chosen workers."""
-
-    start_step: int = Field(ge=0)
-    stop_step: int = Field(gt=0)
-    workers: list[int] = Field(default_factory=lambda: [0])
-
-    @model_validator(mode="after")
-    def _window(self) -> ProfileSpec:
-        if self.stop_step <= self.start_step:
-            raise ValueError(f"stop_step ({self.stop_step}) must be after start_step ({self.start_step})")
-        return self
-
-
-EvalMetric = Literal["loss", "accuracy", "precision", "recall", "auc", "mse", "mae", "rmse", "perplexity"]
-
-
-class EvalSpec(_Strict):
-    """Evaluate the current parameters on data.eval every `every_steps` global steps (and at the end)."""
-
-    every_steps: int = Field(gt=0)
-    metrics: list[EvalMetric] = Field(default_factory=lambda: ["loss", "accuracy"])
-    max_batches: int | None = Field(None, gt=0, description="Evaluate on at most this many batches.")
-    batch_size: int | None = Field(None, gt=0, description="Defaults to data.batch_size.")
-    at_end: bool = True
-
-
-class HookRef(_Strict):
-    ref: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module.path:ClassOrFactory")
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-class SupervisionSpec(_Strict):
-    """The built-in hooks (MonitoredTrainingSession's) and user hooks by import string."""
-
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    stop_at_step: StopAtStepSpec | None = None
-    log_every_steps: int = Field(100, gt=0, description="Metrics to MLflow every N global steps.")
-    nan_guard: Literal["fail", "stop", "skip", "off"] = "fail"
-    profile: ProfileSpec | None = None
-    eval: EvalSpec | None = None
-    worker_start_delay_steps: int = Field(
-        0, ge=0, description="GlobalStepWaiter: worker k starts after global step k * this."
-    )
-    hooks: list[HookRef | str] = Field(default_factory=list)
-
-
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*$")
     model: ModelSpec
     data: DataSpec
