@@ -263,9 +263,8 @@ def rayjob_problems(job: Object, cluster: Object) -> list[str]:
         return problems
     if not spec_path.startswith("pipelines/") or not (REPO / spec_path).is_file():
         return problems + [f"{where}: {spec_path} is not a pipeline file in pipelines/"]
-    job_spec = resolve_worker_cpus(
-        load_spec(REPO / spec_path, overrides), embedded=False
-    )  # joins the RayCluster
+    # The job joins the RayCluster: cpus_per_worker: auto resolves as it will there.
+    job_spec = resolve_worker_cpus(load_spec(REPO / spec_path, overrides), embedded=False)
     needed = budget_for(job_spec.cluster, job_spec.cluster.fewest_workers)
     cpus, gpus = starting_capacity(spec["rayClusterSpec"])
     if cpus + 1e-9 < needed.cpus or gpus + 1e-9 < needed.gpus:
