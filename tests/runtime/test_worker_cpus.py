@@ -5,8 +5,8 @@ import logging
 import pytest
 from support import blob_spec
 
-from towerflow.runtime.cluster import starts_embedded_ray
-from towerflow.runtime.worker_cpus import auto_worker_cpus, machine_cores, resolve_worker_cpus
+from towerflow.runtime.cluster import machine_cores, starts_embedded_ray
+from towerflow.runtime.worker_cpus import auto_worker_cpus, resolve_worker_cpus
 from towerflow.spec import validate_spec
 from towerflow.spec.schema import ClusterSpec
 

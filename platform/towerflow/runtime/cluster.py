@@ -70,6 +70,14 @@ RAY_NODE_CONFIG = {"idle_worker_killing_time_threshold_ms": 60_000}
 RAY_NODE_ENV = {f"RAY_{name}": str(value) for name, value in RAY_NODE_CONFIG.items()}
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
 def starts_embedded_ray() -> bool:
     """Whether `ensure_ray` starts a local Ray of its own: no RAY_ADDRESS, and none joined here yet."""
     ray = sys.modules.get("ray")
@@ -94,7 +102,7 @@ def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> 
             ) from None
         how = "connected"
     else:
-        cpus = max(os.cpu_count() or 1, math.ceil(budget.cpus))
+        cpus = max(machine_cores(), math.ceil(budget.cpus))
         ray.init(
             num_cpus=cpus,
             include_dashboard=False,

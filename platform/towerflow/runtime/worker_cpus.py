@@ -11,20 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any
 
-from towerflow.runtime.cluster import starts_embedded_ray
+from towerflow.runtime.cluster import machine_cores, starts_embedded_ray
 
 log = logging.getLogger(__name__)
-
-
-def machine_cores() -> int:
-    """The cores this process may run on (its affinity, where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
 
 
 def auto_worker_cpus(cluster: Any, cores: int) -> int:
