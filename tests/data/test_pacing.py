@@ -1,12 +1,15 @@
-"""The paced scheduling loop on a real Ray Data execution: no step is shorter than asked."""
+"""The paced scheduling loop on a real Ray Data execution: no step is shorter than asked, and a
+step lasts on to the quiet pace only while no consumer waits for a block."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
+from ray.data import ExecutionResources
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
-from towerflow.data.pacing import PacedSchedulingLoop, pace_scheduling_loop
+from towerflow.data.pacing import QUIET_STEP_S, PacedSchedulingLoop, consumers_waiting, pace_scheduling_loop
 
 
 class CountSteps(ExecutionCallback):
@@ -31,6 +34,37 @@ def test_the_loop_steps_no_faster_than_the_minimum(ray_cluster):
     steps, seconds = _consume_slowly(ray_cluster, 0.1)
     assert steps > 0
     assert steps <= seconds / 0.1 + 2  # each step lasted at least 100 ms
+
+
+class RecordSteps(ExecutionCallback):
+    """When each step ended (after the pacing: it is installed first) and whether a consumer waited."""
+
+    steps: list[tuple[float, bool]] = []
+
+    def on_execution_step(self, executor) -> None:
+        RecordSteps.steps.append((time.monotonic(), consumers_waiting(executor)))
+
+
+def test_a_step_lasts_to_the_quiet_pace_unless_a_consumer_waits(ray_cluster):
+    # 8 blocks of 2 MB behind a 5 MB budget: the execution stays backpressured while a consumer
+    # takes 0.5 s over each block, asking for the next only near the end of the one it has.
+    ds = ray_cluster.data.range_tensor(8000, shape=(256,), override_num_blocks=8)
+    ds = ds.map_batches(lambda b: b, batch_size=None)
+    ds.context.execution_options.resource_limits = ExecutionResources(object_store_memory=5_000_000)
+    pace_scheduling_loop(ds.context, 0.02)
+    ds.context.custom_execution_callback_classes.append(RecordSteps)
+    RecordSteps.steps = []
+    for _ in ds.iter_batches(batch_size=100):
+        time.sleep(0.05)
+    ends = RecordSteps.steps
+    lengths = [(end - before, waiting) for (before, _), (end, waiting) in zip(ends, ends[1:])]
+    quiet = [length for length, waiting in lengths if not waiting]
+    waited = [length for length, waiting in lengths if waiting]
+    assert quiet and waited
+    # A step that ends with nobody waiting slept to the quiet pace (at the 20 ms pace: ~0.02 s) ...
+    assert min(quiet) >= QUIET_STEP_S - 0.01
+    # ... and one that ends with a consumer waiting was cut short.
+    assert statistics.median(waited) < QUIET_STEP_S / 2
 
 
 def test_pacing_is_installed_once_and_travels_with_the_dataset(ray_cluster):

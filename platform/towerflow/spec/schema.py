@@ -111,7 +111,8 @@ class DataSpec(StrictModel):
         20,
         ge=0,
         description="Shortest step of Ray Data's scheduling loop (ms): keeps a backpressured pipeline "
-        "from spinning on a core; 0 = Ray's own pace.",
+        "from spinning on a core; steps last up to 250 ms while no worker waits for a block; "
+        "0 = Ray's own pace.",
     )
 
 
