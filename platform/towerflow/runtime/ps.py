@@ -28,7 +28,8 @@ import ray
 
 from towerflow.runtime.accumulator import GradientAccumulator
 from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
-from towerflow.runtime.shard_parts import PartReport, PartSource, ShardSnapshot, write_shard_part
+from towerflow.runtime.shard_checkpoints import ShardCheckpoints
+from towerflow.runtime.shard_parts import PartSource, ShardSnapshot
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
 
@@ -58,11 +59,10 @@ class PushReply:
     replicas: int = 0  # gradients the step aggregated (fewer than asked once workers retire)
 
 
-_SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
 _REPLICA_COUNTS_KEPT = 256  # recent steps whose replica count a woken sync push may still ask for
 
 
-class ParameterShard:
+class ParameterShard(ShardCheckpoints):
     """One shard. Run as an async Ray actor so that sync pushes can wait for their step cheaply.
 
     It starts in two steps: the actor itself (its process imports TensorFlow, seconds of CPU), which
@@ -101,23 +101,11 @@ class ParameterShard:
         here, from the store; False (nothing loaded) where this node cannot reach it."""
         from towerflow.runtime.optimizers import build_optimizer
 
-        self._loaded_from = "values from the driver"
-        # Copies from beyond the version loaded belong to a timeline abandoned by a rollback.
-        self._written = {v: kept for v, kept in self._written.items() if v <= initial_version}
-        own = self._written.get(initial_version)
-        if isinstance(initial_values, PartSource) and initial_values.own_copy_ok and own is not None:
-            source = initial_values
-            if own.version == source.checkpoint.global_step and own.names == names:
-                initial_values = own.values
-                initial_slots = dict(own.slots) if source.with_slots else None
-                self._loaded_from = f"its own copy of step {own.version}"
-        if isinstance(initial_values, PartSource):
-            source = initial_values
-            if not source.checkpoint.reader.reachable():
-                return False
-            initial_values, slots = source.checkpoint.read_part(source.part, source.with_slots)
-            initial_slots = dict(zip(source.checkpoint.slot_names, slots)) if source.with_slots else None
-            self._loaded_from = f"{source.part} of step {source.checkpoint.global_step}"
+        initial_values, initial_slots = self._starting_state(
+            names, initial_values, initial_slots, initial_version
+        )
+        if initial_values is None:
+            return False
 
         tf, shard_id = self._tf, self.shard_id
         self._names = names
@@ -164,9 +152,7 @@ class ParameterShard:
         self._params_ref = None
         self._published_version: int | None = None  # the version `_params_ref` holds
         self._publications = 0
-        self._snapshot_at: set[int] = set()
-        self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
-        self._snapshots: dict[int, ShardSnapshot] = {}
+        self._reset_snapshots(snapshot_every)
         self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
         self._step_replicas: dict[int, int] = {}
         return True
@@ -267,43 +253,6 @@ class ParameterShard:
         await self._notify()
         return self._version
 
-    async def snapshot(self, version: int) -> ShardSnapshot:
-        """The state at `version`: now if the shard is there, else as soon as an update reaches it.
-
-        Shards reach every version one update at a time, so asking all shards for the same future
-        version gives a consistent cut without pausing training. A shard that ends before it gets
-        there (end of data, stop) answers with its final state; the caller checks the versions.
-        """
-        if self._version < version and not self._done:
-            self._snapshot_at.add(version)
-            await self._wait_for(lambda: version in self._snapshots or self._done)
-        kept = self._snapshots.pop(version, None)
-        if kept is not None:
-            return kept
-        return self._capture()
-
-    async def write_checkpoint(self, version: int, writer: Any, part: str) -> PartReport:
-        """Write this shard's state at `version` (as `snapshot` finds it) as part `part` of the
-        checkpoint `writer` writes (checkpoint/stores.py), from this node, in a thread: training
-        goes on meanwhile. Where this node cannot write to the store, the part's files go back to
-        the chief to write instead."""
-        kept = await self.snapshot(version)
-        if kept.version != writer.step:
-            return PartReport(kept.version)
-        from towerflow.checkpoint.files import all_finite
-
-        slot_names = sorted(kept.slots)
-        if not all_finite(kept.values + [a for name in slot_names for a in kept.slots[name]]):
-            return PartReport(kept.version, finite=False)
-        loop = asyncio.get_running_loop()
-        report = await loop.run_in_executor(None, write_shard_part, kept, slot_names, writer, part)
-        self._written[kept.version] = kept
-        return report
-
-    def checkpoint_committed(self, version: int) -> None:
-        """The checkpoint of `version` is complete: older copies of this shard's part can go."""
-        self._written = {v: kept for v, kept in self._written.items() if v >= version}
-
     # -- inspection ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         var_bytes = sum(_nbytes(v) for v in self._variables)
@@ -382,12 +331,7 @@ class ParameterShard:
         self._counts["gradients"] += replicas
         if self._max_steps is not None and self._version >= self._max_steps:
             self._done = True
-        every = self._snapshot_every
-        if self._version in self._snapshot_at or (every and self._version % every == 0):
-            self._snapshot_at.discard(self._version)
-            self._snapshots[self._version] = self._capture()
-            for old in sorted(self._snapshots)[:-_SNAPSHOTS_KEPT]:  # nobody came for these
-                del self._snapshots[old]
+        self._snapshot_if_due()
         self._last_apply_s = self._version_apply_s + time.perf_counter() - start
         self._version_apply_s = 0.0
         self._apply_total_s += self._last_apply_s
@@ -402,15 +346,6 @@ class ParameterShard:
         spent = time.perf_counter() - start
         self._last_apply_s += spent  # reported with the update it publishes
         self._apply_total_s += spent
-
-    def _capture(self) -> ShardSnapshot:
-        return ShardSnapshot(
-            self.shard_id,
-            self._version,
-            list(self._names),
-            [v.numpy() for v in self._variables],
-            {slot: [s[slot].numpy() for s in self._slots] for slot in self._optimizer.slot_names},
-        )
 
     def _views(self) -> list[np.ndarray]:
         """The variables' values as views of their buffers: Ray copies them once, into the object

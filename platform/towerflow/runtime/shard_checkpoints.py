@@ -1,0 +1,105 @@
+"""A parameter shard's checkpoint side (mixed into `ParameterShard`): the state it starts from, the
+snapshots it takes at chosen versions while training goes on, and the part of a checkpoint it
+writes from its own node. The shard provides its variables, slots, optimizer and version."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from towerflow.runtime.shard_parts import PartReport, PartSource, ShardSnapshot, write_shard_part
+
+_SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
+
+
+class ShardCheckpoints:
+    def _reset_snapshots(self, snapshot_every: int | None) -> None:
+        self._snapshot_at: set[int] = set()
+        self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
+        self._snapshots: dict[int, ShardSnapshot] = {}
+
+    def _starting_state(
+        self,
+        names: list[str],
+        initial_values: list[np.ndarray] | PartSource,
+        initial_slots: dict[str, list[np.ndarray]] | None,
+        initial_version: int,
+    ) -> tuple[list[np.ndarray] | None, dict[str, list[np.ndarray]] | None]:
+        """The values and slots to load: as given, this shard's own copy of a checkpoint it wrote
+        (a rollback), or read from the store; (None, None) where this node cannot reach the store.
+        Sets `_loaded_from`."""
+        self._loaded_from = "values from the driver"
+        # Copies from beyond the version loaded belong to a timeline abandoned by a rollback.
+        self._written = {v: kept for v, kept in self._written.items() if v <= initial_version}
+        own = self._written.get(initial_version)
+        if isinstance(initial_values, PartSource) and initial_values.own_copy_ok and own is not None:
+            source = initial_values
+            if own.version == source.checkpoint.global_step and own.names == names:
+                initial_values = own.values
+                initial_slots = dict(own.slots) if source.with_slots else None
+                self._loaded_from = f"its own copy of step {own.version}"
+        if isinstance(initial_values, PartSource):
+            source = initial_values
+            if not source.checkpoint.reader.reachable():
+                return None, None
+            initial_values, slots = source.checkpoint.read_part(source.part, source.with_slots)
+            initial_slots = dict(zip(source.checkpoint.slot_names, slots)) if source.with_slots else None
+            self._loaded_from = f"{source.part} of step {source.checkpoint.global_step}"
+        return initial_values, initial_slots
+
+    async def snapshot(self, version: int) -> ShardSnapshot:
+        """The state at `version`: now if the shard is there, else as soon as an update reaches it.
+
+        Shards reach every version one update at a time, so asking all shards for the same future
+        version gives a consistent cut without pausing training. A shard that ends before it gets
+        there (end of data, stop) answers with its final state; the caller checks the versions.
+        """
+        if self._version < version and not self._done:
+            self._snapshot_at.add(version)
+            await self._wait_for(lambda: version in self._snapshots or self._done)
+        kept = self._snapshots.pop(version, None)
+        if kept is not None:
+            return kept
+        return self._capture()
+
+    async def write_checkpoint(self, version: int, writer: Any, part: str) -> PartReport:
+        """Write this shard's state at `version` (as `snapshot` finds it) as part `part` of the
+        checkpoint `writer` writes (checkpoint/stores.py), from this node, in a thread: training
+        goes on meanwhile. Where this node cannot write to the store, the part's files go back to
+        the chief to write instead."""
+        kept = await self.snapshot(version)
+        if kept.version != writer.step:
+            return PartReport(kept.version)
+        from towerflow.checkpoint.files import all_finite
+
+        slot_names = sorted(kept.slots)
+        if not all_finite(kept.values + [a for name in slot_names for a in kept.slots[name]]):
+            return PartReport(kept.version, finite=False)
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(None, write_shard_part, kept, slot_names, writer, part)
+        self._written[kept.version] = kept
+        return report
+
+    def checkpoint_committed(self, version: int) -> None:
+        """The checkpoint of `version` is complete: older copies of this shard's part can go."""
+        self._written = {v: kept for v, kept in self._written.items() if v >= version}
+
+    def _snapshot_if_due(self) -> None:
+        """At a new version: capture it where a snapshot was asked for or falls due."""
+        every = self._snapshot_every
+        if self._version in self._snapshot_at or (every and self._version % every == 0):
+            self._snapshot_at.discard(self._version)
+            self._snapshots[self._version] = self._capture()
+            for old in sorted(self._snapshots)[:-_SNAPSHOTS_KEPT]:  # nobody came for these
+                del self._snapshots[old]
+
+    def _capture(self) -> ShardSnapshot:
+        return ShardSnapshot(
+            self.shard_id,
+            self._version,
+            list(self._names),
+            [v.numpy() for v in self._variables],
+            {slot: [s[slot].numpy() for s in self._slots] for slot in self._optimizer.slot_names},
+        )
