@@ -7,11 +7,10 @@ whole run on a 2-core machine, taken from the towers. This callback stretches ev
 at least `data.executor_step_ms`; a step that already waited or did real work is not slowed.
 
 While no consumer waits for a block, a step lasts up to `QUIET_STEP_S`: each step costs Ray Data
-a few ms of CPU (resource accounting, metrics, progress), and in a LeNet run whose workers had
-their next blocks queued the split coordinator used 13% of a core at the 20 ms pace, 2% with the
-quiet one (a 20 s window, 2 cores). The quiet sleep ends at the next `data.executor_step_ms` mark
-after a consumer starts to wait (Ray's own starvation signal), so a worker that needs a block
-waits for the loop no longer than before.
+a few ms of CPU (resource accounting, metrics, progress) even with nothing to hand over. Over a
+310-step LeNet run the split coordinator's CPU went 7.9 -> 5.8 s (about 3 s of it its start). The
+quiet sleep ends at the next `data.executor_step_ms` mark after a consumer starts to wait (Ray's
+own starvation signal), so a worker that needs a block waits for the loop no longer than before.
 """
 
 from __future__ import annotations
