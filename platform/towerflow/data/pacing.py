@@ -41,7 +41,7 @@ def shutting_down(executor: Any) -> bool:
 
 class PacedSchedulingLoop(ExecutionCallback):
     """Sleeps at the end of a scheduling-loop step that took less than the configured minimum, and
-    on to `QUIET_STEP_S` while no consumer waits."""
+    on to `QUIET_STEP_S` while no consumer waits and no shutdown has begun."""
 
     def __init__(self) -> None:
         self._min_step_s = 0.0
