@@ -49,9 +49,14 @@ def _backpressured(ray, callback: type[ExecutionCallback]):
 
 
 class RecordSteps(ExecutionCallback):
-    """When each step ended (after the pacing: it is installed first) and whether a consumer waited."""
+    """The execution's executor; when each step ended (after the pacing: it is installed first) and
+    whether a consumer waited."""
 
+    executor = None
     steps: list[tuple[float, bool]] = []
+
+    def before_execution_starts(self, executor) -> None:
+        RecordSteps.executor = executor
 
     def on_execution_step(self, executor) -> None:
         RecordSteps.steps.append((time.monotonic(), consumers_waiting(executor)))
@@ -73,32 +78,20 @@ def test_a_step_lasts_to_the_quiet_pace_unless_a_consumer_waits(ray_cluster):
     assert statistics.median(waited) < QUIET_STEP_S / 2
 
 
-class KeepExecutor(ExecutionCallback):
-    """The execution's executor, and when each of its loop steps ended."""
-
-    executor = None
-    step_ends: list[float] = []
-
-    def before_execution_starts(self, executor) -> None:
-        KeepExecutor.executor = executor
-
-    def on_execution_step(self, executor) -> None:
-        KeepExecutor.step_ends.append(time.monotonic())
-
-
 def test_a_shutdown_ends_the_quiet_rest_at_the_next_pace(ray_cluster):
     # A consumer that stops asking leaves the loop resting 250 ms a step; `shutdown` (a run's end, a
     # resize) waits for the loop, so the rest must end at the next 20 ms mark, not at its end.
-    KeepExecutor.step_ends = []
-    batches = iter(_backpressured(ray_cluster, KeepExecutor).iter_batches(batch_size=100))
+    RecordSteps.steps = []
+    batches = iter(_backpressured(ray_cluster, RecordSteps).iter_batches(batch_size=100))
     next(batches)
     time.sleep(1.0)  # nobody asks: every step rests
-    executor = KeepExecutor.executor
-    rests = [b - a for a, b in zip(KeepExecutor.step_ends[-4:], KeepExecutor.step_ends[-3:])]
+    executor = RecordSteps.executor
+    ends = [end for end, _ in RecordSteps.steps]
+    rests = [b - a for a, b in zip(ends[-4:], ends[-3:])]
     assert min(rests) >= QUIET_STEP_S - 0.01, rests  # resting, as the test above checks
-    ended = len(KeepExecutor.step_ends)
+    ended = len(RecordSteps.steps)
     deadline = time.monotonic() + 5
-    while len(KeepExecutor.step_ends) == ended:  # a new rest has just begun: ~230 ms of it left
+    while len(RecordSteps.steps) == ended:  # a new rest has just begun: ~230 ms of it left
         assert time.monotonic() < deadline, "the loop stopped stepping"
         time.sleep(0.005)
     time.sleep(0.02)
