@@ -1,1 +1,1 @@
-"""Command line: towerflow train | data."""
+"""Command line: `towerflow` and its subcommands, one module per command group; main.py dispatches."""

@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import inspect
 import logging
 import os
-import shlex
-import shutil
 import sys
 import threading
 import traceback
@@ -17,10 +14,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from towerflow.cli.cluster_command import add_cluster_command
+from towerflow.cli.data_command import add_data_command
+from towerflow.cli.options import add_overrides_option, add_store_option
+from towerflow.cli.train_command import add_train_commands
 from towerflow.errors import TowerflowError
 from towerflow.runtime import signals
 from towerflow.runtime.cluster import keep_embedded_ray_local
-from towerflow.runtime.hooks import Hook, SessionInfo
 
 
 def run() -> NoReturn:
@@ -120,71 +119,20 @@ def _parser() -> argparse.ArgumentParser:
         prog="towerflow", description="Parameter-server TensorFlow training on Ray."
     )
     sub = parser.add_subparsers(metavar="COMMAND")
-
-    train = sub.add_parser("train", help="run a training job from a YAML spec")
-    train.add_argument("spec", type=Path, help="job spec (YAML), e.g. pipelines/mnist_sync.yaml")
-    _add_overrides_option(train)
-    train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
-    train.add_argument(
-        "--resume",
-        metavar="RUN_ID",
-        help="continue this MLflow run from its latest checkpoint (any number of PS shards); "
-        "auto: the newest unfinished run of this job if there is one (what a retried job runs)",
-    )
-    train.set_defaults(handler=_train)
-
-    data = sub.add_parser("data", help="data sets: generate synthetic ones")
-    data_sub = data.add_subparsers(metavar="ACTION")
-    synth = data_sub.add_parser("synth", help="write a synthetic data set as shards plus a manifest")
-    synth.add_argument("kind", choices=["mnist", "ptb", "tabular"], help="which data set")
-    synth.add_argument("--out", type=Path, required=True, help="output folder")
-    synth.add_argument("--shards", type=int, default=8, help="train shards (default 8)")
-    synth.add_argument(
-        "--eval-shards", type=int, default=None, help="eval shards (default shards/4, at least 1)"
-    )
-    synth.add_argument(
-        "--examples",
-        type=int,
-        default=None,
-        help="train examples (default: mnist 60000, ptb 26000, tabular 50000)",
-    )
-    synth.add_argument(
-        "--eval-examples", type=int, default=None, help="eval examples, 0 for none (default: 10000, ptb 2000)"
-    )
-    synth.add_argument("--format", choices=["tfrecord", "csv"], default="tfrecord")
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--vocab-size", type=int, default=None, help="ptb: vocabulary size (default 10000)")
-    synth.add_argument("--num-classes", type=int, default=None, help="tabular: classes (default 2)")
-    synth.add_argument("--num-categories", type=int, default=None, help="tabular: categories (default 8)")
-    synth.add_argument(
-        "--imbalance",
-        type=float,
-        default=None,
-        help="tabular: fraction of the minority (last) class, e.g. 0.1",
-    )
-    synth.add_argument("--no-progress", action="store_true", help="no progress bar")
-    synth.set_defaults(handler=_synth)
+    add_train_commands(sub)
+    add_data_command(sub)
 
     ui = sub.add_parser("ui", help="start the MLflow UI over the run store, on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000, help="port (default 5000)")
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    _add_store_option(ui)
+    add_store_option(ui)
     ui.set_defaults(handler=_ui)
-
-    compare = sub.add_parser(
-        "compare", help="train a spec in several modes as child runs of one MLflow run, with plots"
-    )
-    compare.add_argument("spec", type=Path, help="job spec (YAML)")
-    compare.add_argument("--modes", default="sync,async", help="comma-separated modes (default sync,async)")
-    _add_overrides_option(compare)
-    compare.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
-    compare.set_defaults(handler=_compare)
 
     export = sub.add_parser(
         "export", help="export a run's latest checkpoint as a SavedModel, log and register it in MLflow"
     )
     export.add_argument("run_id", metavar="RUN_ID", help="the MLflow run (its spec.yaml and checkpoints/)")
-    _add_store_option(export)
+    add_store_option(export)
     export.set_defaults(handler=_export)
 
     gpus = sub.add_parser("gpus", help="list every GPU in the Ray cluster with the processes on it")
@@ -205,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tracking-uri",
         help="the MLflow server as the cluster's nodes reach it (default: this shell's MLFLOW_TRACKING_URI)",
     )
-    _add_overrides_option(submit)
+    add_overrides_option(submit)
     submit.add_argument("--no-wait", action="store_true", help="return once submitted; do not follow the log")
     submit.set_defaults(handler=_submit)
 
@@ -226,182 +174,6 @@ def _at_least_one(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
     return int(text)
-
-
-def _add_overrides_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action=_OverridesAction,
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override spec keys, e.g. --set training.max_steps=200 cluster.workers=4 (repeatable)",
-    )
-
-
-class _OverridesAction(argparse.Action):
-    """`--set` takes one or more KEY=VALUE and may repeat. A value without '=' is most likely the spec
-    given after `--set`, which would otherwise be swallowed and reported as missing."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        for value in values:
-            if "=" not in value:
-                raise argparse.ArgumentError(
-                    self, f"expected KEY=VALUE, got {value!r} (give the spec before --set)"
-                )
-        setattr(namespace, self.dest, [*getattr(namespace, self.dest), *values])
-
-
-def _add_store_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store",
-        default=None,
-        metavar="URI",
-        help="tracking store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)",
-    )
-
-
-def _train(args: argparse.Namespace) -> int:
-    from towerflow.cli.progress import ProgressHook
-    from towerflow.launch import train
-    from towerflow.spec import load_spec
-
-    spec = load_spec(args.spec, args.overrides)
-    run = _RunIdHook()
-    hooks = [run] if args.no_progress else [run, ProgressHook(spec.training.max_steps)]
-    try:
-        result = train(spec, hooks=hooks, resume=args.resume)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run ended KILLED; say how to go on with it
-        if run.run_id:
-            print(
-                f"towerflow: run {run.run_id} stopped (KILLED in MLflow); to go on from its latest "
-                f"checkpoint: {_resume_command(args, run.run_id)}",
-                file=sys.stderr,
-            )
-        raise
-    print(f"towerflow: {result.summary_line()}")
-    if result.run_id:
-        from towerflow.tracking import default_tracking_uri
-
-        uri = default_tracking_uri(spec.tracking.tracking_uri)
-        print(
-            f"towerflow: browse it with: {_runnable('mlflow')} ui --backend-store-uri {uri}  "
-            "(then open http://127.0.0.1:5000)"
-        )
-    return 0
-
-
-def _resume_command(args: argparse.Namespace, run_id: str) -> str:
-    """This train command again, resuming `run_id`, started as this one was: a Ray job runs
-    `python -m towerflow`, a shell the console script."""
-    module = Path(sys.argv[0]).name == "__main__.py"
-    program = ["python", "-m", "towerflow"] if module else [_runnable("towerflow")]
-    overrides = ["--set", *args.overrides] if args.overrides else []
-    return shlex.join([*program, "train", str(args.spec), *overrides, "--resume", run_id])
-
-
-class _RunIdHook(Hook):
-    """Keeps the MLflow run id that the tracker (the first hook) put in the session's tags."""
-
-    run_id: str | None = None
-
-    def begin(self, session: SessionInfo) -> None:
-        self.run_id = session.tags.get("run_id")
-        if self.run_id:  # for `towerflow scale`, and for `towerflow submit` to find in the job's log
-            print(f"towerflow: MLflow run {self.run_id}", flush=True)
-
-
-def _runnable(command: str) -> str:
-    """`command` as this shell can run it: by name where it is on PATH, else by its path in this
-    Python's environment (relative where it lies below the working directory, as .venv/bin/mlflow)."""
-    if shutil.which(command):
-        return command
-    beside = Path(sys.executable).parent / command
-    with contextlib.suppress(ValueError):
-        return os.fspath(beside.relative_to(Path.cwd()))
-    return os.fspath(beside)
-
-
-_SYNTH_OPTIONS = {
-    "vocab_size": "ptb",
-    "num_classes": "tabular",
-    "num_categories": "tabular",
-    "imbalance": "tabular",
-}
-
-
-def _synth(args: argparse.Namespace) -> int:
-    from towerflow.data.synth import GENERATORS
-    from towerflow.errors import SpecError
-
-    options = {
-        "shards": args.shards,
-        "eval_shards": args.eval_shards,
-        "seed": args.seed,
-        "fmt": args.format,
-        "examples": args.examples,
-        "eval_examples": args.eval_examples,
-    }
-    for name, kind in _SYNTH_OPTIONS.items():
-        if getattr(args, name) is not None and kind != args.kind:
-            raise SpecError(
-                f"--{name.replace('_', '-')} applies to `data synth {kind}` only, not {args.kind}"
-            )
-        options[name] = getattr(args, name)
-    options = {k: v for k, v in options.items() if v is not None}
-    generate = GENERATORS[args.kind]
-    defaults = inspect.signature(generate).parameters
-    total = sum(options.get(k, defaults[k].default) for k in ("examples", "eval_examples"))
-    try:
-        with _generation_bar(args.kind, total, not args.no_progress) as progress:
-            manifest = generate(args.out, progress=progress, **options)
-    except OSError as exc:
-        if exc.filename is None:  # not the file system refusing a path: a bug, keep the traceback
-            raise
-        raise TowerflowError(
-            f"--out {os.fspath(args.out)}: cannot write {exc.filename}: {exc.strerror}"
-        ) from None
-    splits = ", ".join(
-        f"{name}: {s['examples']} examples in {len(s['files'])} files"
-        for name, s in manifest["splits"].items()
-    )
-    print(f"towerflow: wrote {args.kind} ({args.format}) to {os.fspath(args.out)} ({splits})")
-    return 0
-
-
-@contextlib.contextmanager
-def _generation_bar(kind: str, total: int, enabled: bool):
-    """A rich bar of examples written, on a terminal only; yields the generators' progress callback."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    if not enabled or not console.is_terminal:
-        yield None
-        return
-    columns = (TextColumn(f"{kind} examples"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(kind, total=total)
-        yield lambda rows: bar.advance(task, rows)
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from towerflow.cli.progress import ProgressHook
-    from towerflow.compare import compare_modes, parse_modes
-    from towerflow.spec import load_spec
-
-    modes = parse_modes(args.modes)
-    spec = load_spec(args.spec, args.overrides)
-    hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
-    comparison = compare_modes(args.spec, modes, overrides=args.overrides, hooks=hooks)
-    for mode, result in comparison.results.items():
-        print(f"towerflow: {mode}: {result.summary_line()}")
-    print(
-        f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
-        f"browse it with: {_runnable('towerflow')} ui --store {comparison.tracking_uri}"
-    )
-    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -1,0 +1,103 @@
+"""`towerflow train` and `towerflow compare`: the commands that run training jobs (parse, call, print)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from towerflow.cli.options import add_overrides_option, runnable
+from towerflow.runtime.hooks import Hook, SessionInfo
+
+
+def add_train_commands(sub) -> None:
+    """`towerflow train` and `towerflow compare` under the CLI's subcommands."""
+    train = sub.add_parser("train", help="run a training job from a YAML spec")
+    train.add_argument("spec", type=Path, help="job spec (YAML), e.g. pipelines/mnist_sync.yaml")
+    add_overrides_option(train)
+    train.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue this MLflow run from its latest checkpoint (any number of PS shards); "
+        "auto: the newest unfinished run of this job if there is one (what a retried job runs)",
+    )
+    train.set_defaults(handler=_train)
+
+    compare = sub.add_parser(
+        "compare", help="train a spec in several modes as child runs of one MLflow run, with plots"
+    )
+    compare.add_argument("spec", type=Path, help="job spec (YAML)")
+    compare.add_argument("--modes", default="sync,async", help="comma-separated modes (default sync,async)")
+    add_overrides_option(compare)
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    compare.set_defaults(handler=_compare)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from towerflow.cli.progress import ProgressHook
+    from towerflow.launch import train
+    from towerflow.spec import load_spec
+
+    spec = load_spec(args.spec, args.overrides)
+    run = _RunIdHook()
+    hooks = [run] if args.no_progress else [run, ProgressHook(spec.training.max_steps)]
+    try:
+        result = train(spec, hooks=hooks, resume=args.resume)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run ended KILLED; say how to go on with it
+        if run.run_id:
+            print(
+                f"towerflow: run {run.run_id} stopped (KILLED in MLflow); to go on from its latest "
+                f"checkpoint: {_resume_command(args, run.run_id)}",
+                file=sys.stderr,
+            )
+        raise
+    print(f"towerflow: {result.summary_line()}")
+    if result.run_id:
+        from towerflow.tracking import default_tracking_uri
+
+        uri = default_tracking_uri(spec.tracking.tracking_uri)
+        print(
+            f"towerflow: browse it with: {runnable('mlflow')} ui --backend-store-uri {uri}  "
+            "(then open http://127.0.0.1:5000)"
+        )
+    return 0
+
+
+def _resume_command(args: argparse.Namespace, run_id: str) -> str:
+    """This train command again, resuming `run_id`, started as this one was: a Ray job runs
+    `python -m towerflow`, a shell the console script."""
+    module = Path(sys.argv[0]).name == "__main__.py"
+    program = ["python", "-m", "towerflow"] if module else [runnable("towerflow")]
+    overrides = ["--set", *args.overrides] if args.overrides else []
+    return shlex.join([*program, "train", str(args.spec), *overrides, "--resume", run_id])
+
+
+class _RunIdHook(Hook):
+    """Keeps the MLflow run id that the tracker (the first hook) put in the session's tags."""
+
+    run_id: str | None = None
+
+    def begin(self, session: SessionInfo) -> None:
+        self.run_id = session.tags.get("run_id")
+        if self.run_id:  # for `towerflow scale`, and for `towerflow submit` to find in the job's log
+            print(f"towerflow: MLflow run {self.run_id}", flush=True)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from towerflow.cli.progress import ProgressHook
+    from towerflow.compare import compare_modes, parse_modes
+    from towerflow.spec import load_spec
+
+    modes = parse_modes(args.modes)
+    spec = load_spec(args.spec, args.overrides)
+    hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
+    comparison = compare_modes(args.spec, modes, overrides=args.overrides, hooks=hooks)
+    for mode, result in comparison.results.items():
+        print(f"towerflow: {mode}: {result.summary_line()}")
+    print(
+        f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
+        f"browse it with: {runnable('towerflow')} ui --store {comparison.tracking_uri}"
+    )
+    return 0
