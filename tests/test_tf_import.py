@@ -98,3 +98,24 @@ def test_a_process_that_builds_no_model_loads_tensorflow_without_keras_which_sta
         "runs: 3.0",
         "importable afterwards: Dense Sequential",
     ]
+
+
+_KERAS_AFTER_A_KERAS_FREE_IMPORT = """
+import sys
+from towerflow.tf_import import import_tensorflow
+
+import_tensorflow(gpus=False, keras=False)  # a driver reading a checkpoint's model part
+print("loaded:", sorted({name.partition(".")[0] for name in sys.modules} & {"keras", "sklearn", "matplotlib"}))
+tf = import_tensorflow(gpus=False)  # then exporting the model: Keras now, lean
+print("loaded:", sorted({name.partition(".")[0] for name in sys.modules} & {"keras", "sklearn", "matplotlib"}))
+import keras
+print("builds:", keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]).count_params())
+"""
+
+
+def test_keras_asked_for_after_a_keras_free_import_comes_lean():
+    assert _printed_by_a_fresh_process(_KERAS_AFTER_A_KERAS_FREE_IMPORT) == [
+        "loaded: []",
+        "loaded: ['keras']",
+        "builds: 3",
+    ]

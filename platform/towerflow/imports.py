@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from towerflow.errors import SpecError
@@ -33,11 +35,96 @@ def import_ref(ref: str, *, key: str = "model.ref") -> Any:
         raise SpecError(f"{key}: module {module_name!r} has no attribute {attr!r}") from None
 
 
-def check_arguments(function: Callable[..., Any], params: Mapping[str, Any], *, key: str, ref: str) -> None:
-    """Fail with a SpecError naming `key` when `params` do not fit `function`'s signature, before any
-    actor starts: a misspelt model parameter would otherwise surface as a worker that died."""
+def import_user_code(ref: str, *, key: str = "model.ref") -> Any:
+    """`import_ref` in a process that has no TensorFlow of its own (the driver, a command): a user's
+    module may import TensorFlow at its top, which would load it whole and on every GPU, so it is
+    imported first as tf_import.py does it."""
+    from towerflow.tf_import import import_tensorflow
+
+    import_tensorflow(gpus=False)
+    return import_ref(ref, key=key)
+
+
+def signature_from_source(ref: str) -> inspect.Signature | None:
+    """The signature of `module:function` read from the module's source, without running the module
+    (a model's module imports Keras: seconds of CPU for a process that needs no TensorFlow). None
+    where the source does not settle it: no source found, or the name bound at the module's top
+    level otherwise than by one undecorated `def` (a class, an import, an assignment, twice)."""
+    module_name, _, attr = ref.partition(":")
     try:
-        signature = inspect.signature(function)
+        found = importlib.util.find_spec(module_name)  # runs the parent packages, not the module
+        source = found.loader.get_source(module_name) if found and found.loader else None
+        tree = ast.parse(source) if source else None
+    except (ImportError, AttributeError, OSError, SyntaxError, ValueError):
+        return None
+    if tree is None:
+        return None
+    binders = [node for node in tree.body if _names_bound(node) & {attr, "*"}]
+    if len(binders) != 1 or not isinstance(binders[0], ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    if binders[0].decorator_list:  # a decorator may change the signature
+        return None
+    return _signature(binders[0].args)
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def _names_bound(statement: ast.stmt) -> set[str]:
+    """Names a top-level statement binds in its module ("*" for a star import: any name)."""
+    names = set()
+    for node in _outside_inner_scopes(statement):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _outside_inner_scopes(node: ast.AST) -> Iterator[ast.AST]:
+    """`node` and what it holds, without looking inside a function, class or lambda (a scope of its
+    own, whose name alone is bound where it stands)."""
+    yield node
+    if not isinstance(node, _SCOPES):
+        for child in ast.iter_child_nodes(node):
+            yield from _outside_inner_scopes(child)
+
+
+def _signature(args: ast.arguments) -> inspect.Signature:
+    """An inspect.Signature of a def's parameters: names, kinds and which have defaults (their
+    values are not evaluated; only whether they exist matters for binding)."""
+    Parameter = inspect.Parameter
+    positional = [*args.posonlyargs, *args.args]
+    first_default = len(positional) - len(args.defaults)
+    parameters = [
+        Parameter(
+            arg.arg,
+            Parameter.POSITIONAL_ONLY if i < len(args.posonlyargs) else Parameter.POSITIONAL_OR_KEYWORD,
+            default=None if i >= first_default else Parameter.empty,
+        )
+        for i, arg in enumerate(positional)
+    ]
+    if args.vararg:
+        parameters.append(Parameter(args.vararg.arg, Parameter.VAR_POSITIONAL))
+    parameters += [
+        Parameter(arg.arg, Parameter.KEYWORD_ONLY, default=Parameter.empty if default is None else None)
+        for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    ]
+    if args.kwarg:
+        parameters.append(Parameter(args.kwarg.arg, Parameter.VAR_KEYWORD))
+    return inspect.Signature(parameters)
+
+
+def check_arguments(
+    target: Callable[..., Any] | inspect.Signature, params: Mapping[str, Any], *, key: str, ref: str
+) -> None:
+    """Fail with a SpecError naming `key` when `params` do not fit `target` (a function, or its
+    signature), before any actor starts: a misspelt model parameter would otherwise surface as a
+    worker that died."""
+    try:
+        signature = target if isinstance(target, inspect.Signature) else inspect.signature(target)
     except (TypeError, ValueError):  # nothing to check against (a C function, say)
         return
     try:

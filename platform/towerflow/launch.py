@@ -40,12 +40,13 @@ def train(
     starts a new one. Without tracking, checkpoints and profiles go under
     `output_dir` (default `runs/<job name>`), and `resume` is that directory. `parent_run_id`
     makes the run a child of that MLflow run. A failed export (`export.saved_model`) is raised
-    after the run is closed. Where this process has not imported TensorFlow yet, it is imported
-    with every GPU hidden from it (tf_import.py): import it first to keep this process's GPUs.
-    """
-    from towerflow.tf_import import import_tensorflow
+    after the run is closed.
 
-    import_tensorflow(gpus=False)  # first, as tf_import says: the driver checkpoints with TensorFlow
+    This process imports TensorFlow only where it uses it (a model that must be imported to check
+    its parameters, user hooks, a checkpoint's model part, a resume, an export; not the workers'
+    and shards' tensors, which never pass through it), and then with every GPU hidden from it
+    (tf_import.py): import TensorFlow before calling this to keep this process's GPUs.
+    """
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
     from towerflow.data.ingest import build_training_data
     from towerflow.data.reader_warmup import warm_reader_process

@@ -45,9 +45,13 @@ def import_tensorflow(*, gpus: bool = True, keras: bool = True) -> ModuleType:
     `keras=False` leaves Keras out (for a process that builds no model: a later `import keras`
     works, but then loads scikit-learn and matplotlib with it).
 
-    Where this process has imported TensorFlow already, it is returned as it is.
+    Where this process has imported TensorFlow already, it is returned as it is; Keras, wanted now
+    and left out before, is imported lean.
     """
     if "tensorflow" in sys.modules:
+        if keras and "keras" not in sys.modules:
+            with _refused(UNUSED_WHILE_TENSORFLOW_LOADS):
+                import keras  # noqa: F401
         return sys.modules["tensorflow"]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", DEFAULT_MIN_LOG_LEVEL)
     left_out = UNUSED_WHILE_TENSORFLOW_LOADS + (() if keras else ("keras",))

@@ -115,6 +115,35 @@ def test_missing_data_fails_the_run_with_the_pattern_named(cluster_env, tmp_path
     assert "matches no files" in runs[0].data.tags["towerflow.error"]
 
 
+def test_the_driver_imports_no_tensorflow_for_a_run_that_needs_none_there(cluster_env, blob_data, tmp_path):
+    # Workers and shards compute and write their checkpoint parts; a driver with nothing of its own
+    # to do in TensorFlow (no model part to checkpoint, no export, no user hooks) does not pay its
+    # import, seconds of CPU before any actor starts. models.mlp imports Keras at its top: its
+    # parameters are checked from its source.
+    path = tmp_path / "job.yaml"
+    spec = blob_spec(blob_data, cluster=ONE_OF_EACH, training={"max_steps": 4})
+    path.write_text(yaml.safe_dump({**spec, "supervision": {"checkpoint": {"every_steps": 2}}}))
+    script = (
+        "import sys; from towerflow.cli.main import main; code = main(['train', sys.argv[1], '--no-progress']); "
+        "print('imported:', sorted({m.partition('.')[0] for m in sys.modules} & {'tensorflow', 'keras'})); "
+        "sys.exit(code)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        cwd=REPO,
+        env={**os.environ, **cluster_env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    (summary,) = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
+    assert "finished steps=4" in summary, out.stdout
+    store = MlflowCheckpointStore(MlflowClient(cluster_env["MLFLOW_TRACKING_URI"]), summary.split()[2])
+    assert [step for step, _ in store.list()] == [2, 4]
+    assert "imported: []" in out.stdout.splitlines(), out.stdout
+
+
 def test_ctrl_c_twice_ends_the_run_killed_and_says_how_to_resume(cluster_env, blob_data, tmp_path):
     # Ctrl-C as a user at a terminal presses it (SIGTERM, as `ray job stop` and Kubernetes send it,
     # is test_job_submit.py's job stop). An interrupt raised inside an MLflow write left the SQLite

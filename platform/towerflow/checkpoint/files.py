@@ -73,7 +73,7 @@ def write_part(
     directory: str | Path, values: Sequence[np.ndarray], slots: Sequence[Sequence[np.ndarray]]
 ) -> None:
     """Write one part's arrays: `values` in the part's order, and per slot (meta's order) the same."""
-    import tensorflow as tf
+    tf = _tensorflow()
 
     Path(directory).mkdir(parents=True, exist_ok=True)
     holder = tf.train.Checkpoint(
@@ -88,7 +88,7 @@ PartArrays = tuple[list[np.ndarray], list[list[np.ndarray]]]  # values, then per
 
 def read_part(directory: str | Path, count: int, slot_count: int) -> PartArrays:
     """One part's arrays back, by key: no variables to build first."""
-    import tensorflow as tf
+    tf = _tensorflow()
 
     reader = tf.train.load_checkpoint(str(Path(directory) / PREFIX))
     key = "{}/.ATTRIBUTES/VARIABLE_VALUE".format
@@ -99,6 +99,14 @@ def read_part(directory: str | Path, count: int, slot_count: int) -> PartArrays:
 
 def all_finite(arrays: Sequence[np.ndarray]) -> bool:
     return all(np.isfinite(a).all() for a in arrays if np.asarray(a).dtype.kind == "f")
+
+
+def _tensorflow():
+    """TensorFlow for a checkpoint's files: the process's own where it has one (a shard, a worker),
+    else imported without Keras and with every GPU hidden (the driver, a command reading a run)."""
+    from towerflow.tf_import import import_tensorflow
+
+    return import_tensorflow(gpus=False, keras=False)
 
 
 # -- meta ------------------------------------------------------------------------------------------
@@ -273,7 +281,7 @@ def _read_format_1(directory: Path, meta: dict[str, Any]) -> TrainingState:
 
 
 def _format_1_object(state: TrainingState):
-    import tensorflow as tf
+    tf = _tensorflow()
 
     extra = (
         {"model_state": {n: tf.Variable(v) for n, v in state.model_state.items()}}

@@ -19,7 +19,9 @@ _KINDS = {"int64_list": "int64", "float_list": "float32", "bytes_list": "bytes"}
 
 
 def infer_tfrecord(path: str, sample: int = SAMPLE_RECORDS) -> dict[str, dict[str, Any]]:
-    import tensorflow as tf
+    from towerflow.tf_import import import_tensorflow
+
+    tf = import_tensorflow(gpus=False, keras=False)  # the driver's, where it has none yet
 
     lengths: dict[str, set[int]] = {}
     dtypes: dict[str, str] = {}

@@ -28,10 +28,10 @@ NETWORK_GBIT = 25.0
 
 def count_parameters(model_spec: Any) -> tuple[int, int]:
     """(trainable parameters, trainable variables) of the spec's model, built here."""
-    from towerflow.imports import import_ref
+    from towerflow.imports import import_user_code
 
     try:
-        model = import_ref(model_spec.ref)(**model_spec.params)
+        model = import_user_code(model_spec.ref)(**model_spec.params)
     except Exception as exc:
         raise SpecError(
             f"cluster.ps: auto counts the model's parameters, but {model_spec.ref} could not be built here: "

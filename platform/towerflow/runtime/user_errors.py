@@ -11,16 +11,20 @@ import ray
 
 from towerflow import errors
 from towerflow.errors import SpecError, TowerflowError, TrainingError
-from towerflow.imports import UnimportableModule, check_arguments, import_ref
+from towerflow.imports import UnimportableModule, check_arguments, import_user_code, signature_from_source
 
 
 def check_model(model: Any) -> None:
-    """A misspelt model ref or parameter fails here, named, before any actor starts. A module this
+    """A misspelt model ref or parameter fails here, named, before any actor starts. The builder's
+    parameters are read from its module's source where that settles them: the module (which
+    imports Keras, seconds of CPU) is not run in the driver. Else it is imported; a module this
     process cannot import is left to the workers: Ray may ship it to them from elsewhere."""
-    try:
-        build = import_ref(model.ref)
-    except UnimportableModule:
-        return
+    build = signature_from_source(model.ref)
+    if build is None:
+        try:
+            build = import_user_code(model.ref)
+        except UnimportableModule:
+            return
     check_arguments(build, model.params, key="model.params", ref=model.ref)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from towerflow.checkpoint.stores import CheckpointStore
 from towerflow.errors import SpecError
-from towerflow.imports import check_arguments, import_ref
+from towerflow.imports import check_arguments, import_user_code
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.supervision.artifacts import ArtifactSink
 from towerflow.supervision.checkpoints import CheckpointSaverHook
@@ -68,7 +68,7 @@ def load_user_hooks(refs: list[Any]) -> list[Hook]:
     for position, entry in enumerate(refs):
         ref, params = (entry, {}) if isinstance(entry, str) else (entry.ref, dict(entry.params))
         key = f"supervision.hooks[{position}]"
-        target = import_ref(ref, key=key)
+        target = import_user_code(ref, key=key)
         check_arguments(target, params, key=key, ref=ref)
         hook = target(**params)
         if not isinstance(hook, Hook):

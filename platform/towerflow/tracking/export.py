@@ -80,10 +80,10 @@ def build_trained_model(
 ) -> Any:
     """The spec's model with `weights` assigned to its trainable variables, in order, and
     `model_state` (non-trainable variables: batch-norm statistics) to the others, in order too."""
-    from towerflow.imports import import_ref
+    from towerflow.imports import import_user_code
     from towerflow.runtime.model_state import assign_in_order, load_model_state
 
-    model = import_ref(spec.model.ref)(**spec.model.params)
+    model = import_user_code(spec.model.ref)(**spec.model.params)
     try:
         assign_in_order(model.trainable_variables, list(weights), "the trained weights")
         if model_state:
@@ -170,9 +170,11 @@ def export_model(
     register it as `register_as` (default: the spec's `export.register_as`) with `alias` (default: the
     spec's `export.alias`). Works on a running or a finished run."""
     import mlflow
-    import tensorflow as tf
 
+    from towerflow.tf_import import import_tensorflow
     from towerflow.tracking.store import default_tracking_uri
+
+    tf = import_tensorflow(gpus=False)  # a driver's first: lean, and off the GPUs the workers use
 
     uri = default_tracking_uri(tracking_uri or spec.tracking.tracking_uri)
     register_as = register_as or spec.export.register_as
@@ -274,12 +276,9 @@ def _output_name(model: Any, index: int) -> str:
 
 def export_run(run_id: str, tracking_uri: str | None = None) -> ExportedModel:
     """`towerflow export RUN_ID`: export the weights of the run's latest checkpoint, on demand.
-    Imports TensorFlow with every GPU hidden, as `launch.train` does, where it is not imported yet."""
+    Where this process has not imported TensorFlow yet, it is imported with every GPU hidden."""
     from mlflow.tracking import MlflowClient
 
-    from towerflow.tf_import import import_tensorflow
-
-    import_tensorflow(gpus=False)  # first: reading the checkpoint makes TensorFlow variables
     from towerflow.checkpoint.resume import latest_checkpoint
     from towerflow.checkpoint.stores import MlflowCheckpointStore
     from towerflow.tracking.store import default_tracking_uri
