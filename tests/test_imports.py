@@ -3,6 +3,8 @@ running the module; a name the source does not settle is left to an import."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 
@@ -78,3 +80,20 @@ def test_a_misspelt_model_parameter_is_named_without_running_the_model_module(us
         SpecError, match=r"^model\.params: .*'layerz' \(user_model:build takes: units, layers\)"
     ):
         check_model(ModelSpec(ref="user_model:build", params={"units": 8, "layerz": 2}))
+
+
+def test_user_code_the_driver_imports_finds_tensorflow_imported_lean(tmp_path):
+    # A user's module that imports Keras at its top, imported in a fresh process as the driver does
+    # (a hook, a model it must build): TensorFlow comes first, without Keras's scikit-learn and
+    # matplotlib, with the GPUs hidden.
+    (tmp_path / "user_hook.py").write_text("import keras\n\ndef make():\n    return keras.__name__\n")
+    code = (
+        "import sys; from towerflow.imports import import_user_code\n"
+        "print(import_user_code('user_hook:make', key='supervision.hooks[0]')())\n"
+        "print(sorted({m.partition('.')[0] for m in sys.modules} & {'sklearn', 'matplotlib'}))\n"
+        "import tensorflow as tf; print(tf.config.get_visible_devices('GPU'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["keras", "[]", "[]"]
