@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from towerflow.errors import SpecError
-from towerflow.imports import signature_from_source
+from towerflow.imports import import_ref, signature_from_source
 from towerflow.runtime.user_errors import check_model
 from towerflow.spec.schema import ModelSpec
 
@@ -97,3 +97,21 @@ def test_user_code_the_driver_imports_finds_tensorflow_imported_lean(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["keras", "[]", "[]"]
+
+
+def test_a_module_that_does_not_compile_is_named_with_its_file_and_line(user_module):
+    user_module("def build(units:\n    return units\n")
+    with pytest.raises(
+        SpecError, match=r"^model\.ref: importing 'user_model' failed: .*user_model\.py, line 2: "
+    ):
+        import_ref("user_model:build")
+
+
+def test_a_module_that_raises_as_it_is_imported_is_named_with_what_and_where(user_module):
+    user_module("def build(units): ...\n")
+    with pytest.raises(
+        SpecError,
+        match=r"^supervision\.hooks\[0\]: importing 'user_model' failed: RuntimeError: the module was run "
+        r"\(.*user_model\.py, line 1\)$",
+    ):
+        import_ref("user_model:build", key="supervision.hooks[0]")

@@ -6,6 +6,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ class UnimportableModule(SpecError):
 
 
 def import_ref(ref: str, *, key: str = "model.ref") -> Any:
-    """Import `module:attr`; a SpecError names the spec key and what was missing."""
+    """Import `module:attr`; a SpecError names the spec key and what was missing or failed."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise SpecError(f"{key}: {ref!r} is not an import string of the form package.module:function")
@@ -29,10 +30,22 @@ def import_ref(ref: str, *, key: str = "model.ref") -> Any:
             f"{key}: cannot import {module_name!r} ({exc}). Run from the repository root, or ship it with "
             "`ray job submit --working-dir .`"
         ) from None
+    except Exception as exc:  # the user's module itself failed: bad input, named with where it failed
+        raise SpecError(f"{key}: importing {module_name!r} failed: {_where_it_failed(exc)}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
         raise SpecError(f"{key}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def _where_it_failed(exc: Exception) -> str:
+    """`exc` and the file and line that raised it: a syntax error's own, else the innermost frame
+    outside the import machinery (the user's code, or what it imported)."""
+    if isinstance(exc, SyntaxError):
+        return f"{exc.filename}, line {exc.lineno}: {exc.msg}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def import_user_code(ref: str, *, key: str = "model.ref") -> Any:

@@ -48,6 +48,21 @@ def test_a_model_ref_to_a_missing_function_is_named(ray_cluster, blob_data, tmp_
     )
 
 
+def test_a_model_module_that_does_not_compile_is_named_with_its_file_and_line(
+    ray_cluster, blob_data, tmp_path, monkeypatch
+):
+    # Found by the driver before any actor starts: a bad input, not an internal error.
+    (tmp_path / "broken_model.py").write_text("def build(input_dim:\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = _fails_with(
+        tmp_path,
+        blob_data,
+        {"ref": "broken_model:build"},
+        r"^model\.ref: importing 'broken_model' failed: .*broken_model\.py, line 1: '\(' was never closed",
+    )
+    assert "Traceback" not in message
+
+
 def test_a_user_error_in_a_workers_constructor_comes_back_as_itself(ray_cluster, blob_data, tmp_path):
     model = {"ref": "tests.runtime.model_fns:unbuilt", "params": {}}
     _fails_with(
