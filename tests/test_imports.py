@@ -115,3 +115,16 @@ def test_a_module_that_raises_as_it_is_imported_is_named_with_what_and_where(use
         r"\(.*user_model\.py, line 1\)$",
     ):
         import_ref("user_model:build", key="supervision.hooks[0]")
+
+
+def test_user_code_not_found_here_fails_without_importing_tensorflow():
+    # The driver leaves a model module it cannot import to the workers (Ray may ship it to them):
+    # finding that out costs no TensorFlow import.
+    code = (
+        "import sys\nfrom towerflow.imports import UnimportableModule, import_user_code\n"
+        "try:\n    import_user_code('shipped_elsewhere.model:build')\n"
+        "except UnimportableModule as exc:\n    print(type(exc).__name__, 'tensorflow' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "UnimportableModule False"

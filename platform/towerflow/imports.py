@@ -51,11 +51,19 @@ def _where_it_failed(exc: Exception) -> str:
 def import_user_code(ref: str, *, key: str = "model.ref") -> Any:
     """`import_ref` in a process that has no TensorFlow of its own (the driver, a command): a user's
     module may import TensorFlow at its top, which would load it whole and on every GPU, so it is
-    imported first as tf_import.py does it."""
+    imported first as tf_import.py does it. A module not found here fails without it."""
     from towerflow.tf_import import import_tensorflow
 
-    import_tensorflow(gpus=False)
+    if _findable(ref.partition(":")[0]):
+        import_tensorflow(gpus=False)
     return import_ref(ref, key=key)
+
+
+def _findable(module_name: str) -> bool:
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or no name at all
+        return False
 
 
 def signature_from_source(ref: str) -> inspect.Signature | None:
