@@ -249,3 +249,11 @@ def ray_data_claims(ray) -> set[str]:
 
     coordinator = get_or_create_autoscaling_coordinator()
     return set(ray.get(coordinator.__ray_call__.remote(lambda self: list(self._ongoing_reqs))))
+
+
+def printed_by_a_fresh_process(code: str, env: dict[str, str] | None = None) -> list[str]:
+    """The lines `python -c code` printed in a fresh process (one that has imported nothing yet, as
+    an actor's or the CLI's), which must exit 0."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()

@@ -4,11 +4,11 @@ running the module; a name the source does not settle is left to an import."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from support import printed_by_a_fresh_process
 
 from towerflow.errors import SpecError
 from towerflow.imports import import_ref, signature_from_source
@@ -94,9 +94,7 @@ def test_user_code_the_driver_imports_finds_tensorflow_imported_lean(tmp_path):
         "import tensorflow as tf; print(tf.config.get_visible_devices('GPU'))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["keras", "[]", "[]"]
+    assert printed_by_a_fresh_process(code, env) == ["keras", "[]", "[]"]
 
 
 def test_a_module_that_does_not_compile_is_named_with_its_file_and_line(user_module):
@@ -125,6 +123,4 @@ def test_user_code_not_found_here_fails_without_importing_tensorflow():
         "try:\n    import_user_code('shipped_elsewhere.model:build')\n"
         "except UnimportableModule as exc:\n    print(type(exc).__name__, 'tensorflow' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "UnimportableModule False"
+    assert printed_by_a_fresh_process(code) == ["UnimportableModule False"]

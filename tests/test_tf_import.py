@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from support import printed_by_a_fresh_process
+
 from towerflow.tf_import import UNUSED_WHILE_TENSORFLOW_LOADS, kept_early_log
 
 _IMPORT_AS_AN_ACTOR = f"""
@@ -49,14 +51,8 @@ def test_early_log_lines_below_the_level_are_dropped_and_the_rest_kept():
     assert kept_early_log(_EARLY_STDERR, min_level=0) == _EARLY_STDERR  # TF_CPP_MIN_LOG_LEVEL=0: all
 
 
-def _printed_by_a_fresh_process(code: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.splitlines()
-
-
 def test_an_actor_loads_tensorflow_without_kerass_optional_packages_which_stay_importable():
-    assert _printed_by_a_fresh_process(_IMPORT_AS_AN_ACTOR) == [
+    assert printed_by_a_fresh_process(_IMPORT_AS_AN_ACTOR) == [
         "loaded: []",
         "keras sees sklearn: False",
         "meta_path restored: True",
@@ -93,7 +89,7 @@ print("importable afterwards:", type(tf.keras.layers.Dense(2)).__name__, keras.S
 
 
 def test_a_process_that_builds_no_model_loads_tensorflow_without_keras_which_stays_importable():
-    assert _printed_by_a_fresh_process(_IMPORT_AS_A_SHARD) == [
+    assert printed_by_a_fresh_process(_IMPORT_AS_A_SHARD) == [
         "loaded: []",
         "runs: 3.0",
         "importable afterwards: Dense Sequential",
@@ -114,7 +110,7 @@ print("builds:", keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]).co
 
 
 def test_keras_asked_for_after_a_keras_free_import_comes_lean():
-    assert _printed_by_a_fresh_process(_KERAS_AFTER_A_KERAS_FREE_IMPORT) == [
+    assert printed_by_a_fresh_process(_KERAS_AFTER_A_KERAS_FREE_IMPORT) == [
         "loaded: []",
         "loaded: ['keras']",
         "builds: 3",
