@@ -1,11 +1,12 @@
 """`cluster.cpus_per_worker: auto`: each worker's share of an embedded Ray's machine, else 1."""
 
 import logging
+import os
 
 import pytest
-from support import blob_spec
+from support import blob_spec, printed_by_a_fresh_process
 
-from towerflow.runtime.cluster import machine_cores, starts_embedded_ray
+from towerflow.runtime.cluster import machine_cores, runs_on_embedded_ray
 from towerflow.runtime.worker_cpus import auto_worker_cpus, resolve_worker_cpus
 from towerflow.spec import validate_spec
 from towerflow.spec.schema import ClusterSpec
@@ -65,6 +66,22 @@ def test_the_job_embeds_ray_unless_told_where_one_is(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     import ray
 
-    assert starts_embedded_ray() is not ray.is_initialized()
+    # This session's Ray, where started, is the tests' own (ray.init), not one towerflow embedded.
+    assert runs_on_embedded_ray() is not ray.is_initialized()
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
-    assert not starts_embedded_ray()
+    assert not runs_on_embedded_ray()
+
+
+def test_a_second_job_on_the_ray_the_first_embedded_still_sizes_its_workers_from_the_machine():
+    # `towerflow compare` trains its modes one after another in one process: the second found the
+    # first's embedded Ray running, took it for a cluster joined, and gave its workers 1 CPU each
+    # (on a 16-core machine, 7 for sync against 1 for async).
+    code = (
+        "import os; os.environ.pop('RAY_ADDRESS', None)\n"
+        "from towerflow.runtime.cluster import ResourceBudget, ensure_ray, runs_on_embedded_ray\n"
+        "print(runs_on_embedded_ray(), ensure_ray(ResourceBudget(1, 0.5, 0.5, 0)), runs_on_embedded_ray())\n"
+        "import ray; ray.shutdown(); ray.init(num_cpus=1, include_dashboard=False)\n"
+        "print(runs_on_embedded_ray())  # a Ray the program started itself: not towerflow's\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    assert printed_by_a_fresh_process(code, env) == ["True embedded True", "False"]

@@ -78,10 +78,17 @@ def machine_cores() -> int:
         return os.cpu_count() or 1
 
 
-def starts_embedded_ray() -> bool:
-    """Whether `ensure_ray` starts a local Ray of its own: no RAY_ADDRESS, and none joined here yet."""
+_started_here: set[str] = set()  # GCS addresses of the embedded Rays `ensure_ray` started in this process
+
+
+def runs_on_embedded_ray() -> bool:
+    """Whether a job here runs on this machine's own Ray: the one `ensure_ray` will start (no
+    RAY_ADDRESS, none joined here yet), or the one it started in this process for an earlier job
+    (`towerflow compare`'s second mode, a program training twice), not a cluster joined."""
     ray = sys.modules.get("ray")
-    return not os.environ.get("RAY_ADDRESS") and not (ray is not None and ray.is_initialized())
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().gcs_address in _started_here
+    return not os.environ.get("RAY_ADDRESS")
 
 
 def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> str:
@@ -112,6 +119,7 @@ def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> 
             _system_config=RAY_NODE_CONFIG,
         )
         how = "embedded"
+        _started_here.add(ray.get_runtime_context().gcs_address)
         host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
         if host not in _LOOPBACK:
             print(

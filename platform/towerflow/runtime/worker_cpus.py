@@ -13,7 +13,7 @@ import logging
 import math
 from typing import Any
 
-from towerflow.runtime.cluster import machine_cores, starts_embedded_ray
+from towerflow.runtime.cluster import machine_cores, runs_on_embedded_ray
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +28,11 @@ def auto_worker_cpus(cluster: Any, cores: int) -> int:
 
 def resolve_worker_cpus(spec: Any, embedded: bool | None = None) -> Any:
     """The spec with `cluster.cpus_per_worker: auto` replaced by a number of CPUs. `embedded`: whether
-    the job starts a Ray of its own (default: as `ensure_ray` will decide in this process)."""
+    the job runs on this machine's own Ray (default: `runs_on_embedded_ray()`)."""
     cluster = spec.cluster
     if cluster.cpus_per_worker != "auto":
         return spec
-    if starts_embedded_ray() if embedded is None else embedded:
+    if runs_on_embedded_ray() if embedded is None else embedded:
         cores = machine_cores()
         cpus = auto_worker_cpus(cluster, cores)
         log.info(
