@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import traceback
@@ -54,16 +55,17 @@ def import_user_code(ref: str, *, key: str = "model.ref") -> Any:
     imported first as tf_import.py does it. A module not found here fails without it."""
     from towerflow.tf_import import import_tensorflow
 
-    if _findable(ref.partition(":")[0]):
+    if _module_spec(ref.partition(":")[0]) is not None:
         import_tensorflow(gpus=False)
     return import_ref(ref, key=key)
 
 
-def _findable(module_name: str) -> bool:
+def _module_spec(module_name: str) -> importlib.machinery.ModuleSpec | None:
+    """Where the module lies, found without running it (its parent packages do run); None if not here."""
     try:
-        return importlib.util.find_spec(module_name) is not None
+        return importlib.util.find_spec(module_name)
     except (ImportError, ValueError):  # a parent package missing, or no name at all
-        return False
+        return None
 
 
 def signature_from_source(ref: str) -> inspect.Signature | None:
@@ -72,8 +74,8 @@ def signature_from_source(ref: str) -> inspect.Signature | None:
     where the source does not settle it: no source found, or the name bound at the module's top
     level otherwise than by one undecorated `def` (a class, an import, an assignment, twice)."""
     module_name, _, attr = ref.partition(":")
+    found = _module_spec(module_name)
     try:
-        found = importlib.util.find_spec(module_name)  # runs the parent packages, not the module
         source = found.loader.get_source(module_name) if found and found.loader else None
         tree = ast.parse(source) if source else None
     except (ImportError, AttributeError, OSError, SyntaxError, ValueError):
