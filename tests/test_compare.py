@@ -33,6 +33,7 @@ def test_both_modes_become_child_runs_with_plots_in_the_parent(ray_cluster, blob
     comparison = compare_modes(spec, ["sync", "async"])
     client = MlflowClient(uri)
     parent = client.get_run(comparison.parent_run_id)
+    assert comparison.experiment_id == parent.info.experiment_id  # the page the command prints
     # Artifacts live beside the SQLite store, not in the working directory.
     assert (
         client.get_experiment(parent.info.experiment_id).artifact_location == (tmp_path / "mlruns").as_uri()

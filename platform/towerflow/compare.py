@@ -32,6 +32,7 @@ PLOTS = {  # file name: (x metric, x label)
 class Comparison:
     parent_run_id: str
     tracking_uri: str
+    experiment_id: str
     results: dict[str, Any] = field(default_factory=dict)  # mode -> TrainResult
     plots: list[str] = field(default_factory=list)  # artifact paths in the parent run
 
@@ -95,7 +96,7 @@ def compare_modes(
         "mlflow.runName": f"{first.name}-compare",
     }
     parent = client.create_run(experiment_id, tags=tags).info.run_id
-    comparison = Comparison(parent_run_id=parent, tracking_uri=uri)
+    comparison = Comparison(parent_run_id=parent, tracking_uri=uri, experiment_id=experiment_id)
     status = "FAILED"
     try:
         for mode, mode_spec in specs.items():

@@ -228,11 +228,14 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
 
     summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]
-    (browse,) = [line for line in out.stdout.splitlines() if "browse it with: " in line]
-    mlflow_command, ui = browse.split("browse it with: ")[1].split()[:2]
-    assert ui == "ui" and shutil.which(mlflow_command, path=env["PATH"]), browse  # runs as printed
     run_id = summary[0].split()[2]
     run = MlflowClient(store).get_run(run_id)
+    # `towerflow ui` over the store MLFLOW_TRACKING_URI names (so no --store), and the run's page
+    (browse,) = [line for line in out.stdout.splitlines() if "browse it with: " in line]
+    command = browse.split("browse it with: ")[1].split("  (then open ")[0].split()
+    assert command[1:] == ["ui"] and shutil.which(command[0], path=env["PATH"]), browse  # runs as printed
+    page = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    assert browse.endswith(f"(then open {page})"), browse
     assert run.info.status == "FINISHED"
     assert run.data.params["training.mode"] == "async" and run.data.params["cluster.workers"] == "1"
     cpus = auto_worker_cpus(validate_spec(spec).cluster, machine_cores())

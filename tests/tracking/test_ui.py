@@ -25,6 +25,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from support import free_ports, takes_ctrl_c
 
 from towerflow.tracking.system_metrics import node_labels
+from towerflow.tracking.ui import run_page_url
 
 
 def _chromium() -> tuple[str, str] | None:
@@ -135,7 +136,7 @@ def _shows_the_run(browser, base_url: str, uri: str, run_id: str) -> None:
     from mlflow.tracking import MlflowClient
 
     experiment_id = MlflowClient(uri).get_run(run_id).info.experiment_id
-    browser.get(f"{base_url}/#/experiments/{experiment_id}/runs/{run_id}")
+    browser.get(run_page_url(base_url, experiment_id, run_id))  # the address `towerflow train` prints
     metrics = ["loss", "examples_per_sec", "time_compute_s", "train_accuracy"]
     # the exported model: the one of the run's end at least (test_export may have added another)
     text = _page_text_when(
@@ -177,3 +178,22 @@ def test_a_taken_port_is_refused_before_mlflow_starts(tmp_path):
     assert out.returncode == 2
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert not (tmp_path / "m.db").exists()  # MLflow never started
+
+
+def test_a_tracking_server_store_is_sent_to_its_own_ui():
+    # A tracking server serves its own UI; `mlflow server` over an http store would fail obscurely.
+    # The message names the server without the credentials its address may carry.
+    out = subprocess.run(
+        [sys.executable, "-m", "towerflow", "ui", "--store", "https://alice:s3cret@mlflow.example:8443/"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "the store https://mlflow.example:8443 is a tracking server: open it in a browser" in out.stderr
+    assert "s3cret" not in out.stderr + out.stdout
+
+
+def test_a_run_page_address_keeps_no_credentials():
+    page = run_page_url("http://bob:pw@10.0.0.5:5000/?x=1", "7", "abc")
+    assert page == "http://10.0.0.5:5000/#/experiments/7/runs/abc"

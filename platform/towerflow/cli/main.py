@@ -20,6 +20,7 @@ from towerflow.cli.train_command import add_train_commands
 from towerflow.errors import TowerflowError
 from towerflow.runtime import signals
 from towerflow.runtime.cluster import keep_embedded_ray_local
+from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT
 
 
 def run() -> NoReturn:
@@ -123,8 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     add_data_command(sub)
 
     ui = sub.add_parser("ui", help="start the MLflow UI over the run store, on 127.0.0.1")
-    ui.add_argument("--port", type=int, default=5000, help="port (default 5000)")
-    ui.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    ui.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    ui.add_argument("--host", default=DEFAULT_HOST, help=f"interface to bind (default {DEFAULT_HOST})")
     add_store_option(ui)
     ui.set_defaults(handler=_ui)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -54,15 +55,22 @@ def _train(args: argparse.Namespace) -> int:
             )
         raise
     print(f"towerflow: {result.summary_line()}")
-    if result.run_id:
-        from towerflow.tracking import default_tracking_uri
-
-        uri = default_tracking_uri(spec.tracking.tracking_uri)
-        print(
-            f"towerflow: browse it with: {runnable('mlflow')} ui --backend-store-uri {uri}  "
-            "(then open http://127.0.0.1:5000)"
-        )
+    if run.run_id:
+        print(f"towerflow: {_where_to_see(run.tags['tracking_uri'], run.tags['experiment_id'], run.run_id)}")
     return 0
+
+
+def _where_to_see(store: str, experiment_id: str, run_id: str) -> str:
+    """How to open a run's page: at the tracking server that serves it, else in `towerflow ui`
+    over its store (`--store` left out where the shell's MLFLOW_TRACKING_URI names it already)."""
+    from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
+
+    if is_tracking_server(store):
+        return f"open it at {run_page_url(store, experiment_id, run_id)}"
+    store_option = [] if store == os.environ.get("MLFLOW_TRACKING_URI") else ["--store", store]
+    command = shlex.join([runnable("towerflow"), "ui", *store_option])
+    page = run_page_url(f"http://{DEFAULT_HOST}:{DEFAULT_PORT}", experiment_id, run_id)
+    return f"browse it with: {command}  (then open {page})"
 
 
 def _resume_command(args: argparse.Namespace, run_id: str) -> str:
@@ -75,11 +83,14 @@ def _resume_command(args: argparse.Namespace, run_id: str) -> str:
 
 
 class _RunIdHook(Hook):
-    """Keeps the MLflow run id that the tracker (the first hook) put in the session's tags."""
+    """Keeps the MLflow run id, and the tags that place it, that the tracker (the first hook) put in
+    the session's tags."""
 
     run_id: str | None = None
+    tags: dict[str, str]
 
     def begin(self, session: SessionInfo) -> None:
+        self.tags = dict(session.tags)
         self.run_id = session.tags.get("run_id")
         if self.run_id:  # for `towerflow scale`, and for `towerflow submit` to find in the job's log
             print(f"towerflow: MLflow run {self.run_id}", flush=True)
@@ -98,6 +109,6 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"towerflow: {mode}: {result.summary_line()}")
     print(
         f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
-        f"browse it with: {runnable('towerflow')} ui --store {comparison.tracking_uri}"
+        + _where_to_see(comparison.tracking_uri, comparison.experiment_id, comparison.parent_run_id)
     )
     return 0

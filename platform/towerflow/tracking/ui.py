@@ -11,11 +11,15 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import BinaryIO
 
 from towerflow.errors import TowerflowError
 from towerflow.tracking.store import default_tracking_uri
+
+DEFAULT_HOST = "127.0.0.1"  # every local server of towerflow binds to loopback unless told otherwise
+DEFAULT_PORT = 5000
 
 
 class UIError(TowerflowError):
@@ -30,7 +34,34 @@ class PortInUse(UIError):
     exit_code = 2
 
 
-def ui_command(store_uri: str | None = None, *, host: str = "127.0.0.1", port: int = 5000) -> list[str]:
+class ServerStore(UIError):
+    """The store is a tracking server, which serves its own UI: nothing to start."""
+
+    exit_code = 2
+
+
+def is_tracking_server(uri: str) -> bool:
+    """Whether `uri` is a tracking server's address (its own UI lives there), not a store on disk
+    or in a database."""
+    return urllib.parse.urlsplit(uri).scheme in ("http", "https")
+
+
+def shown_address(url: str) -> str:
+    """`url` fit to print: without any user:password it holds, query or fragment."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(
+        parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
+    ).rstrip("/")
+
+
+def run_page_url(ui_url: str, experiment_id: str, run_id: str) -> str:
+    """A run's page in the MLflow UI at `ui_url` (shown_address: no credentials)."""
+    return f"{shown_address(ui_url)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def ui_command(
+    store_uri: str | None = None, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
+) -> list[str]:
     """The `mlflow server` command line for `store_uri` (default: default_tracking_uri())."""
     return [
         sys.executable,
@@ -51,14 +82,20 @@ def ui_command(store_uri: str | None = None, *, host: str = "127.0.0.1", port: i
 def start_ui(
     store_uri: str | None = None,
     *,
-    host: str = "127.0.0.1",
-    port: int = 5000,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
     timeout_s: float = 120.0,
     log: BinaryIO | None = None,
 ) -> subprocess.Popen:
     """Start the MLflow UI and return its process once it answers on http://host:port/health.
 
     Its output goes to `log` (default: a temporary file, shown in the error if it fails to start)."""
+    store = default_tracking_uri(store_uri)
+    if is_tracking_server(store):
+        raise ServerStore(
+            f"the store {shown_address(store)} is a tracking server: open it in a "
+            "browser (its UI is its own); `towerflow ui` serves a store on disk or in a database"
+        )
     _check_port_free(host, port)
     log = log or tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
     process = subprocess.Popen(
