@@ -65,7 +65,7 @@ def job_spec(data: Path, workers: int, ps: int, steps: int):
             "data.epochs=null",
             f"cluster.workers={workers}",
             f"cluster.ps={ps}",
-            "cluster.cpus_per_worker=1",  # sizes the benchmark's own Ray below (auto would give 1 there too)
+            "cluster.cpus_per_worker=1",  # sizes the benchmark's own Ray below (auto would read that Ray)
             f"training.replicas_to_aggregate={workers}",
             f"training.total_num_replicas={workers}",
             f"training.max_steps={steps}",

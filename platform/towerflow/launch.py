@@ -50,7 +50,14 @@ def train(
     from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
     from towerflow.data.ingest import build_training_data
     from towerflow.data.reader_warmup import warm_reader_process
-    from towerflow.runtime.cluster import budget_for, check_actors_fit_nodes, ensure_ray, live_node_resources
+    from towerflow.runtime.cluster import (
+        budget_for,
+        check_actors_fit_nodes,
+        ensure_ray,
+        join_cluster,
+        live_node_resources,
+        runs_on_embedded_ray,
+    )
     from towerflow.runtime.driver import Driver
     from towerflow.runtime.shard_count import resolve_shards
     from towerflow.runtime.worker_cpus import resolve_worker_cpus
@@ -61,9 +68,13 @@ def train(
 
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, overrides)
-    # cluster.cpus_per_worker and cluster.ps: auto -> numbers, before anything sizes the cluster;
-    # the shard count's estimate of a worker's compute counts its CPUs.
-    spec = resolve_shards(resolve_worker_cpus(spec))
+    # cluster.cpus_per_worker and cluster.ps: auto -> numbers, before anything sizes the cluster (a
+    # cluster joined first, since its nodes size the workers); the shard count's estimate of a
+    # worker's compute counts its CPUs.
+    embedded = runs_on_embedded_ray()
+    if not embedded:
+        join_cluster()
+    spec = resolve_shards(resolve_worker_cpus(spec, embedded))
     local_root = Path(output_dir or Path(os.environ.get("TOWERFLOW_RUNS_DIR", "runs")) / spec.name)
     tracker = None
     if track and resume == AUTO_RESUME:

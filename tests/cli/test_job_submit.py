@@ -147,7 +147,15 @@ def test_ray_job_submit_trains_on_the_cluster_tracks_to_the_server_and_registers
     # nor Ray Data's execution plan.
     assert "absl::InitializeLog" not in logs and "I0000 00:00" not in logs, logs
     assert "Execution plan of Dataset" not in logs, logs
-    _check_tracked_on_the_server(tracking_server, summary[0].split()[2], monkeypatch)
+    # cpus_per_worker: auto read the cluster joined: three 2-CPU nodes hold one 1-CPU worker each
+    # beside a shard and Ray Data's CPU
+    assert "cluster.cpus_per_worker: auto -> 1 on the Ray cluster joined (3 node(s): 2, 2, 2 CPUs" in logs
+    run_id = summary[0].split()[2]
+    # the run's page on the tracking server, which serves its own UI
+    assert re.search(
+        rf"towerflow: open it at {re.escape(tracking_server.uri)}/#/experiments/\d+/runs/{run_id}", logs
+    )
+    _check_tracked_on_the_server(tracking_server, run_id, monkeypatch)
 
     # Served from the registry by a process that has only the server (not the job's directory).
     predict = (

@@ -203,15 +203,22 @@ def node_capacity(group: Object) -> tuple[float, float]:
     return cpus, gpus
 
 
+def starting_nodes(cluster: Object) -> list[dict[str, float]]:
+    """Each node's resources as Ray counts them, with each worker group at minReplicas: what a job
+    finds at start, before the autoscaler adds anything."""
+    groups = [(cluster["headGroupSpec"], 1)]
+    groups += [(group, group.get("minReplicas", 0)) for group in cluster.get("workerGroupSpecs") or []]
+    nodes = []
+    for group, count in groups:
+        cpus, gpus = node_capacity(group)
+        nodes += [{"CPU": cpus, "GPU": gpus}] * count
+    return nodes
+
+
 def starting_capacity(cluster: Object) -> tuple[float, float]:
-    """The CPUs and GPUs a cluster has with each worker group at minReplicas: what a job finds at
-    start, before the autoscaler adds anything."""
-    cpus, gpus = node_capacity(cluster["headGroupSpec"])
-    for group in cluster.get("workerGroupSpecs") or []:
-        group_cpus, group_gpus = node_capacity(group)
-        cpus += group.get("minReplicas", 0) * group_cpus
-        gpus += group.get("minReplicas", 0) * group_gpus
-    return cpus, gpus
+    """The CPUs and GPUs a cluster has at start (starting_nodes)."""
+    nodes = starting_nodes(cluster)
+    return sum(n["CPU"] for n in nodes), sum(n["GPU"] for n in nodes)
 
 
 def entrypoint_spec(entrypoint: str) -> tuple[str | None, list[str], list[str]]:
@@ -237,7 +244,7 @@ def entrypoint_spec(entrypoint: str) -> tuple[str | None, list[str], list[str]]:
 def rayjob_problems(job: Object, cluster: Object) -> list[str]:
     """A RayJob against the rules, and against the shared RayCluster `cluster` of the same build."""
     from towerflow.runtime.cluster import budget_for
-    from towerflow.runtime.worker_cpus import resolve_worker_cpus
+    from towerflow.runtime.worker_cpus import joined_worker_cpus
     from towerflow.spec import load_spec
 
     where, spec = name_of(job), job["spec"]
@@ -263,10 +270,13 @@ def rayjob_problems(job: Object, cluster: Object) -> list[str]:
         return problems
     if not spec_path.startswith("pipelines/") or not (REPO / spec_path).is_file():
         return problems + [f"{where}: {spec_path} is not a pipeline file in pipelines/"]
-    # The job joins the RayCluster: cpus_per_worker: auto resolves as it will there.
-    job_spec = resolve_worker_cpus(load_spec(REPO / spec_path, overrides), embedded=False)
-    needed = budget_for(job_spec.cluster, job_spec.cluster.fewest_workers)
+    # The job joins the RayCluster: cpus_per_worker: auto resolves as it will there, on an idle cluster.
+    job_spec = load_spec(REPO / spec_path, overrides)
     cpus, gpus = starting_capacity(spec["rayClusterSpec"])
+    if job_spec.cluster.cpus_per_worker == "auto":
+        auto = joined_worker_cpus(job_spec.cluster, starting_nodes(spec["rayClusterSpec"]), cpus)
+        job_spec.cluster.cpus_per_worker = float(auto)
+    needed = budget_for(job_spec.cluster, job_spec.cluster.fewest_workers)
     if cpus + 1e-9 < needed.cpus or gpus + 1e-9 < needed.gpus:
         problems.append(
             f"{where}: {spec_path} needs {needed.cpus:g} CPUs and {needed.gpus:g} GPUs at start, but the "

@@ -1,5 +1,7 @@
-"""`cluster.cpus_per_worker: auto`: each worker's share of an embedded Ray's machine, else 1."""
+"""`cluster.cpus_per_worker: auto`: each worker's share of an embedded Ray's machine, or of a joined
+cluster's nodes."""
 
+import json
 import logging
 import os
 
@@ -7,7 +9,7 @@ import pytest
 from support import blob_spec, printed_by_a_fresh_process
 
 from towerflow.runtime.cluster import machine_cores, runs_on_embedded_ray
-from towerflow.runtime.worker_cpus import auto_worker_cpus, resolve_worker_cpus
+from towerflow.runtime.worker_cpus import auto_worker_cpus, joined_worker_cpus, resolve_worker_cpus
 from towerflow.spec import validate_spec
 from towerflow.spec.schema import ClusterSpec
 
@@ -43,11 +45,68 @@ def test_an_embedded_ray_gives_workers_the_machine(tmp_path, caplog):
     assert f"this machine's {machine_cores()} cores" in caplog.text
 
 
-def test_a_cluster_joined_gets_one_cpu_and_a_line_on_how_to_set_it(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="towerflow"):
-        resolved = resolve_worker_cpus(_spec(tmp_path), embedded=False)
-    assert resolved.cluster.cpus_per_worker == 1
-    assert "set cluster.cpus_per_worker to about a node's cores" in caplog.text
+_16 = {"CPU": 16.0}
+
+
+@pytest.mark.parametrize(
+    ("cluster", "nodes", "free", "cpus"),
+    [
+        # each node keeps Ray Data's CPU and its part of the shards: 16 - 1 - 0.5, one worker a node
+        ({"workers": 2, "ps": 2}, [_16, _16, _16], 48, 14),
+        ({"workers": 2, "ps": 2}, [_16, _16], 32, 14),
+        ({"workers": 4, "ps": 2}, [_16, _16], 32, 7),  # two workers a node
+        ({"workers": 2, "ps": 2}, [_16, _16], 10, 4),  # other jobs hold CPUs: the job fits in the 10 free
+        ({"workers": 2, "ps": 2}, [{"CPU": 0.0}, {"CPU": 4.0}, {"CPU": 4.0}], 8, 2),  # a head of 0 CPUs
+        ({"workers": 2, "ps": 2}, [{"CPU": 8.0}], 8, 3),  # one node: (8 - 1 - 1) over 2
+        ({"workers": 2, "ps": 2, "placement": "strict_pack"}, [_16, _16, _16], 48, 7),  # all on one node
+        ({"workers": 2, "ps": 1, "placement": "strict_spread"}, [_16, _16, _16], 48, 14),
+        ({"workers": 2, "ps": 2, "placement": "strict_spread"}, [_16, _16, _16], 48, 1),  # 4 bundles, 3 nodes
+        ({"workers": {"min": 1, "max": 4}, "ps": 2}, [_16, _16], 32, 7),  # elastic: the most it grows to
+        # GPU workers go where the GPUs are: 8 - 1 - 1 on each GPU node, not the 32 of the CPU node
+        (
+            {"workers": 2, "ps": 2, "gpus_per_worker": 1},
+            [{"CPU": 8.0, "GPU": 1.0}] * 2 + [{"CPU": 32.0}],
+            48,
+            6,
+        ),
+        ({"workers": 3, "ps": 1}, [{"CPU": 2.0}] * 3, 6, 1),  # small nodes: never under one
+        ({"workers": 2, "ps": 2}, [], 0, 1),
+    ],
+)
+def test_a_cluster_joined_gives_workers_the_most_its_nodes_hold(cluster, nodes, free, cpus):
+    assert joined_worker_cpus(ClusterSpec(**cluster), nodes, free) == cpus
+
+
+def test_a_cluster_joined_is_read_as_it_is_now(tmp_path):
+    # A Ray of one 8-CPU node, joined as a program does (its own ray.init): (8 - 2 x 0.5 - 1) / 2 = 3
+    # each; with 3 CPUs held by another job, the job keeps within the 5 free: 1 each.
+    raw = blob_spec(tmp_path, cluster={"workers": 2, "ps": 2, "cpus_per_worker": "auto"})
+    code = (
+        "import json, logging, os, sys; os.environ.pop('RAY_ADDRESS', None)\n"
+        "logging.basicConfig(stream=sys.stdout, level=logging.INFO, format='%(message)s')\n"
+        "import ray; ray.init(num_cpus=8, include_dashboard=False, logging_level='WARNING')\n"
+        "from towerflow.runtime.worker_cpus import resolve_worker_cpus\n"
+        "from towerflow.spec import validate_spec\n"
+        f"spec = validate_spec(json.loads({json.dumps(json.dumps(raw))}))\n"
+        "print(resolve_worker_cpus(spec).cluster.cpus_per_worker)\n"
+        "@ray.remote(num_cpus=3)\n"
+        "class Other:\n"
+        "    def ready(self): return True\n"
+        "other = Other.remote(); ray.get(other.ready.remote())\n"
+        "print(resolve_worker_cpus(spec).cluster.cpus_per_worker)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    lines = [
+        line for line in printed_by_a_fresh_process(code, env) if "auto ->" in line or line[:1].isdigit()
+    ]
+    assert lines == [
+        "cluster.cpus_per_worker: auto -> 3 on the Ray cluster joined (1 node(s): 8 CPUs; 8 CPUs free): the "
+        "most that still places 2 workers, the shards and Ray Data's CPUs; set a number to choose",
+        "3.0",
+        "cluster.cpus_per_worker: auto -> 1 on the Ray cluster joined (1 node(s): 8 CPUs; 5 CPUs free): the "
+        "most that still places 2 workers, the shards and Ray Data's CPUs; set a number to choose",
+        "1.0",
+    ]
 
 
 def test_a_number_asked_for_is_kept(tmp_path):

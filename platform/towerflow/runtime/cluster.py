@@ -96,17 +96,8 @@ def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> 
     `budget`: an elastic job needs room for its fewest workers only). Returns 'connected' or 'embedded'."""
     import ray
 
-    if ray.is_initialized():
-        how = "connected"
-    elif os.environ.get("RAY_ADDRESS"):
-        check_reachable(os.environ["RAY_ADDRESS"])
-        try:
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        except Exception as exc:  # Ray raises several types here; all mean the same to the user
-            raise ClusterError(
-                f"cannot connect to the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {exc}. "
-                "Check the address and, with token authentication, RAY_AUTH_MODE=token and the token."
-            ) from None
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        join_cluster()
         how = "connected"
     else:
         cpus = max(machine_cores(), math.ceil(budget.cpus))
@@ -131,6 +122,23 @@ def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> 
             )
     check_capacity(needed or budget, ray.cluster_resources())
     return how
+
+
+def join_cluster() -> None:
+    """Connect to the Ray cluster in RAY_ADDRESS, unless this process is connected to one already."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ["RAY_ADDRESS"]
+    check_reachable(address)
+    try:
+        ray.init(address=address, log_to_driver=True)
+    except Exception as exc:  # Ray raises several types here; all mean the same to the user
+        raise ClusterError(
+            f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {exc}. "
+            "Check the address and, with token authentication, RAY_AUTH_MODE=token and the token."
+        ) from None
 
 
 def connect_existing() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from towerflow.runtime.cluster import machine_cores
 from towerflow.tf_import import import_tensorflow
 
 
@@ -30,7 +31,9 @@ def configure_tensorflow(config: TFProcessConfig) -> list[str]:
     """Set threads and devices; return the device names, one per tower."""
     tf = import_tensorflow(gpus=config.gpus > 0, keras=config.keras)
 
-    threads = max(1, math.floor(config.cpus))
+    # The CPUs Ray gave the actor, never more threads than its node has cores (a node may declare
+    # more logical CPUs to Ray than it has: the local test clusters do).
+    threads = max(1, min(math.floor(config.cpus), machine_cores()))
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_threads or max(1, min(2, threads)))
     tf.config.set_soft_device_placement(config.soft_placement)

@@ -150,7 +150,8 @@ class ClusterSpec(StrictModel):
         "auto",
         description=(
             "CPUs per worker, and so its TensorFlow's threads; auto: on an embedded Ray, each worker's share "
-            "of the machine's cores after the shards' and Ray Data's, else 1 (runtime/worker_cpus.py)."
+            "of the machine's cores after the shards' and Ray Data's; on a cluster joined, the most that still "
+            "places every worker beside them on the nodes, within the CPUs free (runtime/worker_cpus.py)."
         ),
     )
     cpus_per_ps: float = Field(0.5, gt=0)
