@@ -31,7 +31,7 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; \
 	exit $$rc
 
-# towerflow beside its peers (benchmarks/bench.py): about 15 minutes on 2 cores in a fast hour, 18-22 in a middling one (22.1 on a fresh clone at 2026-11-27 12:21 UTC), 26-27 in a slow one (25.8 at 09:24 the same day); rewrites
+# towerflow beside its peers (benchmarks/bench.py): about 15-17 minutes on 2 cores in a fast hour (16.7 on a fresh clone at 2026-11-28 02:50 UTC), 18-22 in a middling one (22.1 at 2026-11-27 12:21 UTC), 26-27 in a slow one (25.8 at 09:24 the same day; both before the driver's lighter start); rewrites
 # the generated section of docs/benchmarks.md and docs/img/bench-*.png.
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)
