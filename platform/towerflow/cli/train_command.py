@@ -10,6 +10,7 @@ from pathlib import Path
 
 from towerflow.cli.options import add_overrides_option, runnable
 from towerflow.runtime.hooks import Hook, SessionInfo
+from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
 
 
 def add_train_commands(sub) -> None:
@@ -63,8 +64,6 @@ def _train(args: argparse.Namespace) -> int:
 def _where_to_see(store: str, experiment_id: str, run_id: str) -> str:
     """How to open a run's page: at the tracking server that serves it, else in `towerflow ui`
     over its store (`--store` left out where the shell's MLFLOW_TRACKING_URI names it already)."""
-    from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
-
     if is_tracking_server(store):
         return f"open it at {run_page_url(store, experiment_id, run_id)}"
     store_option = [] if store == os.environ.get("MLFLOW_TRACKING_URI") else ["--store", store]

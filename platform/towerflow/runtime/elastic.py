@@ -68,7 +68,12 @@ class ElasticPolicy:
 def workers_that_fit(cluster: Any, available: dict[str, float]) -> int:
     """How many workers the free resources hold once the shards and Ray Data have theirs."""
     cpus = available.get("CPU", 0.0) - cluster.ps * cluster.cpus_per_ps - cluster.data_cpus
-    fit = math.floor(cpus / cluster.cpus_per_worker + 1e-9)
+    return workers_of_size(cluster, cpus, available.get("GPU", 0.0), cluster.cpus_per_worker)
+
+
+def workers_of_size(cluster: Any, cpus: float, gpus: float, cpus_per_worker: float) -> int:
+    """How many workers of `cpus_per_worker` CPUs (and the spec's GPUs each) `cpus` and `gpus` hold."""
+    fit = math.floor(cpus / cpus_per_worker + 1e-9)
     if cluster.gpus_per_worker:
-        fit = min(fit, math.floor(available.get("GPU", 0.0) / cluster.gpus_per_worker + 1e-9))
+        fit = min(fit, math.floor(gpus / cluster.gpus_per_worker + 1e-9))
     return max(0, fit)

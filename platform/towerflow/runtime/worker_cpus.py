@@ -14,7 +14,8 @@ import logging
 import math
 from typing import Any
 
-from towerflow.runtime.cluster import machine_cores, runs_on_embedded_ray
+from towerflow.runtime.cluster import live_node_resources, machine_cores, runs_on_embedded_ray
+from towerflow.runtime.elastic import workers_of_size
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,8 @@ def _workers_held(cluster: Any, nodes: list[dict[str, float]], cpus: int, shards
     grouped = not cluster.elastic
     pack = grouped and cluster.placement == "strict_pack"
     shards_here = shards if pack else math.ceil(shards / len(hosts))
-    held = []
-    for node in hosts:
-        left = node["CPU"] - shards_here * cluster.cpus_per_ps - cluster.data_cpus
-        count = max(0, math.floor(left / cpus + 1e-9))
-        if cluster.gpus_per_worker:
-            count = min(count, math.floor(node.get("GPU", 0.0) / cluster.gpus_per_worker + 1e-9))
-        held.append(count)
+    kept = shards_here * cluster.cpus_per_ps + cluster.data_cpus
+    held = [workers_of_size(cluster, node["CPU"] - kept, node.get("GPU", 0.0), cpus) for node in hosts]
     if pack:
         return max(held)
     if grouped and cluster.placement == "strict_spread":
@@ -88,8 +84,6 @@ def resolve_worker_cpus(spec: Any, embedded: bool | None = None) -> Any:
     else:
         import ray
 
-        from towerflow.runtime.cluster import live_node_resources
-
         nodes = live_node_resources()
         free = ray.available_resources().get("CPU", 0.0)
         cpus = joined_worker_cpus(cluster, nodes, free)
@@ -105,6 +99,6 @@ def resolve_worker_cpus(spec: Any, embedded: bool | None = None) -> Any:
 
 
 def _describe_nodes(nodes: list[dict[str, float]]) -> str:
-    """'3 nodes: 16, 16, 4 CPUs'."""
+    """'3 node(s): 16, 16, 4 CPUs'."""
     sizes = sorted((node.get("CPU", 0.0) for node in nodes), reverse=True)
     return f"{len(nodes)} node(s): {', '.join(f'{size:g}' for size in sizes)} CPUs"

@@ -98,9 +98,7 @@ def start_ui(
         )
     _check_port_free(host, port)
     log = log or tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
-    process = subprocess.Popen(
-        ui_command(store_uri, host=host, port=port), stdout=log, stderr=subprocess.STDOUT
-    )
+    process = subprocess.Popen(ui_command(store, host=host, port=port), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://{host}:{port}/health"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
