@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,6 @@ from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
-from towerflow.runtime.protocol import Verdict
 from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
 from towerflow.runtime.step_profiler import StepWindowProfiler
@@ -267,25 +267,7 @@ class TowerWorker:
         self.adapter.varlen = stream.options.varlen
         self._wrap_towers(stream.options.tower_preprocess)
         traces = self.towers.traces
-        batches = iter(
-            stream.batches(
-                batch_size=cfg.batch_size,
-                drop_last=cfg.drop_remainder,
-                shuffle_buffer=cfg.shuffle_buffer,
-                seed=cfg.seed + cfg.worker_id,
-                stop=self._stop,
-            )
-        )
-        if cfg.start_at_step:
-            # Join the data stream first: Ray Data starts an epoch only once every split has asked
-            # for it, so a worker that waited before asking would hold up the others.
-            batches = itertools.chain([next(batches, None)], batches)
-        if rejoin is not None:
-            if rejoin.model_state:
-                load_model_state(self.model, rejoin.model_state)
-            if rejoin.leftover:
-                leftover = until_stopped(leftover_batches(rejoin.leftover, cfg.batch_size), self._stop)
-                batches = itertools.chain(leftover, batches)
+        batches = self._batches(stream, rejoin)
         # A replacement takes its predecessor's place in every step still to aggregate.
         ray.get([shard.join.remote(cfg.worker_id) for shard in shards])
         replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
@@ -316,65 +298,28 @@ class TowerWorker:
                 # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the
                 # steps in between compute on these (the shards count their staleness).
                 fetched = (steps + 1) % cfg.fetch_every == 0
-                self._step = step = StepPushes(versions, rows, fetch=fetched)
-                try:
-                    loss, metrics, _ = self.towers(inputs, labels)  # pushes each bucket as it is ready
-                except self._misfit_errors as exc:
-                    if steps:  # the spec fitted the data at the first step: not a mismatch
-                        raise
-                    raise misfit_error(
-                        exc, self.model, self.config, self.adapter.input_names, inputs, labels
-                    ) from exc
-                finally:
-                    self._step = None
-                if step.error is not None:
-                    raise step.error
-                loss = self._injected_loss(step, float(loss))
+                step = StepPushes(versions, rows, fetch=fetched)
+                loss, metrics = self._compute(step, inputs, labels, first=not steps)
                 t3 = time.perf_counter()
                 self._busy_since = None  # waiting for the shards is not this worker's hang
                 if step.nonfinite and not cfg.skip_nonfinite:
                     # Keep the shards clean: report the step and stop this worker without pushing.
-                    self._records.append(_nonfinite_record(cfg.worker_id, versions[0], loss, rows))
+                    self._records.append(StepRecord.nonfinite(cfg.worker_id, versions[0], loss, rows))
                     break
                 every = ray.get([ref for _, _, ref in step.sent])
                 t4 = time.perf_counter()
-                # Each shard's last bucket completes its step: that reply carries the next version.
-                last = {
-                    shard: reply
-                    for (shard, bucket, _), reply in zip(step.sent, every)
-                    if bucket == self._plan.last_buckets[shard]
-                }
-                replies = [last[shard] for shard in range(len(shards))]
+                replies = self._completing_replies(step, every)
                 steps += 1
                 if fetched:
                     versions = [r.next.version for r in replies]
                     fresh = [r.next for r in replies]
                 done = any(r.next.done for r in replies)
                 if step.nonfinite:  # skipped: counted in its step, no gradient
-                    self._records.append(_nonfinite_record(cfg.worker_id, step.versions[0], loss, rows))
+                    self._records.append(StepRecord.nonfinite(cfg.worker_id, step.versions[0], loss, rows))
                     continue
-                lead = replies[0]
-                verdict = lead.verdict if all(r.verdict == lead.verdict for r in every) else Verdict.PARTIAL
+                split = {"data": t1 - t0, "pull": t2 - t1, "compute": t3 - t2, "push": t4 - t3}
                 self._records.append(
-                    StepRecord(
-                        worker=cfg.worker_id,
-                        step=lead.step,
-                        verdict=verdict,
-                        version_read=step.versions[0],
-                        loss=loss,
-                        metrics={k: float(v) for k, v in metrics.items()},
-                        examples=rows,
-                        staleness=max(r.staleness for r in every),
-                        time_split={
-                            "data": t1 - t0,
-                            "pull": t2 - t1,
-                            "compute": t3 - t2,
-                            "push": t4 - t3,
-                            "apply": max(r.apply_s for r in replies),
-                        },
-                        finished_at=time.time(),
-                        replicas=lead.replicas,
-                    )
+                    StepRecord.of_step(cfg.worker_id, step, loss, metrics, every, replies, split)
                 )
                 examples += rows
         finally:
@@ -395,10 +340,62 @@ class TowerWorker:
             "node_readied_for_reading": self._node_readied,
         }
 
+    def _batches(self, stream: Any, rejoin: Rejoin | None) -> Iterator[Any]:
+        """This worker's batches: a lost predecessor's leftover rows first (`rejoin`), then its split."""
+        cfg = self.config
+        batches = iter(
+            stream.batches(
+                batch_size=cfg.batch_size,
+                drop_last=cfg.drop_remainder,
+                shuffle_buffer=cfg.shuffle_buffer,
+                seed=cfg.seed + cfg.worker_id,
+                stop=self._stop,
+            )
+        )
+        if cfg.start_at_step:
+            # Join the data stream first: Ray Data starts an epoch only once every split has asked
+            # for it, so a worker that waited before asking would hold up the others.
+            batches = itertools.chain([next(batches, None)], batches)
+        if rejoin is not None:
+            if rejoin.model_state:
+                load_model_state(self.model, rejoin.model_state)
+            if rejoin.leftover:
+                leftover = until_stopped(leftover_batches(rejoin.leftover, cfg.batch_size), self._stop)
+                batches = itertools.chain(leftover, batches)
+        return batches
 
-def _nonfinite_record(worker: int, version_read: int, loss: float, rows: int) -> StepRecord:
-    """A step whose loss was NaN/inf: nothing of it was applied (its batch was used all the same)."""
-    return StepRecord(worker, -1, Verdict.NONFINITE, version_read, loss, {}, rows, 0, finished_at=time.time())
+    def _compute(
+        self, step: StepPushes, inputs: Any, labels: Any, first: bool
+    ) -> tuple[float, dict[str, Any]]:
+        """Run the towers on a batch; the push hooks send each bucket as backprop produces it.
+
+        Returns the loss (or NaN where a test's fault injector says so) and the metrics. A batch
+        that does not fit the model at the first step is the spec's mismatch, named as such.
+        """
+        self._step = step
+        try:
+            loss, metrics, _ = self.towers(inputs, labels)
+        except self._misfit_errors as exc:
+            if not first:  # the spec fitted the data at the first step: not a mismatch
+                raise
+            raise misfit_error(
+                exc, self.model, self.config, self.adapter.input_names, inputs, labels
+            ) from exc
+        finally:
+            self._step = None
+        if step.error is not None:
+            raise step.error
+        return self._injected_loss(step, float(loss)), metrics
+
+    def _completing_replies(self, step: StepPushes, every: list[Any]) -> list[Any]:
+        """Per shard, the reply to its last bucket's push: it completes the step and carries the
+        next version."""
+        last = {
+            shard: reply
+            for (shard, bucket, _), reply in zip(step.sent, every)
+            if bucket == self._plan.last_buckets[shard]
+        }
+        return [last[shard] for shard in range(len(self._plan.shards))]
 
 
 def _staging_buffers(model, placement) -> dict[int, np.ndarray]:

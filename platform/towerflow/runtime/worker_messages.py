@@ -7,12 +7,16 @@ loading the worker's module.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from towerflow.runtime.protocol import Verdict
+
+if TYPE_CHECKING:
+    from towerflow.runtime.pushes import StepPushes
 
 
 @dataclass
@@ -30,6 +34,41 @@ class StepRecord:
     time_split: dict[str, float] = field(default_factory=dict)  # data, pull, compute, push, apply
     finished_at: float = 0.0
     replicas: int = 0  # gradients the step aggregated, as the lead shard applied it (0: unknown)
+
+    @classmethod
+    def of_step(
+        cls,
+        worker: int,
+        step: StepPushes,
+        loss: float,
+        metrics: dict[str, Any],
+        every: list[Any],
+        completing: list[Any],
+        split: dict[str, float],
+    ) -> StepRecord:
+        """A step the shards took, from the replies to all its pushes (`every`) and, per shard,
+        the one that completed it: the verdict (PARTIAL where the buckets' differ), the worst
+        staleness, and the worker's time split with the shards' slowest apply."""
+        lead = completing[0]
+        verdict = lead.verdict if all(r.verdict == lead.verdict for r in every) else Verdict.PARTIAL
+        return cls(
+            worker=worker,
+            step=lead.step,
+            verdict=verdict,
+            version_read=step.versions[0],
+            loss=loss,
+            metrics={k: float(v) for k, v in metrics.items()},
+            examples=step.examples,
+            staleness=max(r.staleness for r in every),
+            time_split={**split, "apply": max(r.apply_s for r in completing)},
+            finished_at=time.time(),
+            replicas=lead.replicas,
+        )
+
+    @classmethod
+    def nonfinite(cls, worker: int, version_read: int, loss: float, rows: int) -> StepRecord:
+        """A step whose loss was NaN/inf: nothing of it was applied (its batch was used all the same)."""
+        return cls(worker, -1, Verdict.NONFINITE, version_read, loss, {}, rows, 0, finished_at=time.time())
 
 
 @dataclass
