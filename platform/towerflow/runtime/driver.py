@@ -418,7 +418,7 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
         self.shard_group.kill()
         # The reads' claim on the cluster's cores goes now, not minutes after (data/splits.py).
         with contextlib.suppress(Exception):
-            self._close_data(wait_s=10.0)
+            self._close_data(wait_s=10.0, release=True)
         if self._evaluator is not None:
             with contextlib.suppress(Exception):  # already dead is fine
                 ray.kill(self._evaluator)

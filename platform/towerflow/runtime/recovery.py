@@ -138,10 +138,13 @@ class RecoveryActions:
         if worker_ids:
             ray.get([shard.retire.remote(worker_id) for shard in self.shards for worker_id in worker_ids])
 
-    def _close_data(self, wait_s: float = 0.0) -> None:
-        """End the workers' streams; wait up to `wait_s` for their reading to stop."""
+    def _close_data(self, wait_s: float = 0.0, *, release: bool = False) -> None:
+        """End the workers' streams; wait up to `wait_s` for their reading to stop. `release`: the
+        run is over, and the data's coordinator goes too."""
         for split in list(self.data_splits.values())[:1]:  # one coordinator serves every split
-            if hasattr(split, "close"):
+            if release and hasattr(split, "release"):
+                split.release(wait_s)
+            elif hasattr(split, "close"):
                 closed = split.close()
                 if wait_s and closed is not None:
                     ray.wait([closed], timeout=wait_s)
