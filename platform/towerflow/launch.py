@@ -123,7 +123,8 @@ def train(
     def make_data(num_workers: int, examples_seen: int | None, shape: StepShape):
         seen = initial_state.examples_seen if initial_state is not None else 0
         seen = seen if examples_seen is None else examples_seen  # a rollback's checkpoint position
-        data = build_training_data(spec, num_workers, shape, examples_seen=seen)
+        ledger = skipped.ledger if skipped is not None else None
+        data = build_training_data(spec, num_workers, shape, examples_seen=seen, ledger=ledger)
         if data.resume_note:
             print(f"towerflow: {data.resume_note}")
         if skipped is not None:

@@ -60,21 +60,27 @@ def _only_run(tmp_path):
     return client, run
 
 
-def _live_coordinators() -> set[str]:
-    # Ray's table names the coordinator by Ray Data's class, which towerflow's extends.
-    return {a["ActorID"] for a in ray_actors("SplitCoordinator") if a["State"] != "DEAD"}
+def _live(class_name: str) -> set[str]:
+    return {a["ActorID"] for a in ray_actors(class_name) if a["State"] != "DEAD"}
+
+
+def _live_soon_after(class_name: str, before: set[str], wait_s: float = 10.0) -> set[str]:
+    """The actors of this class alive now that were not `before`, given `wait_s` to end (a kill
+    reaches Ray's actor table moments after it is sent)."""
+    deadline = time.monotonic() + wait_s
+    while _live(class_name) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _live(class_name) - before
 
 
 def _fails_with(tmp_path, spec, pattern):
-    before = _live_coordinators()
+    # Ray's table names the data's coordinator by Ray Data's class, which towerflow's extends.
+    before = _live("SplitCoordinator")
     with pytest.raises(DataError, match=pattern) as failed:
         train(spec)
     # Its data coordinator's process has ended, though the error (whose traceback holds the run's
     # handles) is still held here, as a notebook holds the last one.
-    deadline = time.monotonic() + 10
-    while _live_coordinators() - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _live_coordinators() - before, failed.value
+    assert not _live_soon_after("SplitCoordinator", before), failed.value
     _, run = _only_run(tmp_path)
     assert run.info.status == "FAILED"
     assert "towerflow.error" in run.data.tags
@@ -151,8 +157,11 @@ def test_skip_trains_on_and_logs_what_it_skipped(ray_cluster, tmp_path):
     write_csv(tmp_path / "csv" / "train-00000-of-00002.csv", tabular_header(), rows[:100])
     write_csv(tmp_path / "csv" / "train-00001-of-00002.csv", tabular_header(), rows[100:])
     spec = _csv_spec(tmp_path, on_bad_record="skip", drop_remainder=False, epochs=2)
+    ledgers = {a["ActorID"] for a in ray_actors("SkippedRecordsLedger")}
     result = train(spec)
     assert result.examples_seen == 2 * 198
+    assert len({a["ActorID"] for a in ray_actors("SkippedRecordsLedger")} - ledgers) == 1  # the run's one
+    assert not _live_soon_after("SkippedRecordsLedger", ledgers)  # and it ended with the run
     # Counted per file, not per read: the second epoch finds the same two records again.
     client, run = _only_run(tmp_path)
     assert run.info.status == "FINISHED"

@@ -149,16 +149,18 @@ def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: A
 
 
 def build_training_data(
-    spec: Any, num_workers: int, shape: StepShape, *, examples_seen: int = 0
+    spec: Any, num_workers: int, shape: StepShape, *, examples_seen: int = 0, ledger: Any = None
 ) -> TrainingData:
     """The workers' streams for updates of `shape`; `examples_seen` (a resumed checkpoint's) makes
-    them start after those."""
+    them start after those. `ledger`: the run's skipped-records ledger, from its first pipeline (a
+    re-planned one counts on in it: files read only before the re-plan keep their counts)."""
     import ray
 
     from towerflow.data.pacing import pace_scheduling_loop
 
     source, data = spec.data.train, spec.data
-    ledger = make_ledger() if data.on_bad_record == "skip" else None
+    if data.on_bad_record == "skip" and ledger is None:
+        ledger = make_ledger()
     split = prepare_split(source, "data.train", data.on_bad_record, ledger)
     files, features, groups, reader = split.files, split.features, split.groups, split.reader
 

@@ -4,6 +4,7 @@ from the data's ledger actor (data/bad_records.py), printed per file at the end 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import PurePosixPath
 from typing import Any
@@ -36,6 +37,15 @@ class SkippedRecordsHook(Hook):
         for path, count in sorted(counts.items()):
             print(f"towerflow: skipped {count} bad record(s) in {path} (e.g. {reasons.get(path, '')})")
         self._log(session, counts, final=True)
+        self._end_ledger()
+
+    def _end_ledger(self) -> None:
+        """The run is over, and its ledger's process with it (left to its handles going out of
+        scope, it outlived the run: the read tasks' arguments carry one)."""
+        import ray
+
+        with contextlib.suppress(Exception):  # gone already with a failed cluster
+            ray.kill(self.ledger)
 
     def _fetch(self) -> tuple[dict[str, int], dict[str, str]]:
         import ray
