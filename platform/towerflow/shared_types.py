@@ -155,12 +155,12 @@ class WorkerStream:
         close = getattr(self.iterator, "close", None)
         return close() if close is not None else None
 
-    def release(self, wait_s: float) -> None:
-        """The run is over: end every split, waiting up to `wait_s` for reading to stop, and the
-        process that serves them, where the split has one (data/splits.py)."""
-        release = getattr(self.iterator, "release", None)
-        if release is not None:
-            release(wait_s)
+    def shut_down(self) -> None:
+        """The run is over and the splits closed: end the process that serves them, where the
+        split has one (data/splits.py)."""
+        shut_down = getattr(self.iterator, "shut_down", None)
+        if shut_down is not None:
+            shut_down()
 
 
 _END = object()

@@ -223,12 +223,11 @@ class ResumableSplit(StreamSplitDataIterator):
         Returns the call's ref: done once reading has stopped."""
         return self.coordinator.close.remote()
 
-    def release(self, wait_s: float) -> None:
-        """The run is over: end every split, wait up to `wait_s` for reading to stop, then end the
-        coordinator's process. Left to its handles going out of scope, a failed run's coordinator
-        would live as long as the run's exception (its traceback holds them: a notebook or a
-        caller keeping the error keeps a process)."""
-        ray.wait([self.close()], timeout=wait_s)
+    def shut_down(self) -> None:
+        """End the coordinator's process, once the run is over and its reading stopped (`close`).
+        Left to its handles going out of scope, a failed run's coordinator would live as long as
+        the run's error (its traceback holds them: a notebook or a caller keeping the error keeps
+        a process)."""
         ray.kill(self.coordinator)
 
     def _to_ref_bundle_iterator(self):

@@ -142,12 +142,12 @@ class RecoveryActions:
         """End the workers' streams; wait up to `wait_s` for their reading to stop. `release`: the
         run is over, and the data's coordinator goes too."""
         for split in list(self.data_splits.values())[:1]:  # one coordinator serves every split
-            if release and hasattr(split, "release"):
-                split.release(wait_s)
-            elif hasattr(split, "close"):
+            if hasattr(split, "close"):
                 closed = split.close()
                 if wait_s and closed is not None:
                     ray.wait([closed], timeout=wait_s)
+            if release and hasattr(split, "shut_down"):
+                split.shut_down()
 
     def _log_losses(self) -> None:
         lost = sum(1 for loss in self.failure_policy.history if loss.kind is LossKind.WORKER)
