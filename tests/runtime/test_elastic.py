@@ -4,14 +4,16 @@ are in test_multinode_cluster.py (multi-node)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blob_spec, sqlite_store
+from support import blob_spec, ray_actors, sqlite_store, write_examples
 
 from towerflow.launch import train
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -76,6 +78,56 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [2.0, 1.0, 2.0]
     losses = [e.loss for e in hook.events]
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def _shards_with_bad_records_in_the_first(folder: Path, files: int, per_file: int, bad: list[int]) -> None:
+    """`files` TFRecord shards of blob-like examples, a manifest with their counts (so a re-planned
+    stream starts past the files trained on), and records `bad` of the first lacking their x."""
+    rng = np.random.default_rng(0)
+    for s in range(files):
+        examples = [
+            {"x": rng.normal(size=8).tolist(), "label": [i % 2], "example_id": [s * per_file + i]}
+            for i in range(per_file)
+        ]
+        for i in bad if s == 0 else []:
+            examples[i].pop("x")
+        write_examples(folder / f"train-{s:05d}-of-{files:05d}", examples)
+    features = {"x": {"dtype": "float32", "shape": [8]}}
+    features |= {k: {"dtype": "int64", "shape": []} for k in ("label", "example_id")}
+    names = [f"train-{s:05d}-of-{files:05d}" for s in range(files)]
+    train = {"files": names, "examples": files * per_file, "per_file": [per_file] * files}
+    manifest = {"name": "blobs", "format": "tfrecord", "label": "label", "splits": {"train": train}}
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"features": features}))
+
+
+def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp_path, capsys):
+    """`on_bad_record: skip`: the resize's new pipeline starts past the files trained on, so it never
+    reads the first file's bad records again; the run's one ledger still has them at the end."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _shards_with_bad_records_in_the_first(data, files=12, per_file=128, bad=[3, 40])
+    uri = sqlite_store(tmp_path)
+    raw = blob_spec(
+        data,
+        data={"batch_size": 16, "epochs": 1, "on_bad_record": "skip", "drop_remainder": False},
+        cluster={"workers": {"min": 1, "max": 2}, "ps": 1},
+        training={"mode": "sync", "max_steps": 1000},
+        tracking={"tracking_uri": uri, "experiment": "elastic-skip"},
+    )
+    ledgers = {a["ActorID"] for a in ray_actors("SkippedRecordsLedger")}
+    hook = ScaleAt([(9, 1)])  # 288 examples trained: the first file (128) is behind the stream
+    # Worker 1 (the one to leave) holds each sync step of two: the resize lands before the data
+    # ends (48 such steps), also in a slow hour; worker 0 alone then trains on at full speed.
+    slow = FaultInjector(step_delay_s={1: 0.4})
+    result = train(validate_spec(raw), hooks=[hook], output_dir=tmp_path, faults=slow)
+
+    assert [e for e in hook.events if e.workers == [0]], "the run shrank to one worker"
+    resumed = re.search(r"data resumes in epoch 1 of 1, after (\d+) file\(s\)", capsys.readouterr().out)
+    assert resumed and int(resumed[1]) >= 1, "the resize's stream starts past the first file"
+    metrics = MlflowClient(uri).get_run(result.run_id).data.metrics
+    assert metrics["bad_records_skipped"] == 2
+    assert metrics["bad_records_skipped/train-00000-of-00012"] == 2
+    assert len({a["ActorID"] for a in ray_actors("SkippedRecordsLedger")} - ledgers) == 1
 
 
 class KillWorkerAt(Hook):
