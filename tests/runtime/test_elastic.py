@@ -105,7 +105,7 @@ def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp
     reads the first file's bad records again; the run's one ledger still has them at the end."""
     data = tmp_path / "data"
     data.mkdir()
-    _shards_with_bad_records_in_the_first(data, files=12, per_file=128, bad=[3, 40])
+    _shards_with_bad_records_in_the_first(data, files=16, per_file=128, bad=[3, 40])
     uri = sqlite_store(tmp_path)
     raw = blob_spec(
         data,
@@ -117,7 +117,7 @@ def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp
     ledgers = {a["ActorID"] for a in ray_actors("SkippedRecordsLedger")}
     hook = ScaleAt([(9, 1)])  # 288 examples trained: the first file (128) is behind the stream
     # Worker 1 (the one to leave) holds each sync step of two: the resize lands before the data
-    # ends (48 such steps), also in a slow hour; worker 0 alone then trains on at full speed.
+    # ends (64 such steps), also in a slow hour; worker 0 alone then trains on at full speed.
     slow = FaultInjector(step_delay_s={1: 0.4})
     result = train(validate_spec(raw), hooks=[hook], output_dir=tmp_path, faults=slow)
 
@@ -126,7 +126,7 @@ def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp
     assert resumed and int(resumed[1]) >= 1, "the resize's stream starts past the first file"
     metrics = MlflowClient(uri).get_run(result.run_id).data.metrics
     assert metrics["bad_records_skipped"] == 2
-    assert metrics["bad_records_skipped/train-00000-of-00012"] == 2
+    assert metrics["bad_records_skipped/train-00000-of-00016"] == 2
     assert len({a["ActorID"] for a in ray_actors("SkippedRecordsLedger")} - ledgers) == 1
 
 
