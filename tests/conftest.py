@@ -6,7 +6,6 @@ tower path can be compared against single-device math in-process.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -48,23 +47,11 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def blob_data(tmp_path_factory) -> Path:
     """A tiny TFRecord data set (4 shards, 1,024 examples, 8 features) with a manifest."""
-    from support import blobs, write_tfrecords
+    from support import blobs, write_manifest, write_tfrecords
 
     folder = tmp_path_factory.mktemp("blobs")
-    columns = blobs(1024)
-    files = write_tfrecords(folder, "train", columns, shards=4)
-    manifest = {
-        "name": "blobs",
-        "format": "tfrecord",
-        "label": "label",
-        "splits": {"train": {"files": files, "examples": 1024, "per_file": [256] * 4}},
-        "features": {
-            "x": {"dtype": "float32", "shape": [8]},
-            "label": {"dtype": "int64", "shape": []},
-            "example_id": {"dtype": "int64", "shape": []},
-        },
-    }
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    files = write_tfrecords(folder, "train", blobs(1024), shards=4)
+    write_manifest(folder, "blobs", files, [256] * 4, dim=8)
     return folder
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import shutil
 import socket
 import subprocess
@@ -51,6 +52,17 @@ def blobs(n: int, dim: int = 8, classes: int = 2, seed: int = 0) -> dict[str, np
         "label": labels.astype(np.int64),
         "example_id": np.arange(n, dtype=np.int64),
     }
+
+
+def write_manifest(folder: Path, name: str, files: list[str], per_file: list[int], dim: int) -> None:
+    """`folder`'s manifest.json for TFRecord shards of blob-like examples (x float32 [dim], label,
+    example_id): its files' example counts let a resumed or re-planned stream start past the files
+    trained on."""
+    features = {"x": {"dtype": "float32", "shape": [dim]}}
+    features |= {k: {"dtype": "int64", "shape": []} for k in ("label", "example_id")}
+    train = {"files": files, "examples": sum(per_file), "per_file": per_file}
+    manifest = {"name": name, "format": "tfrecord", "label": "label", "splits": {"train": train}}
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"features": features}))
 
 
 # The smallest cluster: one worker and one shard, for tests whose subject is not how many there are.

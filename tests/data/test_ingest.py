@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from support import tabular_header, tabular_rows, write_csv, write_uneven_shards
+from support import tabular_header, tabular_rows, write_csv, write_manifest, write_uneven_shards
 
 from towerflow.data.ingest import (
     ResumePoint,
@@ -266,18 +266,8 @@ def test_resume_point_skips_whole_epochs_then_whole_files():
 
 def _write_uneven_shards_with_manifest(folder) -> None:
     """SIZES as shards, and a manifest with their per-file counts (so the data position is known)."""
-    write_uneven_shards(folder, SIZES)
-    names = [f"train-{s:05d}-of-{len(SIZES):05d}" for s in range(len(SIZES))]
-    features = {"x": {"dtype": "float32", "shape": [4]}}
-    features |= {k: {"dtype": "int64", "shape": []} for k in ("label", "example_id")}
-    manifest = {
-        "name": "uneven",
-        "format": "tfrecord",
-        "label": "label",
-        "splits": {"train": {"files": names, "examples": sum(SIZES), "per_file": SIZES}},
-        "features": features,
-    }
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    paths = write_uneven_shards(folder, SIZES)
+    write_manifest(folder, "uneven", [p.name for p in paths], SIZES, dim=4)
 
 
 def test_a_batch_larger_than_the_data_allows_no_step_and_is_named(ray_cluster, tmp_path):

@@ -4,7 +4,6 @@ are in test_multinode_cluster.py (multi-node)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blob_spec, ray_actors, sqlite_store, write_examples
+from support import blob_spec, ray_actors, sqlite_store, write_examples, write_manifest
 
 from towerflow.launch import train
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -92,12 +91,8 @@ def _shards_with_bad_records_in_the_first(folder: Path, files: int, per_file: in
         for i in bad if s == 0 else []:
             examples[i].pop("x")
         write_examples(folder / f"train-{s:05d}-of-{files:05d}", examples)
-    features = {"x": {"dtype": "float32", "shape": [8]}}
-    features |= {k: {"dtype": "int64", "shape": []} for k in ("label", "example_id")}
     names = [f"train-{s:05d}-of-{files:05d}" for s in range(files)]
-    train = {"files": names, "examples": files * per_file, "per_file": [per_file] * files}
-    manifest = {"name": "blobs", "format": "tfrecord", "label": "label", "splits": {"train": train}}
-    (folder / "manifest.json").write_text(json.dumps(manifest | {"features": features}))
+    write_manifest(folder, "blobs", names, [per_file] * files, dim=8)
 
 
 def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp_path, capsys):
