@@ -90,7 +90,11 @@ class Steps:
 
 
 STEPS = {
-    "lenet": Steps(warmup=8, timed=32, snapshot_every=5),  # 40 batches: every system reaches 90%
+    # 40 batches of warm-up: towerflow's first ones carry its start's tail (Ray Data's first reads,
+    # its read process starting), which spent 25-28 ms of CPU per global batch beside the workers,
+    # 15-17 after, and cost 5% of the rate when timed from batch 8 (docs/benchmarks.md, session 39).
+    # 72 batches in all: every system reaches 90%.
+    "lenet": Steps(warmup=40, timed=32, snapshot_every=5),
     "mlp": Steps(warmup=20, timed=600, snapshot_every=30),  # 12 s timed: 4 s swung 0.71-1.17 between rounds
 }
 
