@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -134,8 +134,11 @@ def write_examples(path: Path, examples: list[dict]) -> Path:
     return path
 
 
-def write_uneven_shards(folder: Path, sizes: list[int], dim: int = 4, seed: int = 0) -> list[Path]:
-    """TFRecord shards of the given sizes holding x (float32 [dim]), label and a unique example_id."""
+def write_uneven_shards(
+    folder: Path, sizes: list[int], dim: int = 4, seed: int = 0, without_x: Collection[int] = ()
+) -> list[Path]:
+    """TFRecord shards of the given sizes holding x (float32 [dim]), label and a unique example_id;
+    the examples whose ids are in `without_x` lack their x (bad records)."""
     rng = np.random.default_rng(seed)
     paths, next_id = [], 0
     for s, size in enumerate(sizes):
@@ -147,6 +150,9 @@ def write_uneven_shards(folder: Path, sizes: list[int], dim: int = 4, seed: int 
             }
             for i in range(size)
         ]
+        for example in examples:
+            if example["example_id"][0] in without_x:
+                del example["x"]
         paths.append(write_examples(folder / f"train-{s:05d}-of-{len(sizes):05d}", examples))
         next_id += size
     return paths

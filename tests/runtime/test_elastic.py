@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support import blob_spec, ray_actors, sqlite_store, write_examples, write_manifest
+from support import blob_spec, ray_actors, sqlite_store, write_manifest, write_uneven_shards
 
 from towerflow.launch import train
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -82,17 +82,8 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
 def _shards_with_bad_records_in_the_first(folder: Path, files: int, per_file: int, bad: list[int]) -> None:
     """`files` TFRecord shards of blob-like examples, a manifest with their counts (so a re-planned
     stream starts past the files trained on), and records `bad` of the first lacking their x."""
-    rng = np.random.default_rng(0)
-    for s in range(files):
-        examples = [
-            {"x": rng.normal(size=8).tolist(), "label": [i % 2], "example_id": [s * per_file + i]}
-            for i in range(per_file)
-        ]
-        for i in bad if s == 0 else []:
-            examples[i].pop("x")
-        write_examples(folder / f"train-{s:05d}-of-{files:05d}", examples)
-    names = [f"train-{s:05d}-of-{files:05d}" for s in range(files)]
-    write_manifest(folder, "blobs", names, [per_file] * files, dim=8)
+    paths = write_uneven_shards(folder, [per_file] * files, dim=8, without_x=bad)
+    write_manifest(folder, "blobs", [p.name for p in paths], [per_file] * files, dim=8)
 
 
 def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp_path, capsys):
