@@ -1,6 +1,7 @@
 import numpy as np
 
 from towerflow.runtime.accumulator import GradientAccumulator
+from towerflow.runtime.shared_buffers import is_aligned
 
 
 def _read_only(values):
@@ -35,3 +36,11 @@ def test_later_steps_sum_into_the_same_buffers_from_zero():
         sums, count = accumulator.take()
         assert count == 2
         np.testing.assert_allclose(sums[0], [1.0 + step, 2.0 + step])  # nothing left from the step before
+
+
+def test_the_sums_of_two_or_more_are_aligned_for_tensorflow_to_read_in_place():
+    accumulator = GradientAccumulator()
+    for k in (1.0, 2.0):
+        accumulator.add([_read_only([k] * 1000), _read_only([k] * 3)])
+    sums, _ = accumulator.take()
+    assert all(is_aligned(total) for total in sums)

@@ -24,6 +24,7 @@ from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
+from towerflow.runtime.shared_buffers import assign_immutable
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow, gpu_peak_mb
 from towerflow.runtime.towers import signature_of
@@ -191,12 +192,13 @@ class TowerWorker:
         return replies[0].version, metrics
 
     def _assign(self, per_shard: list[list[np.ndarray]], placement, staging: dict[int, np.ndarray]) -> None:
-        """Load pulled parameters into the model: whole variables directly, slices via `staging`."""
+        """Load pulled parameters into the model: whole variables take the pulled (immutable) arrays'
+        buffers without a copy, slices are gathered in `staging` and copied in."""
         variables = self._variables
         for shard_values, pieces in zip(per_shard, placement):
             for value, (index, start, stop, whole) in zip(shard_values, pieces):
                 if whole:
-                    variables[index].assign(value)
+                    assign_immutable(variables[index], value)
                 else:
                     staging[index][start:stop] = value
         for index, buffer in staging.items():
