@@ -65,16 +65,21 @@ def test_modes_are_checked_before_anything_runs(blob_data):
         with pytest.raises(SpecError, match="--modes"):
             parse_modes(bad)
     spec = validate_spec(
-        blob_spec(blob_data, training={"mode": "async", "max_staleness": 2, "fetch_every": 2})
+        blob_spec(
+            blob_data,
+            training={"mode": "async", "max_staleness": 2, "fetch_every": 2, "overlap_push": True},
+        )
     )
     sync = spec_for_mode(spec, "sync")  # the async-only staleness bound is dropped for the sync child
     assert (
         sync.training.mode == "sync"
         and sync.training.max_staleness is None
         and sync.training.fetch_every == 1
+        and not sync.training.overlap_push
     )
     assert spec_for_mode(spec, "async").training.max_staleness == 2
     assert spec_for_mode(spec, "async").training.fetch_every == 2
+    assert spec_for_mode(spec, "async").training.overlap_push
     exporting = validate_spec(blob_spec(blob_data, export={"saved_model": True, "register_as": "m"}))
     assert not spec_for_mode(exporting, "sync").export.saved_model  # children export nothing by default
     assert spec_for_mode(exporting, "sync", ["export.saved_model=true"]).export.saved_model

@@ -81,6 +81,7 @@ def main() -> None:
     ]
     if args.mode == "async":
         overrides.append(f"training.fetch_every={args.fetch_every}")
+        overrides.append(f"training.overlap_push={str(args.overlap_push).lower()}")
     if args.mode == "sync":
         overrides += [f"training.replicas_to_aggregate={workers}", f"training.total_num_replicas={workers}"]
     base = ROOT / "pipelines" / f"mnist_{args.mode}.yaml"

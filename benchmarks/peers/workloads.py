@@ -155,6 +155,9 @@ def runner_args(argv: list[str] | None = None, *, modes: Sequence[str] = ("sync"
     parser.add_argument(
         "--fetch-every", type=int, default=1, help="towerflow async: steps between parameter fetches"
     )
+    parser.add_argument(
+        "--overlap-push", action="store_true", help="towerflow async: compute the next step during a push"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.spec = WORKLOADS[args.workload]

@@ -204,6 +204,51 @@ def test_async_fetch_every_computes_on_held_parameters_and_publishes_only_what_i
     assert np.isfinite(result.final_loss) and result.final_loss < hook.events[0].loss
 
 
+def test_async_overlap_push_computes_each_step_one_push_behind(ray_cluster, blob_data):
+    """Downpour's asynchronous push: one worker computes step t on the parameters of the reply to
+    push t-2 (push t-1 is still on its way), so w(t+1) = w(t) - lr * g(w(t-1)), and every push but
+    the first is one version stale. The kernels are cut across both shards: the rows reassemble."""
+    b, k, lr = 8, 6, 0.2
+    columns = blobs(b * k, seed=7)
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": b},
+            cluster={"workers": 1, "ps": 2, "sharding": "round_robin", "min_slice_bytes": 64},
+            training={
+                "mode": "async",
+                "max_steps": k,
+                "overlap_push": True,
+                "optimizer": {"name": "sgd", "learning_rate": lr},
+            },
+        )
+    )
+    hook = Recorder()
+    result = Driver(spec, [hook], _fixed_splits(ray_cluster, columns, [list(range(b * k))])).run()
+    assert result.global_step == k
+    assert [e.global_step for e in hook.events] == list(range(1, k + 1))
+    assert result.staleness["max"] == 1 and result.dropped_stale == 0
+    assert result.workers[0]["steps"] == k and result.workers[0]["examples"] == b * k
+
+    model = mlp.build(**spec.model.params)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    previous = [v.numpy() for v in model.trainable_variables]  # w(t-1); w(-1) = w(0)
+    for t in range(k):
+        current = [v.numpy() for v in model.trainable_variables]
+        for var, value in zip(model.trainable_variables, previous):
+            var.assign(value)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(
+                columns["label"][t * b : (t + 1) * b], model(columns["x"][t * b : (t + 1) * b], training=True)
+            )
+        grads = tape.gradient(loss, model.trainable_variables)
+        for var, value, grad in zip(model.trainable_variables, current, grads):
+            var.assign(value - lr * grad)
+        previous = current
+    for got, want in zip(result.parameters, model.trainable_variables):
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
+
+
 def test_towers_inside_workers(ray_cluster, blob_data):
     spec = validate_spec(
         blob_spec(blob_data, cluster={"workers": 1, "ps": 1, "towers": 2}, training={"max_steps": 5})

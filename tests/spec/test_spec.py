@@ -126,6 +126,14 @@ def test_fetch_every_is_for_async_only():
     assert validate_spec(raw).training.fetch_every == 2
 
 
+def test_overlap_push_is_for_async_only():
+    raw = _raw()
+    raw["training"]["overlap_push"] = True
+    assert "training.overlap_push applies to mode: async only" in _error(raw)
+    raw["training"]["mode"] = "async"
+    assert validate_spec(raw).training.overlap_push is True
+
+
 def test_never_ending_job_is_refused():
     raw = _raw()
     raw["training"]["max_steps"] = None

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -277,11 +278,12 @@ class TowerWorker:
         fresh = replies  # the parameters they carry are not yet loaded into the model
         done = any(r.done for r in replies)
         fetched = True
-        steps = examples = 0
+        steps = computed = examples = 0
+        inflight: _Computed | None = None  # overlap_push: the step whose push is still on its way
         try:
             while not done and not self._stop.is_set():
                 self._profiler.at_step(versions[0] + 1)
-                if steps:  # start-up (first batch, graph tracing) is not counted against the timeout
+                if computed:  # start-up (first batch, graph tracing) is not counted against the timeout
                     self._busy_since = time.monotonic()
                 t0 = time.perf_counter()
                 batch = next(batches, None)
@@ -299,31 +301,37 @@ class TowerWorker:
                 t2 = time.perf_counter()
                 # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the
                 # steps in between compute on these (the shards count their staleness).
-                fetched = (steps + 1) % cfg.fetch_every == 0
-                step = StepPushes(versions, rows, fetch=fetched)
-                loss, metrics = self._compute(step, inputs, labels, first=not steps)
+                step = StepPushes(versions, rows, fetch=(computed + 1) % cfg.fetch_every == 0)
+                loss, metrics = self._compute(step, inputs, labels, first=not computed)
+                computed += 1
                 t3 = time.perf_counter()
                 self._busy_since = None  # waiting for the shards is not this worker's hang
                 if step.nonfinite and not cfg.skip_nonfinite:
                     # Keep the shards clean: report the step and stop this worker without pushing.
                     self._records.append(StepRecord.nonfinite(cfg.worker_id, versions[0], loss, rows))
                     break
-                every = ray.get([ref for _, _, ref in step.sent])
-                t4 = time.perf_counter()
-                replies = self._completing_replies(step, every)
+                settling = _Computed(
+                    step, loss, metrics, {"data": t1 - t0, "pull": t2 - t1, "compute": t3 - t2}
+                )
+                if cfg.overlap_push:
+                    # Downpour's asynchronous push: the next step computes while this push travels,
+                    # on the parameters of the reply to the push before it.
+                    settling, inflight = inflight, settling
+                    fetched = False
+                    if settling is None:
+                        continue
+                replies = self._settle(settling)
                 steps += 1
+                examples += 0 if settling.step.nonfinite else settling.step.examples
+                fetched = settling.step.fetch
                 if fetched:
                     versions = [r.next.version for r in replies]
                     fresh = [r.next for r in replies]
                 done = any(r.next.done for r in replies)
-                if step.nonfinite:  # skipped: counted in its step, no gradient
-                    self._records.append(StepRecord.nonfinite(cfg.worker_id, step.versions[0], loss, rows))
-                    continue
-                split = {"data": t1 - t0, "pull": t2 - t1, "compute": t3 - t2, "push": t4 - t3}
-                self._records.append(
-                    StepRecord.of_step(cfg.worker_id, step, loss, metrics, every, replies, split)
-                )
-                examples += rows
+            if inflight is not None:  # the last push's reply, and its record
+                self._settle(inflight)
+                steps += 1
+                examples += 0 if inflight.step.nonfinite else inflight.step.examples
         finally:
             self._busy_since = None
             self._profiler.stop()
@@ -389,6 +397,23 @@ class TowerWorker:
             raise step.error
         return self._injected_loss(step, float(loss)), metrics
 
+    def _settle(self, computed: _Computed) -> list[Any]:
+        """Wait for the replies to a computed step's pushes and record what became of it; returns,
+        per shard, the reply that completed the step (it carries the next version)."""
+        step, worker = computed.step, self.config.worker_id
+        began = time.perf_counter()
+        every = ray.get([ref for _, _, ref in step.sent])
+        waited = time.perf_counter() - began
+        replies = self._completing_replies(step, every)
+        if step.nonfinite:  # skipped: counted in its step, no gradient
+            self._records.append(StepRecord.nonfinite(worker, step.versions[0], computed.loss, step.examples))
+        else:
+            split = {**computed.split, "push": waited}
+            self._records.append(
+                StepRecord.of_step(worker, step, computed.loss, computed.metrics, every, replies, split)
+            )
+        return replies
+
     def _completing_replies(self, step: StepPushes, every: list[Any]) -> list[Any]:
         """Per shard, the reply to its last bucket's push: it completes the step and carries the
         next version."""
@@ -398,6 +423,16 @@ class TowerWorker:
             if bucket == self._plan.last_buckets[shard]
         }
         return [last[shard] for shard in range(len(self._plan.shards))]
+
+
+@dataclass
+class _Computed:
+    """A step whose gradients were pushed, until the replies to its pushes are read."""
+
+    step: StepPushes
+    loss: float
+    metrics: dict[str, Any]
+    split: dict[str, float]  # seconds: data, pull, compute (push is added once the replies are in)
 
 
 _LOSS_CLASSES = {

@@ -34,6 +34,7 @@ class WorkerConfig:
     skip_nonfinite: bool = False  # nan_guard: skip: drop a non-finite gradient and go on training
     faults: FaultInjector | None = None  # slowness or NaN losses a test injects (runtime/faults.py)
     fetch_every: int = 1  # async: take new parameters every this many steps (Downpour's n_fetch)
+    overlap_push: bool = False  # async: read a push's reply after the next step's compute
     # A spare: node id -> the ref of readying a process there for the next pipeline's read tasks
     # (data/reader_warmup.py), called as it starts; its `warm_up` waits for it.
     ready_node_for_reading: Callable[[str], Any] | None = None
@@ -85,6 +86,7 @@ def worker_config(
         skip_nonfinite=supervision.nan_guard == "skip",
         faults=faults,
         fetch_every=spec.training.fetch_every,
+        overlap_push=spec.training.overlap_push,
         profile_steps=(
             (profile.start_step, profile.stop_step)
             if profile is not None and worker_id in profile.workers

@@ -315,6 +315,14 @@ class TrainingSpec(StrictModel):
         "taken. Less traffic and shard work per step, staler gradients (by up to about fetch_every x "
         "workers updates).",
     )
+    overlap_push: bool = Field(
+        False,
+        description="Async only (Downpour's asynchronous push): a worker computes its next step while "
+        "its last push is on its way and reads the push's reply after that step, so the round trip "
+        "no longer stalls it; its gradients are one of its own steps staler. Pays where the round "
+        "trip is long against the compute (small models, GPU workers); null gain where the CPU is "
+        "the bound.",
+    )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     seed: int = 0
     failure: FailureSpec = Field(default_factory=FailureSpec)
@@ -381,6 +389,11 @@ class JobSpec(StrictModel):
                 raise ValueError(
                     f"training.fetch_every: {t.fetch_every} applies to mode: async only (a sync step "
                     "needs the parameters of the step before it)"
+                )
+            if t.overlap_push:
+                raise ValueError(
+                    "training.overlap_push applies to mode: async only (a sync step needs the "
+                    "parameters of the step before it)"
                 )
         towers = self.cluster.towers_per_worker
         if self.data.batch_size < towers:
