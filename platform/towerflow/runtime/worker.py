@@ -321,8 +321,7 @@ class TowerWorker:
                     if settling is None:
                         continue
                 replies = self._settle(settling)
-                steps += 1
-                examples += 0 if settling.step.nonfinite else settling.step.examples
+                steps, examples = steps + 1, examples + settling.trained_examples
                 fetched = settling.step.fetch
                 if fetched:
                     versions = [r.next.version for r in replies]
@@ -330,8 +329,7 @@ class TowerWorker:
                 done = any(r.next.done for r in replies)
             if inflight is not None:  # the last push's reply, and its record
                 self._settle(inflight)
-                steps += 1
-                examples += 0 if inflight.step.nonfinite else inflight.step.examples
+                steps, examples = steps + 1, examples + inflight.trained_examples
         finally:
             self._busy_since = None
             self._profiler.stop()
@@ -433,6 +431,11 @@ class _Computed:
     loss: float
     metrics: dict[str, Any]
     split: dict[str, float]  # seconds: data, pull, compute (push is added once the replies are in)
+
+    @property
+    def trained_examples(self) -> int:
+        """The batch's examples, unless its loss was not finite (skipped: nothing trained on)."""
+        return 0 if self.step.nonfinite else self.step.examples
 
 
 _LOSS_CLASSES = {
