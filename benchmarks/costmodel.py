@@ -4,7 +4,8 @@
 arrays the size of each workload's model: a worker's forward and backward pass alone (wall and CPU)
 at each batch it runs, its gradients into the object store and parameters out of it into its
 variables, a shard taking in one push, TensorFlow's fused Adam over the shard's variables, the
-shard's publication of a version, an actor call's round trip; and, on a two-node Ray
+shard's publication of a version, an actor call's round trip, what an object through the object
+store costs beyond its bytes (latency and the raylet's CPU); and, on a two-node Ray
 (`ray.cluster_utils.Cluster`, each node its own object store), an object fetched across nodes.
 costmodel_report.py sets the model (towerflow/runtime/cost_model.py) against every towerflow run of
 the peers benchmark and projects it to 256 workers.
@@ -208,6 +209,51 @@ def measure_workload(workload: str, repeat: int) -> dict:
     }
 
 
+def measure_store_object(calls: int = 200) -> dict:
+    """What an object through the object store costs beyond its bytes: an actor echoing an array
+    just under Ray's inline limit (sent inside the call and its reply) against one just over it
+    (both through the store); half the difference is one object's latency, and the raylet's CPU in
+    the second, per object, its share of the machine's time."""
+    import psutil
+    import ray
+
+    from towerflow.runtime.cost_model import Costs
+
+    @ray.remote(num_cpus=1)
+    class Echo:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def echo(self, array: np.ndarray) -> np.ndarray:
+            return array
+
+    echo = Echo.remote()
+    raylet = psutil.Process(ray.get(echo.pid.remote())).parent()  # the raylet starts its workers
+
+    def round_trips(nbytes: int) -> tuple[float, float]:
+        array = np.ones(nbytes // 4, np.float32)
+        for _ in range(20):
+            ray.get(echo.echo.remote(array))
+        before, walls = raylet.cpu_times(), []
+        for _ in range(calls):
+            started = time.perf_counter()
+            ray.get(echo.echo.remote(array))
+            walls.append(time.perf_counter() - started)
+        after = raylet.cpu_times()
+        return statistics.median(walls), (after.user + after.system - before.user - before.system) / calls
+
+    limit = Costs.__dataclass_fields__["inline_bytes"].default
+    inline_s, inline_cpu_s = round_trips(int(0.9 * limit))
+    stored_s, stored_cpu_s = round_trips(int(1.1 * limit))
+    return {
+        "inline_bytes": limit,
+        "inline_round_trip_s": inline_s,
+        "stored_round_trip_s": stored_s,
+        "object_s": max(0.0, (stored_s - inline_s) / 2),  # the argument's and the reply's
+        "object_cpu_s": max(0.0, (stored_cpu_s - inline_cpu_s) / 2),
+    }
+
+
 def measure_across_nodes(nbytes: int, repeat: int = 5) -> dict:
     """An object of `nbytes` fetched by an actor on another node (each node its own object store)."""
     import ray
@@ -251,6 +297,7 @@ def measure(args: argparse.Namespace) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
         found = {w: measure_workload(w, args.repeat) for w in ("lenet", "mlp")}
+        found["store_object"] = measure_store_object()
     finally:
         ray.shutdown()
     # Another process: Ray reads the single-machine switch (set above) at import, and it refuses

@@ -17,7 +17,7 @@ def costs_from(found: dict, workload: str):
     CPU its processes used (in the CPU bound)."""
     from dataclasses import replace
 
-    from towerflow.runtime.cost_model import Costs, predict_step
+    from towerflow.runtime.cost_model import Costs, predict_step, store_objects
 
     m = found[workload]
     batches = sorted(int(b) for b in m["compute"])
@@ -36,17 +36,32 @@ def costs_from(found: dict, workload: str):
         publish_s_per_byte=m["publish_s"] / nbytes,
         call_s=m["call_s"],
     )
+    if "store_object" in found:  # (measured since 2026-11-28)
+        costs = replace(
+            costs,
+            store_object_s=found["store_object"]["object_s"],
+            store_object_cpu_s=found["store_object"]["object_cpu_s"],
+        )
     if "overhead" not in found:
         return costs
     # The platform's own CPU, from the near-empty model's runs (both modes: their mean): a worker's
-    # per step, a shard's per push (each global batch is W pushes), the rest's per global batch.
-    runs = list(found["overhead"].values())
-    if all("cpu_per_batch" in r for r in runs):  # (measured since 2026-11-25)
+    # per step, a shard's per push (each global batch is W pushes), the rest's per global batch
+    # less the raylet's for that model's objects in the store (the model counts those apart).
+    runs = found["overhead"]
+    if all("cpu_per_batch" in r for r in runs.values()):  # (measured since 2026-11-25)
+
+        def other_cpu(mode: str, run: dict) -> float:
+            shape = {"workers": run["workers"], "shards": 1, "params": run["params"], "mode": mode}
+            stored = store_objects(costs, **shape).per_global_batch
+            return run["cpu_per_batch"]["other"] - stored * costs.store_object_cpu_s
+
         costs = replace(
             costs,
-            worker_step_cpu_s=statistics.mean(r["cpu_per_batch"]["workers"] / r["workers"] for r in runs),
-            push_cpu_s=statistics.mean(r["cpu_per_batch"]["shards"] / r["workers"] for r in runs),
-            other_cpu_s=statistics.mean(r["cpu_per_batch"]["other"] for r in runs),
+            worker_step_cpu_s=statistics.mean(
+                r["cpu_per_batch"]["workers"] / r["workers"] for r in runs.values()
+            ),
+            push_cpu_s=statistics.mean(r["cpu_per_batch"]["shards"] / r["workers"] for r in runs.values()),
+            other_cpu_s=max(0.0, statistics.mean(other_cpu(mode, r) for mode, r in runs.items())),
         )
     overheads = {}
     for mode, tiny in found["overhead"].items():
@@ -182,6 +197,15 @@ def constants_table(found: dict) -> str:
         ("shard: publish a version, ms", lambda w: f"{1000 * found[w]['publish_s']:.2f}"),
         ("actor call round trip, ms", lambda w: f"{1000 * found[w]['call_s']:.2f}"),
     ]
+    if "store_object" in found:
+        stored = found["store_object"]
+        rows.append(
+            (
+                f"an object through the object store (over Ray's {stored['inline_bytes'] // 1024} KiB inline "
+                "limit): latency / the raylet's CPU, ms",
+                lambda w: own("store_object_s") + " / " + own("store_object_cpu_s"),
+            )
+        )
     if "overhead" in found:
         rows += [
             (
@@ -198,8 +222,8 @@ def constants_table(found: dict) -> str:
                 ),
                 ("a shard's own CPU per push (the same model's), ms", lambda w: own("push_cpu_s")),
                 (
-                    "CPU of Ray's own processes, the driver and the data pipeline per global batch "
-                    "(the same model's), ms",
+                    "CPU of Ray's own processes, the driver and the data pipeline per global batch, "
+                    "beyond the raylet's for stored objects (the same model's), ms",
                     lambda w: own("other_cpu_s"),
                 ),
             ]

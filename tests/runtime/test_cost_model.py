@@ -188,3 +188,32 @@ def test_a_sync_step_on_shared_cores_is_the_workers_cpu_then_the_shards_part():
     step = predict_step(COSTS, workers=4, shards=1, mode="sync", cores=2, **SHAPE)
     worker_cpu = 2e-3 + 32e-3 + 2 * 4e6 * 1e-9
     assert step.cpu_bound_s == pytest.approx(4 * worker_cpu / 2 + step.shard_s)
+
+
+def test_parts_over_rays_inline_limit_cost_a_store_objects_latency_on_the_path_and_the_raylets_cpu():
+    from dataclasses import replace
+
+    from towerflow.runtime.cost_model import store_objects
+
+    stored = replace(COSTS, store_object_s=1e-3, store_object_cpu_s=2e-3)
+    for mode, on_path, in_all in (("sync", 2, 4 + 1), ("async", 2, 2 * 4)):  # pushes (+ replies / a version)
+        objects = store_objects(stored, workers=4, shards=1, params=SHAPE["params"], mode=mode)
+        assert (objects.on_path, objects.per_global_batch) == (on_path, in_all)
+        step = predict_step(stored, workers=4, shards=1, mode=mode, **SHAPE)
+        plain = predict_step(COSTS, workers=4, shards=1, mode=mode, **SHAPE)
+        assert step.worker_s == pytest.approx(plain.worker_s + on_path * 1e-3)
+        shared = predict_step(stored, workers=4, shards=1, mode=mode, cores=1, **SHAPE)
+        assert (
+            shared.cpu_bound_s
+            >= predict_step(COSTS, workers=4, shards=1, mode=mode, cores=1, **SHAPE).cpu_bound_s
+            + in_all * 2e-3
+        )
+    # Under the limit an async push and its reply travel inside the calls; a sync version is put all the same.
+    small = {"params": 10_000, "mode": "sync"}
+    assert store_objects(stored, workers=4, shards=1, **small).on_path == 1
+    assert store_objects(stored, workers=4, shards=1, **{**small, "mode": "async"}).on_path == 0
+    # Enough shards bring each part under the limit (4 MB over 40 shards: 100 kB each).
+    assert store_objects(stored, workers=4, shards=40, params=SHAPE["params"], mode="async").on_path == 0
+    # Many workers: a shard's node's raylet, 2 objects a push, takes longer than the shard itself.
+    many = predict_step(stored, workers=256, shards=1, mode="async", params=50_000, batch_per_worker=32)
+    assert many.shard_s == pytest.approx(2 * 256 * 2e-3) and many.bottleneck == "shards"

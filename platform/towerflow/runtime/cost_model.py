@@ -5,14 +5,19 @@ and has each shard take in W pushes of its part, apply once (sync) or once per p
 publish a new version. With B = 4P bytes, b examples per worker and the measured costs in `Costs`:
 
     worker   = compute(b) + 2 B (worker_s_per_byte) + 2 S call_s + 2 B / link   (link only across nodes)
+               + n store_object_s                   (n objects on its path go through the object store)
                + overhead                           (the platform's own per step: Python, Ray, the driver)
     shard    = W ((B/S) push_s_per_byte + push_cpu_s) + k (B/S) (apply_s_per_byte + publish_s_per_byte)
                + W (B/S) / link for its node's link, each way            (k = 1 sync, W async)
+               or its node's raylet, store_object_cpu_s for each object it handles, if that is longer
     sync     = worker + shard                       (the barrier: every push lands, then one apply)
     async    = max(worker + shard / W, shard)       (each worker loops on its own, waiting for its own
                                                      push's apply and version; a shard saturates)
 
-per global batch (W b examples). On a machine with fewer cores than busy processes the CPU bounds
+per global batch (W b examples). Ray sends an array of up to `inline_bytes` inside the call that
+carries it; a larger one goes through the object store, and each such object costs a fixed
+latency and the raylet's CPU whatever its size (`store_objects` counts them: a push and its reply
+when a shard's part is over the limit, and a sync version always, since it is `ray.put`). On a machine with fewer cores than busy processes the CPU bounds
 it too: a worker needs cpu(b) + its traffic + `worker_step_cpu_s` a step, and Ray's own
 processes, the driver and the data pipeline `other_cpu_s` a global batch (they work per step:
 events, calls, batches; not at a steady rate). Sync, the workers' part cannot be shorter than W
@@ -45,7 +50,9 @@ class Costs:
     call_s: float  # one actor call's round trip
     push_cpu_s: float = 0.0  # a shard's CPU per push beyond its bytes (Ray's call, the protocol, the reply)
     worker_step_cpu_s: float = 0.0  # a worker's CPU per step beyond compute and traffic
-    other_cpu_s: float = 0.0  # CPU of Ray's own processes, the driver and the data pipeline per global batch
+    # CPU of Ray's own processes, the driver and the data pipeline per global batch, beyond the raylet's
+    # for objects in the store (store_object_cpu_s)
+    other_cpu_s: float = 0.0
     # How many times slower a worker computes while another computes beside it on the same machine
     # (shared caches, memory bandwidth, sibling hardware threads): measured with two at once.
     compute_contention: float = 1.0
@@ -54,6 +61,13 @@ class Costs:
     # model's step takes beyond what its parts predict.
     overhead_sync_s: float = 0.0
     overhead_async_s: float = 0.0
+    # An object through Ray's object store (over the inline limit): the latency it adds to a call
+    # beyond its bytes, and the raylet's CPU for it (its bookkeeping: locations, pins, hand-offs).
+    store_object_s: float = 0.0
+    store_object_cpu_s: float = 0.0
+    inline_bytes: int = (
+        100 * 1024
+    )  # Ray's max_direct_call_object_size: larger arguments and replies are stored
     link_bytes_per_s: float | None = None  # between nodes; None: all on one node
 
     def on_network(self, gbit_per_s: float) -> Costs:
@@ -72,6 +86,8 @@ DEFAULT_COSTS = Costs(
     apply_s_per_byte=3.6e-10,
     publish_s_per_byte=8.1e-10,
     call_s=8.5e-4,
+    store_object_s=8.1e-4,  # (2026-11-28 15:2x UTC)
+    store_object_cpu_s=8.3e-4,
 )
 
 
@@ -97,6 +113,25 @@ def compute_s(costs: Costs, batch: int) -> float:
     return costs.compute_fixed_s + batch * costs.compute_s_per_example
 
 
+@dataclass(frozen=True)
+class StoreObjects:
+    """Objects through Ray's object store in a step: on one worker's path, per shard, in all."""
+
+    on_path: int  # a worker waits on each of these in turn
+    per_shard: int  # a shard's node's raylet handles these each global batch
+    per_global_batch: int
+
+
+def store_objects(costs: Costs, *, workers: int, shards: int, params: int, mode: str) -> StoreObjects:
+    """Which of a step's transfers go through the object store: a push (one per shard a worker
+    sends to) and an async push's reply, each when a shard's part is over `inline_bytes`; a sync
+    version whatever its size (`ray.put`, shared by the step's workers)."""
+    stored = int(4 * params / shards > costs.inline_bytes)
+    if mode == "sync":
+        return StoreObjects(shards * (stored + 1), workers * stored + 1, shards * (workers * stored + 1))
+    return StoreObjects(2 * shards * stored, 2 * workers * stored, 2 * workers * shards * stored)
+
+
 def predict_step(
     costs: Costs,
     *,
@@ -117,22 +152,32 @@ def predict_step(
         compute *= costs.compute_contention
     worker_traffic = 2 * nbytes * costs.worker_s_per_byte
     overhead = costs.overhead_sync_s if mode == "sync" else costs.overhead_async_s
+    objects = store_objects(costs, workers=workers, shards=shards, params=params, mode=mode)
     worker = (
-        compute + worker_traffic + overhead + 2 * shards * costs.call_s + (2 * nbytes / link if link else 0.0)
+        compute
+        + worker_traffic
+        + overhead
+        + 2 * shards * costs.call_s
+        + objects.on_path * costs.store_object_s
+        + (2 * nbytes / link if link else 0.0)
     )
     applies = 1 if mode == "sync" else workers
     shard_work = workers * (part * costs.push_s_per_byte + costs.push_cpu_s) + applies * part * (
         costs.apply_s_per_byte + costs.publish_s_per_byte
     )
-    shard = max(shard_work, workers * part / link) if link else shard_work  # its link: W parts each way
+    # A shard's node's link carries W parts each way; its raylet handles each of its objects.
+    shard = max(
+        shard_work, objects.per_shard * costs.store_object_cpu_s, workers * part / link if link else 0.0
+    )
     # Async, a worker's loop waits for its own push's apply and version; W such loops share a shard.
     seconds = worker + shard if mode == "sync" else max(worker + shard / workers, shard)
     cpu_bound = 0.0
     if cores:
         workers_cpu = workers * (compute * costs.compute_cores + worker_traffic + costs.worker_step_cpu_s)
-        cpu_bound = (workers_cpu + shards * shard_work + costs.other_cpu_s) / cores
+        other_cpu = costs.other_cpu_s + objects.per_global_batch * costs.store_object_cpu_s
+        cpu_bound = (workers_cpu + shards * shard_work + other_cpu) / cores
         if mode == "sync":  # the workers' part, then the shards' (the workers wait for the version)
-            cpu_bound = max(cpu_bound, (workers_cpu + costs.other_cpu_s) / cores + shard)
+            cpu_bound = max(cpu_bound, (workers_cpu + other_cpu) / cores + shard)
     return Step(max(seconds, cpu_bound), worker, shard, cpu_bound, seconds)
 
 
