@@ -13,8 +13,8 @@ training time.
 
 Then the cost model's constants are measured (benchmarks/costmodel.py) and the model is checked
 against every towerflow run and projected to 256 workers. The last lines: vs_raytrain=,
-vs_psstrategy=, async_vs_sync_mlp=, async_fetch2_vs_sync_mlp=, async_vs_sync=, sync_vs_keras=,
-model_error_max=.
+vs_psstrategy=, async_vs_sync_mlp=, async_fetch2_vs_sync_mlp=, async_overlap_vs_sync_mlp=,
+async_vs_sync=, sync_vs_keras=, model_error_max=.
 """
 
 from __future__ import annotations
@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "vs_psstrategy",
         "async_vs_sync_mlp",
         "async_fetch2_vs_sync_mlp",
+        "async_overlap_vs_sync_mlp",
         "async_vs_sync",
         "sync_vs_keras",
         "model_error_max",

@@ -46,6 +46,13 @@ SYSTEMS = {
         extra=("--fetch-every=2",),
         snapshots_on_the_clock=True,
     ),
+    "towerflow_async_overlap": System(
+        "towerflow async, overlapping pushes",
+        "towerflow",
+        "async",
+        extra=("--overlap-push",),
+        snapshots_on_the_clock=True,
+    ),
     "raytrain": System("Ray Train TensorflowTrainer (tf_keras)", "raytrain"),
     "psstrategy": System(
         "TF ParameterServerStrategy (tf_keras)", "psstrategy", "async", snapshots_on_the_clock=True
@@ -108,7 +115,7 @@ def default_plan() -> list[Config]:
     compared.append(Config("raytrain", "lenet", 2, every_round=True, rounds=2))
     compared += [
         Config(s, "mlp", 2, every_round=True)
-        for s in ("towerflow_sync", "towerflow_async", "towerflow_async_fetch2")
+        for s in ("towerflow_sync", "towerflow_async", "towerflow_async_fetch2", "towerflow_async_overlap")
     ]
     once = [Config("naive_ps", "lenet", 2)]
     once += [Config(f"towerflow_{m}", "lenet", w) for w in (1, 4) for m in ("sync", "async")]

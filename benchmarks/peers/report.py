@@ -130,6 +130,13 @@ TARGETS = [
         1.0,
     ),
     Target(
+        "async_overlap_vs_sync_mlp",
+        "towerflow async overlapping pushes / sync, 2 workers, MLP",
+        "mlp/towerflow_async_overlap/2w",
+        "mlp/towerflow_sync/2w",
+        1.0,
+    ),
+    Target(
         "sync_vs_keras",
         "towerflow sync, 2 workers / Keras, LeNet",
         "lenet/towerflow_sync/2w",
