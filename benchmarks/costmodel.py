@@ -229,6 +229,8 @@ def measure_store_object(calls: int = 200) -> dict:
 
     echo = Echo.remote()
     raylet = psutil.Process(ray.get(echo.pid.remote())).parent()  # the raylet starts its workers
+    if raylet is None or "raylet" not in raylet.name():
+        raise RuntimeError(f"the echo actor's parent is {raylet and raylet.name()!r}, not Ray's raylet")
 
     def round_trips(nbytes: int) -> tuple[float, float]:
         array = np.ones(nbytes // 4, np.float32)
