@@ -8,8 +8,8 @@ publish a new version. With B = 4P bytes, b examples per worker and the measured
                + n store_object_s                   (n objects on its path go through the object store)
                + overhead                           (the platform's own per step: Python, Ray, the driver)
     shard    = W ((B/S) push_s_per_byte + push_cpu_s) + k (B/S) (apply_s_per_byte + publish_s_per_byte)
-               + W (B/S) / link for its node's link, each way            (k = 1 sync, W async)
-               or its node's raylet, store_object_cpu_s for each object it handles, if that is longer
+                                                    (k = 1 sync, W async), or if longer: its node's
+               link, W (B/S) / link each way, or its node's raylet, store_object_cpu_s an object
     sync     = worker + shard                       (the barrier: every push lands, then one apply)
     async    = max(worker + shard / W, shard)       (each worker loops on its own, waiting for its own
                                                      push's apply and version; a shard saturates)
@@ -17,13 +17,15 @@ publish a new version. With B = 4P bytes, b examples per worker and the measured
 per global batch (W b examples). Ray sends an array of up to `inline_bytes` inside the call that
 carries it; a larger one goes through the object store, and each such object costs a fixed
 latency and the raylet's CPU whatever its size (`store_objects` counts them: a push and its reply
-when a shard's part is over the limit, and a sync version always, since it is `ray.put`). On a machine with fewer cores than busy processes the CPU bounds
-it too: a worker needs cpu(b) + its traffic + `worker_step_cpu_s` a step, and Ray's own
-processes, the driver and the data pipeline `other_cpu_s` a global batch (they work per step:
-events, calls, batches; not at a steady rate). Sync, the workers' part cannot be shorter than W
-worker-CPUs and the others' over the cores (the shards' part follows it: the workers wait for the
-version then); async, the whole step cannot be shorter than all processes' CPU over them. Workers sharing
-one machine compute side by side, each slower than alone by the measured `compute_contention`.
+when a shard's part is over the limit, and a sync version always, since it is `ray.put`).
+
+On a machine with fewer cores than busy processes the CPU bounds it too: a worker needs cpu(b) +
+its traffic + `worker_step_cpu_s` a step, and Ray's own processes, the driver and the data
+pipeline `other_cpu_s` a global batch (they work per step: events, calls, batches; not at a steady
+rate). Sync, the workers' part cannot be shorter than W worker-CPUs and the others' over the cores
+(the shards' part follows it: the workers wait for the version then); async, the whole step cannot
+be shorter than all processes' CPU over them. Workers sharing one machine compute side by side,
+each slower than alone by the measured `compute_contention`.
 The benchmark (benchmarks/costmodel.py) measures the constants, the per-process ones in a run of a
 near-empty model, and checks the model against every measured run; `shards_for` is what
 `cluster.ps: auto` asks.
@@ -65,9 +67,8 @@ class Costs:
     # beyond its bytes, and the raylet's CPU for it (its bookkeeping: locations, pins, hand-offs).
     store_object_s: float = 0.0
     store_object_cpu_s: float = 0.0
-    inline_bytes: int = (
-        100 * 1024
-    )  # Ray's max_direct_call_object_size: larger arguments and replies are stored
+    # Ray's max_direct_call_object_size: larger arguments and replies go through the store
+    inline_bytes: int = 100 * 1024
     link_bytes_per_s: float | None = None  # between nodes; None: all on one node
 
     def on_network(self, gbit_per_s: float) -> Costs:
