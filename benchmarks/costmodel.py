@@ -217,7 +217,7 @@ def measure_store_object(calls: int = 200) -> dict:
     import psutil
     import ray
 
-    from towerflow.runtime.cost_model import Costs
+    from towerflow.runtime.cost_model import DEFAULT_COSTS
 
     @ray.remote(num_cpus=1)
     class Echo:
@@ -244,7 +244,7 @@ def measure_store_object(calls: int = 200) -> dict:
         after = raylet.cpu_times()
         return statistics.median(walls), (after.user + after.system - before.user - before.system) / calls
 
-    limit = Costs.__dataclass_fields__["inline_bytes"].default
+    limit = DEFAULT_COSTS.inline_bytes
     inline_s, inline_cpu_s = round_trips(int(0.9 * limit))
     stored_s, stored_cpu_s = round_trips(int(1.1 * limit))
     return {

@@ -54,8 +54,9 @@ def spec_for_mode(spec: JobSpec | str | Path, mode: str, overrides: Iterable[str
     A comparison exports no model unless an override asks for it: each child would otherwise register
     a version and move the alias, and the last mode to finish would win it."""
     overrides = ["export.saved_model=false", *overrides, f"training.mode={mode}"]
-    if mode == "sync":  # an async spec's staleness bound, fetch interval and overlap mean nothing in
-        # sync mode, and sync refuses them
+    # An async spec's staleness bound, fetch interval and overlap mean nothing in sync mode, and
+    # sync refuses them.
+    if mode == "sync":
         overrides += ["training.max_staleness=null", "training.fetch_every=1", "training.overlap_push=false"]
     if not isinstance(spec, JobSpec):
         mode_spec = load_spec(spec, overrides)

@@ -275,9 +275,8 @@ class TowerWorker:
         ray.get([shard.join.remote(cfg.worker_id) for shard in shards])
         replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
         versions = [r.version for r in replies]
-        fresh = replies  # the parameters they carry are not yet loaded into the model
+        fresh = replies  # parameters not yet loaded into the model (None: the model holds the last)
         done = any(r.done for r in replies)
-        fetched = True
         steps = computed = examples = 0
         inflight: _Computed | None = None  # overlap_push: the step whose push is still on its way
         try:
@@ -296,8 +295,9 @@ class TowerWorker:
                         signature_of(inputs, labels), list(stream.options.tower_preprocess)
                     )
                 t1 = time.perf_counter()
-                if fetched:
+                if fresh is not None:
                     self._assign(parameter_values(fresh), placement)
+                    fresh = None
                 t2 = time.perf_counter()
                 # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the
                 # steps in between compute on these (the shards count their staleness).
@@ -317,13 +317,11 @@ class TowerWorker:
                     # Downpour's asynchronous push: the next step computes while this push travels,
                     # on the parameters of the reply to the push before it.
                     settling, inflight = inflight, settling
-                    fetched = False
                     if settling is None:
                         continue
                 replies = self._settle(settling)
                 steps, examples = steps + 1, examples + settling.trained_examples
-                fetched = settling.step.fetch
-                if fetched:
+                if settling.step.fetch:
                     versions = [r.next.version for r in replies]
                     fresh = [r.next for r in replies]
                 done = any(r.next.done for r in replies)
