@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import ray
 
-from towerflow.runtime.shared_buffers import aligned_empty_like, assign_immutable, assign_rows, is_aligned
+from towerflow.runtime.shared_buffers import (
+    aligned_empty_like,
+    assign_immutable,
+    assign_pulled,
+    assign_rows,
+    is_aligned,
+)
 
 
 def _misaligned(shape, dtype=np.float32) -> np.ndarray:
@@ -91,3 +97,14 @@ def test_rows_that_do_not_make_up_the_variable_are_refused_with_its_name():
     variable = keras.Variable(np.zeros((5, 3), np.float32), name="kernel")
     with pytest.raises(ValueError, match=r"kernel: rows of shape \(4, 3\) for a variable of shape \(5, 3\)"):
         assign_rows(variable, [np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)])
+
+
+def test_pulled_pieces_load_whole_variables_and_join_cut_ones_across_shards():
+    # variable 0 cut across both shards (shard 1 holds its first rows), variable 1 whole on shard 0
+    kernel, bias = keras.Variable(np.zeros((5, 3), np.float32)), keras.Variable(np.zeros(3, np.float32))
+    full = np.arange(15, dtype=np.float32).reshape(5, 3)
+    placement = [[(0, 2, 5, False), (1, 0, 3, True)], [(0, 0, 2, False)]]
+    per_shard = [[full[2:].copy(), np.full(3, 9.0, np.float32)], [full[:2].copy()]]
+    assign_pulled([kernel, bias], per_shard, placement)
+    np.testing.assert_array_equal(kernel.numpy(), full)
+    np.testing.assert_array_equal(bias.numpy(), 9.0)

@@ -65,3 +65,22 @@ def assign_rows(variable: Any, rows: list[np.ndarray]) -> None:
         )
     joined = tf.raw_ops.ConcatV2(values=rows, axis=0)
     tf.raw_ops.AssignVariableOp(resource=variable.handle, value=joined)
+
+
+def assign_pulled(
+    variables: list[Any],
+    per_shard: list[list[np.ndarray]],
+    placement: list[list[tuple[int, int, int, bool]]],
+) -> None:
+    """Load parameters pulled from the shards into the model's variables: a whole variable takes
+    its (immutable) array's buffer without a copy, a variable cut across shards its rows joined in
+    one copy. `placement[s]` lists shard s's pieces as (variable index, start, stop, whole?)."""
+    cut: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for shard_values, pieces in zip(per_shard, placement):
+        for value, (index, start, _stop, whole) in zip(shard_values, pieces):
+            if whole:
+                assign_immutable(variables[index], value)
+            else:
+                cut.setdefault(index, []).append((start, value))
+    for index, rows in cut.items():
+        assign_rows(variables[index], [value for _, value in sorted(rows, key=lambda row: row[0])])
