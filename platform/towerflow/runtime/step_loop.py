@@ -22,7 +22,7 @@ import ray
 from towerflow.runtime.batches import BatchAdapter
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.ps import parameter_values
-from towerflow.runtime.pushes import Placement, PushPlan, StepPushes
+from towerflow.runtime.pushes import PushPlan, StepPushes
 from towerflow.runtime.shared_buffers import assign_pulled
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.towers import TowerStep, signature_of
@@ -77,9 +77,6 @@ class StepLoop:
         since = self._busy_since
         return WorkerReport(records, None if since is None else time.monotonic() - since)
 
-    def assign(self, per_shard: list[list[np.ndarray]], placement: Placement) -> None:
-        assign_pulled(self._variables, per_shard, placement)
-
     def run(self, batches: Iterator[Any], tower_preprocess: list[str]) -> tuple[int, int]:
         """Train on `batches` with the attached plan until they end, the shards say the last step is
         done, or the driver stops us; returns (steps, examples) trained."""
@@ -108,7 +105,7 @@ class StepLoop:
                     self.warm_up = WarmUp(signature_of(inputs, labels), list(tower_preprocess))
                 t1 = time.perf_counter()
                 if fresh is not None:
-                    self.assign(parameter_values(fresh), placement)
+                    assign_pulled(self._variables, parameter_values(fresh), placement)
                     fresh = None
                 t2 = time.perf_counter()
                 # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the

@@ -22,6 +22,7 @@ from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan
+from towerflow.runtime.shared_buffers import assign_pulled
 from towerflow.runtime.step_loop import StepLoop
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow, gpu_peak_mb
@@ -158,7 +159,7 @@ class TowerWorker:
         from towerflow.runtime.evaluation import evaluate_model
 
         replies = ray.get([shard.pull.remote(0) for shard in shards])
-        self._loop.assign(parameter_values(replies), placement)
+        assign_pulled(self.model.trainable_variables, parameter_values(replies), placement)
         if model_state:
             load_model_state(self.model, model_state)
         self.adapter.varlen = source.varlen
