@@ -41,8 +41,9 @@ class StepLoop:
         towers: TowerStep,
         adapter: BatchAdapter,
         profiler: StepWindowProfiler,
-        misfit_errors: tuple[type[BaseException], ...],
     ) -> None:
+        import tensorflow as tf  # already imported by the worker that builds the model
+
         self.config = config
         self.model = model
         self.towers = towers
@@ -51,7 +52,8 @@ class StepLoop:
         self.warm_up: WarmUp | None = None  # what a spare needs to trace ahead, from the first batch
         self._variables = model.trainable_variables  # fixed once built; read every step
         self._profiler = profiler
-        self._misfit_errors = misfit_errors
+        # what a batch that does not fit the model raises (at the first step: the spec's mismatch)
+        self._misfit_errors = (ValueError, TypeError, tf.errors.InvalidArgumentError)
         self._faults = config.faults or FaultInjector()
         self._records: collections.deque[StepRecord] = collections.deque()
         self._plan: PushPlan | None = None

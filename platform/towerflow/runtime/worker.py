@@ -44,7 +44,6 @@ class TowerWorker:
         self._node_readied = False  # its node has a process ready for reading (a spare's)
         devices = configure_tensorflow(config.tf)
         import keras
-        import tensorflow as tf
 
         from towerflow.imports import import_ref
 
@@ -75,8 +74,7 @@ class TowerWorker:
         input_names = [getattr(t, "name", f"input_{i}") for i, t in enumerate(self.model.inputs)]
         self.adapter = BatchAdapter(input_names, config.label, config.feature_scales)
         self._profiler = StepWindowProfiler(config.profile_steps)
-        misfit = (ValueError, TypeError, tf.errors.InvalidArgumentError)
-        self._loop = StepLoop(config, self.model, self.towers, self.adapter, self._profiler, misfit)
+        self._loop = StepLoop(config, self.model, self.towers, self.adapter, self._profiler)
 
     # -- called by the driver --------------------------------------------------------------------
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
