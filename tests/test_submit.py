@@ -43,6 +43,6 @@ def test_the_entrypoint_trains_with_resume_auto_and_quotes_each_override():
         Path("pipelines/mnist_sync.yaml"), ["training.max_steps=5", "tracking.experiment=a b"]
     )
     assert shlex.split(command) == [
-        "python", "-m", "towerflow", "train", "pipelines/mnist_sync.yaml", "--no-progress",
-        "--resume", "auto", "--set", "training.max_steps=5", "--set", "tracking.experiment=a b",
+        "python", "-m", "towerflow", "train", "pipelines/mnist_sync.yaml", "--resume", "auto",
+        "--set", "training.max_steps=5", "--set", "tracking.experiment=a b",
     ]  # fmt: skip

@@ -73,7 +73,8 @@ def runtime_env(root: Path, tracking_uri: str | None = None) -> dict[str, Any]:
 
 
 def entrypoint(spec: Path, overrides: Sequence[str]) -> str:
-    args = ["python", "-m", "towerflow", "train", spec.as_posix(), "--no-progress", "--resume", "auto"]
+    """`train --resume auto`, with its progress lines (a job's log is no terminal: a line every 10 s)."""
+    args = ["python", "-m", "towerflow", "train", spec.as_posix(), "--resume", "auto"]
     for override in overrides:
         args += ["--set", override]
     return shlex.join(args)
