@@ -8,7 +8,7 @@ import io
 from rich.console import Console
 
 from towerflow.cli.progress import ProgressHook
-from towerflow.runtime.hooks import SessionInfo
+from towerflow.runtime.hooks import SessionInfo, StepEvent
 from towerflow.spec import load_spec
 
 
@@ -35,6 +35,17 @@ def test_a_hooks_last_step_bounds_the_total_too():
     hook = ProgressHook(1000, console=Console(file=io.StringIO()))
     hook.after_create_session(session)
     assert hook.total == 300
+
+
+def test_progress_lines_say_no_rate_until_one_is_known(capsys):
+    hook = ProgressHook(10, console=Console(file=io.StringIO()), log_every_s=0.0)
+    hook.after_create_session(_session(None))  # not a terminal: plain lines
+    for step, rate in ((1, 0.0), (2, 1234.4)):
+        hook.after_run(None, StepEvent(step, 0.25, {}, 64, 64 * step, float(step), rate, {}, [0]))
+    assert capsys.readouterr().err.splitlines() == [
+        "step 1/10 loss 0.2500 examples/sec -",
+        "step 2/10 loss 0.2500 examples/sec 1,234",
+    ]
 
 
 def test_the_banner_counts_one_tower_per_gpu():

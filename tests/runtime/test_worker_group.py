@@ -42,13 +42,16 @@ def _poll_until_lost(group: WorkerGroup, timeout_s: float):
     raise AssertionError(f"no loss within {timeout_s} s")
 
 
-def test_a_replacement_that_no_node_has_room_for_is_lost_after_the_start_timeout(ray_cluster):
+def test_a_replacement_that_no_node_has_room_for_is_lost_after_the_start_timeout(ray_cluster, caplog):
     ray = ray_cluster
     worker = ray.remote(num_cpus=0, max_concurrency=4)(_Worker)
     nowhere = worker.options(resources={"a-resource-no-node-has": 1})
     placeable = iter([True])
     group = WorkerGroup(
-        lambda _id: (worker if next(placeable, False) else nowhere).remote(), timeout_s=60, start_timeout_s=2
+        lambda _id: (worker if next(placeable, False) else nowhere).remote(),
+        timeout_s=60,
+        start_timeout_s=2,
+        tell_waiting_every_s=0.5,
     )
     group.start([0])
     group.run(0)
@@ -61,6 +64,10 @@ def test_a_replacement_that_no_node_has_room_for_is_lost_after_the_start_timeout
     assert unstarted.index == 0 and "did not start within" in unstarted.cause
     assert "training.failure.start_timeout_s" in unstarted.cause
     assert group.slots[0].lost
+    # While it waited, the log said so (not silence until the timeout), with the room there is.
+    told = [r.getMessage() for r in caplog.records if "replacement has not started after" in r.getMessage()]
+    assert told and "worker 0's" in told[0] and "CPU free" in told[0], told
+    assert "counts as lost after 2 s" in told[0], told
     group.kill()
 
 

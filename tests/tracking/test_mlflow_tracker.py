@@ -66,6 +66,9 @@ def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):
     steps = client.get_metric_history(result.run_id, "global_step")
     assert all(m.step == m.value for m in steps)
     assert "train_accuracy" in run.data.metrics and "time_compute_s" in run.data.metrics
+    # No rate is known at step 1 (one step ended): the chart starts with a measured one, not 0.
+    rates = client.get_metric_history(result.run_id, "examples_per_sec")
+    assert [m.step for m in rates] == [4, 7, 8] and all(m.value > 0 for m in rates), rates
 
 
 def test_run_records_versions_cluster_shape_and_git_commit(ray_cluster, blob_data, tmp_path):

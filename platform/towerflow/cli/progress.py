@@ -50,7 +50,8 @@ class ProgressHook(Hook):
             self._progress.start()
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
-        loss, rate = f"{event.loss:.4f}", f"{event.examples_per_sec:,.0f}"
+        loss = f"{event.loss:.4f}"
+        rate = f"{event.examples_per_sec:,.0f}" if event.examples_per_sec else "-"  # not known at step 1
         if self._progress is not None:
             self._progress.update(self._task, completed=event.global_step, loss=loss, rate=rate)
         elif time.monotonic() - self._last_log >= self.log_every_s:

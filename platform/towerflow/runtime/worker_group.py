@@ -37,15 +37,22 @@ class WorkerSlot:
     finished: bool = False
     answered: bool = False  # it has started (answered a drain): silence counts as a hang from then on
     replaced_at: float | None = None  # a replacement's start, until its first step: the time lost
+    waiting_told_at: float = 0.0  # how long it had waited to start when the log last said so
 
 
 class WorkerGroup:
     def __init__(
-        self, make_actor: Callable[..., Any], timeout_s: float, start_timeout_s: float = 600.0
+        self,
+        make_actor: Callable[..., Any],
+        timeout_s: float,
+        start_timeout_s: float = 600.0,
+        *,
+        tell_waiting_every_s: float = 30.0,
     ) -> None:
         self._make_actor = make_actor  # (worker id, spare=False) -> a new worker actor
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s  # a replacement not started by then is lost in its turn
+        self.tell_waiting_every_s = tell_waiting_every_s  # how often the log says one still waits
         self.slots: dict[int, WorkerSlot] = {}
         self.global_step = 0  # the newest step heard of, for naming when a loss happened
         self.recoveries_s: list[float] = []  # per replacement: loss noticed -> its first step
@@ -279,7 +286,9 @@ class WorkerGroup:
         now = time.monotonic()
         for slot in self.slots.values():
             waited = now - slot.replaced_at if slot.replaced_at is not None else 0.0
-            if not slot.answered and not slot.lost and waited > self.start_timeout_s:
+            if slot.answered or slot.lost:
+                continue
+            if waited > self.start_timeout_s:
                 with contextlib.suppress(Exception):
                     ray.kill(slot.actor)
                 self._lose(
@@ -287,6 +296,17 @@ class WorkerGroup:
                     status,
                     f"its replacement did not start within {waited:.0f} s: no node with room for it? "
                     f"(training.failure.start_timeout_s: {self.start_timeout_s:g})",
+                )
+            elif waited - slot.waiting_told_at >= self.tell_waiting_every_s:
+                # A wait for room can last minutes: say so, rather than leave the log silent.
+                slot.waiting_told_at = waited
+                log.warning(
+                    "worker %d's replacement has not started after %.0f s (%s; or still starting): "
+                    "it counts as lost after %g s (training.failure.start_timeout_s)",
+                    slot.worker_id,
+                    waited,
+                    _free_resources(),
+                    self.start_timeout_s,
                 )
 
     def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:
@@ -299,6 +319,12 @@ class WorkerGroup:
             return
         slot.lost, slot.drain_ref = True, None
         status.losses.append(ActorLoss(LossKind.WORKER, slot.worker_id, self.global_step, cause, hung=hung))
+
+
+def _free_resources() -> str:
+    free = ray.available_resources()
+    parts = [f"{free.get('CPU', 0.0):g} CPU"] + ([f"{free['GPU']:g} GPU"] if free.get("GPU") else [])
+    return f"the cluster has {' and '.join(parts)} free"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -174,12 +174,13 @@ class MLflowTracker(Hook):
         values = {
             "loss": event.loss,
             "global_step": step,
-            "examples_per_sec": event.examples_per_sec,
             "examples_seen": event.examples_seen,
             "elapsed_s": event.elapsed_s,
             **{f"train_{k}": v for k, v in event.metrics.items()},
             **{f"time_{k}_s": v for k, v in event.time_split.items()},
         }
+        if event.examples_per_sec:  # not known at the first step: no 0 at the start of its chart
+            values["examples_per_sec"] = event.examples_per_sec
         values.update(self._window.metrics())
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
 
