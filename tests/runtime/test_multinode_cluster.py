@@ -319,6 +319,34 @@ def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_clus
     assert any("replaced" in v for v in faults.values()), faults
 
 
+def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
+    multinode_cluster, blob_data, tmp_path
+):
+    """The lost node's shard (and its worker, where it had one) are found in the same turn; the
+    shard's replacement, if Ray placed it on the dying node, is placed again; the run goes on."""
+    cluster = multinode_cluster
+    cluster.add_node(num_cpus=2)  # room for what the lost node held, beside the run
+    # Two shards and two workers spread over three nodes: one node holds two of them.
+    layout = {"placement": "spread", "ps": 2, "cpus_per_ps": 0.25}
+    spec, uri = _spec_file(tmp_path, blob_data, "shard-node-loss", cluster=layout, max_steps=600)
+    driver = _train(cluster, spec)
+    run_id = _wait_for_step(uri, "shard-node-loss", 25, driver)  # past the first checkpoint (20)
+    shard_nodes = {a["node_id"] for a in _actors(cluster, "ParameterShard")}
+    worker_nodes = {a["node_id"] for a in _actors(cluster, "TowerWorker")}
+    victims = [n for n in cluster.nodes if not n.killed and n.node_id in shard_nodes - {cluster.head.node_id}]
+    if not victims:
+        driver.kill()
+        pytest.skip("Ray placed the shards on the head")
+    victims.sort(key=lambda n: n.node_id not in worker_nodes)  # a shard's and a worker's node first
+    cluster.kill_node(victims[0])
+    out = _finish(driver)
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 600, out[-3000:]
+    assert run.data.metrics["ps_rollbacks"] == 1, out[-3000:]
+    faults = [v for k, v in run.data.tags.items() if k.startswith("towerflow.fault.")]
+    assert any(v.startswith("parameter server") and "rolled back" in v for v in faults), faults
+
+
 def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
     # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour

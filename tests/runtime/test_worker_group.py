@@ -33,6 +33,18 @@ class _Worker:
         self._stop.set()
 
 
+class _StarvedWorker(_Worker):
+    """A worker whose next batch never comes (or, `fed`, one that keeps computing)."""
+
+    def __init__(self, fed: bool = False) -> None:
+        super().__init__()
+        self._fed = fed
+        self._since = time.monotonic()
+
+    def drain(self) -> WorkerReport:
+        return WorkerReport([], None, None if self._fed else time.monotonic() - self._since)
+
+
 def _poll_until_lost(group: WorkerGroup, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -85,4 +97,45 @@ def test_a_worker_that_does_not_stop_when_asked_is_killed_and_reported_hung(ray_
     (hung,) = status.losses
     assert hung.index == 1 and hung.hung and "did not stop within 3 s" in hung.cause
     assert group.running == []
+    group.kill()
+
+
+def test_workers_all_starved_of_data_are_told_of_then_fail_the_run(ray_cluster, caplog):
+    ray = ray_cluster
+    worker = ray.remote(num_cpus=0, max_concurrency=4)(_StarvedWorker)
+    group = WorkerGroup(
+        lambda _id: worker.remote(), timeout_s=60, start_timeout_s=2, tell_waiting_every_s=0.5
+    )
+    group.start([0, 1])
+    group.run(0)
+    group.run(1)
+    deadline = time.monotonic() + 20
+    while (status := group.poll(0.2)).stalled is None:
+        assert time.monotonic() < deadline, "the starved run was never failed"
+    assert not status.losses  # no worker is at fault: none is replaced
+    message = str(status.stalled)
+    assert type(status.stalled).__name__ == "ClusterError" and status.fatal is status.stalled
+    assert "no batch reached any worker for" in message and "CPU free" in message, message
+    assert "training.failure.start_timeout_s: 2" in message, message
+    told = [r.getMessage() for r in caplog.records if "no batch has reached any worker" in r.getMessage()]
+    assert told and "the run fails after 2 s" in told[0], told  # said while it lasted, before failing
+    group.kill()
+
+
+def test_one_worker_still_fed_is_no_stall(ray_cluster, caplog):
+    ray = ray_cluster
+    worker = ray.remote(num_cpus=0, max_concurrency=4)(_StarvedWorker)
+    group = WorkerGroup(
+        lambda worker_id: worker.remote(fed=worker_id == 1),
+        timeout_s=60,
+        start_timeout_s=1,
+        tell_waiting_every_s=0.2,
+    )
+    group.start([0, 1])
+    group.run(0)
+    group.run(1)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        assert group.poll(0.2).stalled is None
+    assert not [r for r in caplog.records if "no batch has reached" in r.getMessage()]
     group.kill()

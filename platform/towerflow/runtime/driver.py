@@ -308,19 +308,20 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
         self._summaries.update(status.finished)
         for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost
             self.session.log_metrics({"worker_recovery_s": seconds}, self.group.global_step)
-        if status.shard_trouble or suspect_shards:
+        if status.shard_trouble or suspect_shards or status.lost_workers:
+            # (a lost worker's node may have held a shard too: the shards are looked at first)
             status.losses.extend(self._lost_shards())
         decision = self.failure_policy.decide(status)
         if decision is Decision.FAIL:
             self.state = State.ERRORED
-            if status.user_error is not None:
-                raise status.user_error
+            if status.fatal is not None:
+                raise status.fatal
             for loss in status.losses:
                 self._fault(loss, "failed the run")
             raise TrainingError(self.failure_policy.failure_message())
         if decision is Decision.ROLLBACK_SHARDS:
             self.state = State.RECOVERING
-            self._roll_back(status.lost_shards)
+            self._roll_back(status.lost_shards, status.lost_workers)
             self.state = State.RUNNING
             return []  # what the workers reported before the rollback is redone
         if decision is Decision.REPLACE_WORKERS:

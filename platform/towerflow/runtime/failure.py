@@ -40,6 +40,8 @@ class ClusterStatus:
     finished: dict[int, dict[str, Any]] = field(default_factory=dict)  # worker id -> its run summary
     losses: list[ActorLoss] = field(default_factory=list)
     user_error: BaseException | None = None  # raised by the user's model, data or spec: not retried
+    # The run cannot go on and no new actor would help: every worker starved of data for too long.
+    stalled: BaseException | None = None
     shard_trouble: bool = False  # a worker's call to a shard failed: the controller checks the shards
 
     def absorb(self, other: ClusterStatus) -> None:
@@ -48,7 +50,13 @@ class ClusterStatus:
         self.finished.update(other.finished)
         self.losses.extend(other.losses)
         self.user_error = self.user_error or other.user_error
+        self.stalled = self.stalled or other.stalled
         self.shard_trouble |= other.shard_trouble
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """The error that ends the run whatever the budgets allow, if any."""
+        return self.user_error or self.stalled
 
     @property
     def lost_workers(self) -> list[ActorLoss]:
@@ -79,7 +87,7 @@ class FailurePolicy:
     history: list[ActorLoss] = field(default_factory=list)
 
     def decide(self, status: ClusterStatus) -> Decision:
-        if status.user_error is not None:
+        if status.fatal is not None:
             return Decision.FAIL
         if not status.losses:
             return Decision.CONTINUE

@@ -16,6 +16,7 @@ from towerflow.errors import DataError, TrainingError
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, LossKind
 from towerflow.runtime.hooks import FaultEvent
+from towerflow.runtime.worker_group import ACTOR_GONE
 from towerflow.runtime.worker_messages import Rejoin
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,8 @@ class RecoveryActions:
         # Sync survivors wait for a lost worker's gradient: the shards step without it first.
         self._retire([i for i, slot in self.group.slots.items() if slot.lost])
         status = self.group.stop_and_drain(timeout_s=self.group.timeout_s, on_lost=self._retire)
-        if status.user_error is not None:
-            raise status.user_error
+        if status.fatal is not None:
+            raise status.fatal
         if self.failure_policy.decide(status) is Decision.FAIL:
             raise TrainingError(self.failure_policy.failure_message())
         self._summaries.update(status.finished)
@@ -134,9 +135,13 @@ class RecoveryActions:
         self.state = State.RUNNING
 
     def _retire(self, worker_ids: list[int]) -> None:
-        """Every shard stops waiting for these workers' gradients (sync steps aggregate without them)."""
-        if worker_ids:
-            ray.get([shard.retire.remote(worker_id) for shard in self.shards for worker_id in worker_ids])
+        """Every shard stops waiting for these workers' gradients (sync steps aggregate without them).
+        A shard lost meanwhile (with them, on their node) is not waited for: the workers' calls to
+        it fail, and the next turn rolls the shards back."""
+        refs = [shard.retire.remote(worker_id) for shard in self.shards for worker_id in worker_ids]
+        for ref in refs:
+            with contextlib.suppress(*ACTOR_GONE):
+                ray.get(ref)
 
     def _close_data(self, wait_s: float = 0.0, *, release: bool = False) -> None:
         """End the workers' streams; wait up to `wait_s` for their reading to stop. `release`: the
@@ -162,7 +167,10 @@ class RecoveryActions:
         self._retire([loss.index for loss in losses])
         model_state = self.model_state()
         # The chief hears of steps a poll late; the shard counted every gradient the worker sent.
-        taken = ray.get(self.shards[-1].examples_taken.remote())
+        try:
+            taken = ray.get(self.shards[-1].examples_taken.remote())
+        except ACTOR_GONE:  # lost with the workers: the rollback the next turn makes re-plans the data
+            taken = {}
         for loss in losses:
             split, heard = self.data_splits[loss.index], self.group.slots[loss.index].used_rows
             used = max(heard, taken.get(loss.index, 0))
@@ -182,10 +190,11 @@ class RecoveryActions:
             self._fault(loss, "replaced")
         self._log_losses()
 
-    def _roll_back(self, losses: list[ActorLoss]) -> None:
+    def _roll_back(self, losses: list[ActorLoss], lost_workers: list[ActorLoss] = ()) -> None:
         """A shard is lost: every shard goes back to the newest checkpoint together (never a mix of
         versions), a new shard takes each lost one's place, and the workers train on from there,
-        on the data from that checkpoint's position. Workers and the other shards are not restarted."""
+        on the data from that checkpoint's position. Workers and the other shards are not restarted,
+        but for `lost_workers` (lost with the shard, on its node most often), which are replaced."""
         heard = max(self.group.global_step, self._global_step())
         self._close_data()
         for shard in self.shards:  # release every worker waiting on a live shard; each run ends
@@ -195,8 +204,7 @@ class RecoveryActions:
         state = self.latest_checkpoint() if self.latest_checkpoint is not None else None
         state = state or self.initial_state
         version = state.global_step if state is not None else 0
-        for loss in losses:
-            self.shard_group.replace(loss.index)
+        self.shard_group.replace([loss.index for loss in losses])
         self._load_shards(state, version, rollback=True)
         seen = state.examples_seen if state is not None else 0
         members = sorted(self.group.slots)
@@ -207,6 +215,9 @@ class RecoveryActions:
         )
         self.aggregator.start()
         model_state = state.model_state if state is not None else {}
+        for loss in lost_workers:  # the replacement takes its bundle once Ray has moved it
+            if self.actor_placement.holds_worker(loss.index):
+                self.actor_placement.await_declared_dead(self.group.slots[loss.index].actor)
         for worker_id, split in self.data_splits.items():
             rejoin = Rejoin([], model_state)
             self.group.rerun(
@@ -219,6 +230,10 @@ class RecoveryActions:
         )
         for loss in losses:
             self._fault(loss, f"rolled back to step {version}, {max(0, heard - version)} step(s) to redo")
+        for loss in lost_workers:
+            self._fault(loss, "replaced, in the rollback")
+        if lost_workers:
+            self._log_losses()
 
     def _lost_shards(self) -> list[ActorLoss]:
         return self.shard_group.lost(self._global_step())

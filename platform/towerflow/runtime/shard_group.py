@@ -18,7 +18,7 @@ from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
 from towerflow.runtime.shard_parts import PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
-from towerflow.runtime.worker_group import ACTOR_GONE
+from towerflow.runtime.worker_group import ACTOR_GONE, first_line
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +166,39 @@ class ShardGroup:
             try:
                 ray.get(shard.ping.remote(), timeout=30)
             except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
-                cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-                found.append(ActorLoss(LossKind.SHARD, index, at_step, cause))
+                found.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
         return found
 
-    def replace(self, index: int) -> None:
-        """A new shard in the place of shard `index` (load it before use)."""
-        with contextlib.suppress(Exception):
-            ray.kill(self.actors[index])
-        self.actor_placement.await_declared_dead(self.actors[index])
-        self.actors[index] = self._new(index)
+    def replace(self, indices: list[int], attempts: int = 3) -> None:
+        """New shards in the places of shards `indices`, started (load them before use).
+
+        Killing a lost one makes Ray declare it dead at once, also where its node is dying but not
+        yet declared dead; its bundle then still points at that node, and a shard placed there dies
+        unstarted once the node is declared dead, after which Ray moves the bundle: hence attempts."""
+        for index in indices:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[index])
+            self.actor_placement.await_declared_dead(self.actors[index])
+        for attempt in range(1, attempts + 1):
+            for index in indices:
+                self.actors[index] = self._new(index)
+            started = [self.actors[index].__ray_ready__.remote() for index in indices]
+            died = []
+            for index, ref in zip(indices, started):
+                try:
+                    ray.get(ref)
+                except ACTOR_GONE as exc:
+                    if attempt == attempts:
+                        raise
+                    died.append(index)
+                    log.info(
+                        "shard %d's replacement died as it started (%s): placing another",
+                        index,
+                        first_line(exc),
+                    )
+            if not died:
+                return
+            indices = died
 
     def finish(self) -> list[Any]:
         """Stop every shard accepting gradients and release the workers waiting on it."""

@@ -60,6 +60,7 @@ class StepLoop:
         self._bucket_variables: list[list[int]] = []
         self._step: StepPushes | None = None  # the step in progress, as the push hook sees it
         self._busy_since: float | None = None  # when the current step's own work began (monotonic)
+        self._waiting_since: float | None = None  # when it began waiting for the batch in hand
 
     def attach(self, plan: PushPlan) -> None:
         """Push with `plan` from now on: the towers call this loop's hook for each of its buckets."""
@@ -76,8 +77,10 @@ class StepLoop:
         records = []
         while self._records:
             records.append(self._records.popleft())
-        since = self._busy_since
-        return WorkerReport(records, None if since is None else time.monotonic() - since)
+        now, busy, waiting = time.monotonic(), self._busy_since, self._waiting_since
+        return WorkerReport(
+            records, None if busy is None else now - busy, None if waiting is None else now - waiting
+        )
 
     def run(self, batches: Iterator[Any], tower_preprocess: list[str]) -> tuple[int, int]:
         """Train on `batches` with the attached plan until they end, the shards say the last step is
@@ -98,7 +101,9 @@ class StepLoop:
                 if computed:  # start-up (first batch, graph tracing) is not counted against the timeout
                     self._busy_since = time.monotonic()
                 t0 = time.perf_counter()
+                self._waiting_since = time.monotonic()
                 batch = next(batches, None)
+                self._waiting_since = None
                 if batch is None:
                     break
                 inputs, labels = self.adapter(batch)
@@ -140,7 +145,7 @@ class StepLoop:
                 self._settle(inflight)
                 steps, examples = steps + 1, examples + inflight.trained_examples
         finally:
-            self._busy_since = None
+            self._busy_since = self._waiting_since = None
             self._profiler.stop()
             # Let sync aggregation go on without us (also when we failed); a lost shard is the
             # controller's to handle, not a reason to hide this worker's own error.

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from towerflow.errors import ClusterError
 from towerflow.runtime.failure import ActorLoss, ClusterStatus, LossKind
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class WorkerSlot:
     answered: bool = False  # it has started (answered a drain): silence counts as a hang from then on
     replaced_at: float | None = None  # a replacement's start, until its first step: the time lost
     waiting_told_at: float = 0.0  # how long it had waited to start when the log last said so
+    data_wait_s: float | None = None  # how long it had waited for its next batch at its last answer
 
 
 class WorkerGroup:
@@ -53,6 +55,7 @@ class WorkerGroup:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s  # a replacement not started by then is lost in its turn
         self.tell_waiting_every_s = tell_waiting_every_s  # how often the log says one still waits
+        self._starved_told_at = 0.0  # how long every worker had waited for data when the log said so
         self.slots: dict[int, WorkerSlot] = {}
         self.global_step = 0  # the newest step heard of, for naming when a loss happened
         self.recoveries_s: list[float] = []  # per replacement: loss noticed -> its first step
@@ -90,10 +93,10 @@ class WorkerGroup:
             except ray.exceptions.RayError as exc:
                 tracing_failed = worker_id in self._warmed and isinstance(exc, ray.exceptions.RayTaskError)
                 if not tracing_failed:  # it never started, or its process is gone
-                    log.warning("spare worker %d is lost before joining: %s", worker_id, _first_line(exc))
+                    log.warning("spare worker %d is lost before joining: %s", worker_id, first_line(exc))
                     del self.spares[worker_id]
                     continue
-                log.info("spare worker %d could not trace its step ahead: %s", worker_id, _first_line(exc))
+                log.info("spare worker %d could not trace its step ahead: %s", worker_id, first_line(exc))
             if warm_up is not None and worker_id not in self._warmed:
                 tracing = warm_up(actor)
                 if tracing is not None:
@@ -197,6 +200,7 @@ class WorkerGroup:
             self._read_run(slot, status)
         self._find_hung(status)
         self._find_unstarted(status)
+        self._find_starved(status)
         for record in status.records:
             self.global_step = max(self.global_step, record.step)
             slot = self.slots[record.worker]
@@ -243,9 +247,10 @@ class WorkerGroup:
         try:
             report = ray.get(ref)
         except ACTOR_GONE as exc:
-            self._lose(slot, status, _first_line(exc))
+            self._lose(slot, status, first_line(exc))
             return
         slot.answered = True
+        slot.data_wait_s = report.data_wait_s
         status.records.extend(report.records)
         if report.busy_s is not None and report.busy_s > self.timeout_s:
             self._hang(slot, status, f"one step has taken {report.busy_s:.0f} s")
@@ -256,15 +261,16 @@ class WorkerGroup:
         except (
             ray.exceptions.RayTaskError
         ) as exc:  # raised in `run` (Ray makes it an instance of the cause too)
-            if isinstance(exc.cause, ACTOR_GONE):  # a shard it talked to is gone: the shards' loss
+            # A shard it talked to is gone, or the parameters it published (their owner): the shards' loss
+            if isinstance(exc.cause, (*ACTOR_GONE, ray.exceptions.ObjectLostError)):
                 slot.finished = True
-                status.finished[slot.worker_id] = {"worker": slot.worker_id, "failed": _first_line(exc)}
+                status.finished[slot.worker_id] = {"worker": slot.worker_id, "failed": first_line(exc)}
                 status.shard_trouble = True
                 return
             status.user_error = exc
             return
         except ACTOR_GONE as exc:  # the worker itself is gone
-            self._lose(slot, status, _first_line(exc))
+            self._lose(slot, status, first_line(exc))
             return
         # Its last records were appended before `run` returned: drain them now.
         if slot.drain_ref is None:
@@ -309,6 +315,33 @@ class WorkerGroup:
                     self.start_timeout_s,
                 )
 
+    def _find_starved(self, status: ClusterStatus) -> None:
+        """Every running worker waiting for its next batch: the data has stalled, which no new worker
+        mends. Seen where a lost node's actors, placed again on the nodes left, took the CPUs that Ray
+        Data's reads had (their tasks then wait for room, and the workers for them, for ever). The log
+        says so as it lasts; after the start timeout the run fails, naming it."""
+        live = [s for s in self.slots.values() if not s.lost and not s.finished]
+        waits = [s.data_wait_s for s in live]
+        if not live or not all(s.answered for s in live) or any(w is None for w in waits):
+            self._starved_told_at = 0.0
+            return
+        starved = min(waits)
+        if starved > self.start_timeout_s:
+            status.stalled = ClusterError(
+                f"no batch reached any worker for {starved:.0f} s ({_starved_advice()}): add a node, or "
+                "resume (--resume) with a cluster.cpus_per_worker that leaves the reads room "
+                f"(training.failure.start_timeout_s: {self.start_timeout_s:g})"
+            )
+        elif starved - self._starved_told_at >= self.tell_waiting_every_s:
+            self._starved_told_at = starved
+            log.warning(
+                "no batch has reached any worker for %.0f s (%s): the run fails after %g s "
+                "(training.failure.start_timeout_s)",
+                starved,
+                _starved_advice(),
+                self.start_timeout_s,
+            )
+
     def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:
         with contextlib.suppress(Exception):
             ray.kill(slot.actor)  # alive but stuck: a fresh one does better
@@ -327,6 +360,14 @@ def _free_resources() -> str:
     return f"the cluster has {' and '.join(parts)} free"
 
 
-def _first_line(exc: BaseException) -> str:
+def _starved_advice() -> str:
+    return (
+        f"{_free_resources()}; Ray Data's read tasks wait for a free CPU, and a lost node's actors, "
+        "placed again on the nodes left, may hold those the reads had"
+    )
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line (Ray's messages run to many), for a log line or a loss's cause."""
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__

@@ -82,12 +82,14 @@ class Rejoin:
 
 @dataclass
 class WorkerReport:
-    """What a worker tells the controller at each poll: its new step records, and for how long it
+    """What a worker tells the controller at each poll: its new step records, for how long it
     has been working on its current step (None while it waits for the shards or has not stepped
-    yet): a worker busy for longer than the timeout is hung."""
+    yet: a worker busy for longer than the timeout is hung), and for how long it has been waiting
+    for its next batch (None when not waiting: a run whose workers all wait too long is stalled)."""
 
     records: list[StepRecord]
     busy_s: float | None
+    data_wait_s: float | None = None
 
 
 @dataclass(frozen=True)

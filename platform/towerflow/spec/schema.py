@@ -297,7 +297,7 @@ class FailureSpec(StrictModel):
         600.0,
         gt=0,
         description="A replacement worker that has not started by then (no node with room for it) "
-        "counts as one more worker lost.",
+        "counts as one more worker lost; a run whose workers all wait this long for a batch fails.",
     )
 
 
