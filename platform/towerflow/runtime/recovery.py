@@ -8,6 +8,7 @@ import contextlib
 import enum
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -190,7 +191,7 @@ class RecoveryActions:
             self._fault(loss, "replaced")
         self._log_losses()
 
-    def _roll_back(self, losses: list[ActorLoss], lost_workers: list[ActorLoss] = ()) -> None:
+    def _roll_back(self, losses: list[ActorLoss], lost_workers: Sequence[ActorLoss] = ()) -> None:
         """A shard is lost: every shard goes back to the newest checkpoint together (never a mix of
         versions), a new shard takes each lost one's place, and the workers train on from there,
         on the data from that checkpoint's position. Workers and the other shards are not restarted,
