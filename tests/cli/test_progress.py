@@ -40,7 +40,7 @@ def test_a_hooks_last_step_bounds_the_total_too():
 def test_progress_lines_say_no_rate_until_one_is_known(capsys):
     hook = ProgressHook(10, console=Console(file=io.StringIO()), log_every_s=0.0)
     hook.after_create_session(_session(None))  # not a terminal: plain lines
-    for step, rate in ((1, 0.0), (2, 1234.4)):
+    for step, rate in ((1, None), (2, 1234.4)):
         hook.after_run(None, StepEvent(step, 0.25, {}, 64, 64 * step, float(step), rate, {}, [0]))
     assert capsys.readouterr().err.splitlines() == [
         "step 1/10 loss 0.2500 examples/sec -",

@@ -51,7 +51,7 @@ class ProgressHook(Hook):
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         loss = f"{event.loss:.4f}"
-        rate = f"{event.examples_per_sec:,.0f}" if event.examples_per_sec else "-"  # not known at step 1
+        rate = "-" if event.examples_per_sec is None else f"{event.examples_per_sec:,.0f}"
         if self._progress is not None:
             self._progress.update(self._task, completed=event.global_step, loss=loss, rate=rate)
         elif time.monotonic() - self._last_log >= self.log_every_s:

@@ -102,7 +102,7 @@ class StepAggregator:
             self._window.popleft()
         span = self._window[-1][0] - self._window[0][0]
         in_window = sum(e for _, e in list(self._window)[1:])
-        rate = in_window / span if span > 0 else 0.0
+        rate = in_window / span if span > 0 else None  # not known before two steps have ended
         metric_names = {k for r in records for k in r.metrics}
         staleness = [r.staleness for r in records]
         self.staleness.extend(staleness)
@@ -132,7 +132,7 @@ class StepAggregator:
             examples=0,
             examples_seen=self.examples_seen,
             elapsed_s=record.finished_at - self._start,
-            examples_per_sec=0.0,
+            examples_per_sec=None,
             time_split={},
             workers=[record.worker],
             nonfinite=True,

@@ -91,7 +91,7 @@ class StepEvent:
     examples: int  # examples that went into this update
     examples_seen: int  # since the start of the run
     elapsed_s: float  # wall time since training started
-    examples_per_sec: float  # over a sliding window of recent steps; 0.0 until two steps have ended
+    examples_per_sec: float | None  # over a sliding window of recent steps; None until two have ended
     time_split: dict[str, float]  # mean seconds per phase: pull, compute, push, apply
     workers: list[int]  # workers whose gradients made up this update
     dropped_stale: int = 0  # gradients dropped since the previous event

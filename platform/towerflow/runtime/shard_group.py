@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 import ray
@@ -162,9 +163,11 @@ class ShardGroup:
     def lost(self, at_step: int) -> list[ActorLoss]:
         """The shards that do not answer (a worker's call to one failed)."""
         found = []
-        for index, shard in enumerate(self.actors):
+        pings = [shard.ping.remote() for shard in self.actors]  # all at once: a hung one costs 30 s once
+        deadline = time.monotonic() + 30
+        for index, ping in enumerate(pings):
             try:
-                ray.get(shard.ping.remote(), timeout=30)
+                ray.get(ping, timeout=max(0.0, deadline - time.monotonic()))
             except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
                 found.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
         return found
@@ -179,26 +182,28 @@ class ShardGroup:
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[index])
             self.actor_placement.await_declared_dead(self.actors[index])
-        for attempt in range(1, attempts + 1):
+        for attempt in range(attempts):
             for index in indices:
                 self.actors[index] = self._new(index)
-            started = [self.actors[index].__ray_ready__.remote() for index in indices]
-            died = []
-            for index, ref in zip(indices, started):
-                try:
-                    ray.get(ref)
-                except ACTOR_GONE as exc:
-                    if attempt == attempts:
-                        raise
-                    died.append(index)
-                    log.info(
-                        "shard %d's replacement died as it started (%s): placing another",
-                        index,
-                        first_line(exc),
-                    )
-            if not died:
+            indices = self._died_starting(indices, last_attempt=attempt == attempts - 1)
+            if not indices:
                 return
-            indices = died
+
+    def _died_starting(self, indices: list[int], *, last_attempt: bool) -> list[int]:
+        """Of the new shards `indices`, those that died as they started (raised on the last attempt)."""
+        started = [self.actors[index].__ray_ready__.remote() for index in indices]
+        died = []
+        for index, ref in zip(indices, started):
+            try:
+                ray.get(ref)
+            except ACTOR_GONE as exc:
+                if last_attempt:
+                    raise
+                died.append(index)
+                log.info(
+                    "shard %d's replacement died as it started (%s): placing another", index, first_line(exc)
+                )
+        return died
 
     def finish(self) -> list[Any]:
         """Stop every shard accepting gradients and release the workers waiting on it."""

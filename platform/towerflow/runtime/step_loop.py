@@ -98,10 +98,10 @@ class StepLoop:
         try:
             while not done and not self.stop.is_set():
                 self._profiler.at_step(versions[0] + 1)
-                if computed:  # start-up (first batch, graph tracing) is not counted against the timeout
-                    self._busy_since = time.monotonic()
-                t0 = time.perf_counter()
                 self._waiting_since = time.monotonic()
+                if computed:  # start-up (first batch, graph tracing) is not counted against the timeout
+                    self._busy_since = self._waiting_since
+                t0 = time.perf_counter()
                 batch = next(batches, None)
                 self._waiting_since = None
                 if batch is None:

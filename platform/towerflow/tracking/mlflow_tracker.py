@@ -179,7 +179,7 @@ class MLflowTracker(Hook):
             **{f"train_{k}": v for k, v in event.metrics.items()},
             **{f"time_{k}_s": v for k, v in event.time_split.items()},
         }
-        if event.examples_per_sec:  # not known at the first step: no 0 at the start of its chart
+        if event.examples_per_sec is not None:  # not known at the first step: no 0 to start its chart
             values["examples_per_sec"] = event.examples_per_sec
         values.update(self._window.metrics())
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
