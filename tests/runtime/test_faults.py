@@ -86,6 +86,26 @@ def test_sync_worker_killed_is_replaced_and_the_epoch_loses_no_example(ray_clust
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())  # checkpoints went on
 
 
+def test_a_call_to_a_live_shard_lost_in_transit_costs_the_worker_not_its_data(
+    ray_cluster, blob_data, tmp_path
+):
+    """The worker's run ends on Ray's error for a call lost in transit while every shard lives on:
+    it is replaced like a lost worker (its split's rest read by the replacement), not left finished
+    with the epoch's rest unread and the run a worker short."""
+    spec = _spec(blob_data, mode="sync", max_steps=None)
+    hook = FaultAt(step=10**9)  # nothing killed: it records the steps and faults
+    faults = FaultInjector(step_delay_s={0: 0.1, 1: 0.1}, shard_call_lost={1: 6})
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=faults)
+    assert [f.action for f in hook.faults] == ["replaced"]
+    assert "worker 1 lost" in hook.faults[0].what and "every one answers" in hook.faults[0].what
+    assert "unavailable" in hook.faults[0].what
+    assert hook.metrics["workers_lost"] == 1 and hook.metrics["workers_replaced"] == 1
+    counts = result.shards[0]  # the whole epoch was used (the step in flight, at most, twice)
+    assert 1024 <= BATCH * (counts["gradients"] + counts["stale"]) <= 1024 + 2 * BATCH
+    assert any(1 in e.workers for e in hook.events if e.global_step > 10)  # the replacement trained
+    assert [e.global_step for e in hook.events] == list(range(1, result.global_step + 1))
+
+
 def test_async_worker_killed_is_replaced_and_the_run_ends_at_max_steps(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, mode="async", max_steps=400, epochs=None)
     hook = FaultAt(step=20)

@@ -310,7 +310,10 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
             self.session.log_metrics({"worker_recovery_s": seconds}, self.group.global_step)
         if status.shard_trouble or suspect_shards or status.lost_workers:
             # (a lost worker's node may have held a shard too: the shards are looked at first)
-            status.losses.extend(self._lost_shards())
+            lost_shards = self._lost_shards()
+            status.losses.extend(lost_shards)
+            if not lost_shards:  # a worker's failed call to a shard was not the shard's loss
+                self.group.lose_stranded(status)
         decision = self.failure_policy.decide(status)
         if decision is Decision.FAIL:
             self.state = State.ERRORED

@@ -1,4 +1,5 @@
-"""Faults a test or a benchmark injects into workers: slowness and non-finite losses.
+"""Faults a test or a benchmark injects into workers: slowness, non-finite losses, and a call to the
+shards that fails in transit.
 
 Production types carry no test knobs: a caller passes one `FaultInjector` (`towerflow.train(...,
 faults=...)`) and every worker asks it. Faults that need no help from the code under test (a
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ray
+
 
 @dataclass(frozen=True)
 class FaultInjector:
@@ -16,6 +19,9 @@ class FaultInjector:
     step_delay_s: dict[int, float] = field(default_factory=dict)
     # worker id -> global steps [first, stop) whose loss reads NaN on that worker (stop None: for ever)
     nonfinite_loss: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    # worker id -> the global step whose push replies it fails to read, with the error Ray raises
+    # for a call to a live actor lost in transit (the shards live on; the pushes may have landed)
+    shard_call_lost: dict[int, int] = field(default_factory=dict)
 
     def delay(self, worker: int) -> float:
         return self.step_delay_s.get(worker, 0.0)
@@ -26,3 +32,9 @@ class FaultInjector:
             return loss
         first, stop = window
         return float("nan") if first <= global_step and (stop is None or global_step < stop) else loss
+
+    def check_shard_call(self, worker: int, global_step: int) -> None:
+        if self.shard_call_lost.get(worker) == global_step:
+            raise ray.exceptions.ActorUnavailableError(
+                f"injected: worker {worker}'s push replies at step {global_step} lost in transit", None
+            )

@@ -217,6 +217,7 @@ class StepLoop:
         per shard, the reply that completed the step (it carries the next version)."""
         step, worker = computed.step, self.config.worker_id
         began = time.perf_counter()
+        self._faults.check_shard_call(worker, step.global_step)
         every = ray.get([ref for _, _, ref in step.sent])
         waited = time.perf_counter() - began
         replies = self._completing_replies(step, every)

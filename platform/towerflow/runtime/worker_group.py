@@ -40,6 +40,7 @@ class WorkerSlot:
     replaced_at: float | None = None  # a replacement's start, until its first step: the time lost
     waiting_told_at: float = 0.0  # how long it had waited to start when the log last said so
     data_wait_s: float | None = None  # how long it had waited for its next batch at its last answer
+    shard_error: str | None = None  # its run ended on a failed call to a shard: what Ray said
 
 
 class WorkerGroup:
@@ -229,8 +230,20 @@ class WorkerGroup:
         if slot.lost:
             self.replace(worker_id, *run_args)
             return
-        slot.finished, slot.drain_ref = False, None
+        slot.finished, slot.drain_ref, slot.shard_error = False, None, None
         self.run(worker_id, *run_args)
+
+    def lose_stranded(self, status: ClusterStatus) -> None:
+        """Workers whose run ended on a failed call to a shard when every shard answers after all
+        (a call lost in transit: Ray's ActorUnavailableError, say) count as lost, to be replaced
+        with their split's unread rows; finished, they would leave their data unread and the run a
+        worker short for good."""
+        for slot in self.slots.values():
+            if slot.finished and not slot.lost and slot.shard_error is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(slot.actor)  # alive and idle: its replacement takes its id
+                cause = f"its call to a parameter server failed, and every one answers: {slot.shard_error}"
+                self._lose(slot, status, cause)
 
     def kill(self) -> None:
         actors = [slot.actor for slot in self.slots.values()] + [actor for actor, _ in self.spares.values()]
@@ -263,7 +276,7 @@ class WorkerGroup:
         ) as exc:  # raised in `run` (Ray makes it an instance of the cause too)
             # A shard it talked to is gone, or the parameters it published (their owner): the shards' loss
             if isinstance(exc.cause, (*ACTOR_GONE, ray.exceptions.ObjectLostError)):
-                slot.finished = True
+                slot.finished, slot.shard_error = True, first_line(exc.cause)
                 status.finished[slot.worker_id] = {"worker": slot.worker_id, "failed": first_line(exc)}
                 status.shard_trouble = True
                 return
