@@ -348,8 +348,8 @@ class WorkerGroup:
         elif starved - self._starved_told_at >= self.tell_waiting_every_s:
             self._starved_told_at = starved
             log.warning(
-                "no batch has reached any worker for %.0f s (%s): the run fails after %g s "
-                "(training.failure.start_timeout_s)",
+                "no batch has reached any worker for %.0f s (%s): the run fails after %g s unless a "
+                "node joins (training.failure.start_timeout_s)",
                 starved,
                 _starved_advice(),
                 self.start_timeout_s,
