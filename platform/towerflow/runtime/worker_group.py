@@ -380,7 +380,11 @@ def _starved_advice() -> str:
     )
 
 
-def first_line(exc: BaseException) -> str:
-    """An error's first line (Ray's messages run to many), for a log line or a loss's cause."""
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An error's first line (Ray's messages run to many), for a log line or a loss's cause; one
+    longer than `limit` is cut at a word's end, marked with an ellipsis."""
     text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    line = text[0]
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
