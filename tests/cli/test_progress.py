@@ -53,3 +53,18 @@ def test_the_banner_counts_one_tower_per_gpu():
     hook = ProgressHook(10, console=Console(file=out))
     hook.after_create_session(_session(None, ["cluster.gpus_per_worker=2"]))
     assert "(sync, 2 workers x 2 towers, 2 PS)" in out.getvalue()
+
+
+def test_the_total_follows_a_replanned_end_of_the_data(capsys):
+    """A rollback or a resize re-plans the data (a file partly read is read again): the lines'
+    total is the new end, not the first plan's."""
+    session = _session(468)
+    hook = ProgressHook(1000, console=Console(file=io.StringIO()), log_every_s=0.0)
+    hook.after_create_session(session)
+    hook.after_run(None, StepEvent(400, 0.25, {}, 64, 64, 1.0, 100.0, {}, [0]))
+    session.data_steps = 492  # the driver's rollback set it
+    hook.after_run(None, StepEvent(470, 0.25, {}, 64, 64, 2.0, 100.0, {}, [0]))
+    assert capsys.readouterr().err.splitlines() == [
+        "step 400/468 loss 0.2500 examples/sec 100",
+        "step 470/492 loss 0.2500 examples/sec 100",
+    ]

@@ -29,6 +29,7 @@ class FaultAt(Hook):
     def __init__(self, step: int, worker: int = 1, sig: int = signal.SIGKILL, times: int = 1) -> None:
         self.step, self.worker, self.sig, self.times = step, worker, sig, times
         self.events, self.faults, self.metrics, self.killed_at, self.killed = [], [], {}, [], []
+        self.data_steps = []
 
     def after_run(self, context, event):
         self.events.append(event)
@@ -174,6 +175,7 @@ class KillShardAt(FaultAt):
 
     def after_run(self, context, event):
         self.events.append(event)
+        self.data_steps.append(context.session.data_steps)  # where the data ends, as planned then
         if not self.killed_at and event.global_step >= self.step:
             shard = context.session.runtime.shards[self.worker]
             self.version_at_kill = ray.get(shard.ping.remote())
@@ -213,5 +215,8 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
     assert 0 < hook.metrics["steps_redone"] <= hook.version_at_kill + slack - 20
     steps = [e.global_step for e in hook.events]
     assert steps.count(21) == 2  # step 21 was reported, then redone after the rollback
+    # The data was planned again from step 20's position, a file partly read then read again: it
+    # ends later than first planned, and the progress shown says so.
+    assert hook.data_steps[-1] > hook.data_steps[0]
     assert _falls([e.loss for e in hook.events])
     assert all(np.isfinite(p).all() for p in result.parameters)

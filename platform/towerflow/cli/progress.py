@@ -28,13 +28,14 @@ class ProgressHook(Hook):
         self._progress: Progress | None = None
         self._task = None
         self._last_log = 0.0
+        self._max_steps = total_steps
+        self._session: SessionInfo | None = None
 
     def after_create_session(self, session: SessionInfo) -> None:
         shape = f"{session.num_workers} workers x {session.spec.cluster.towers_per_worker} towers, {session.num_shards} PS"
         self.console.print(f"[bold]towerflow[/]: {session.spec.name} ({session.spec.training.mode}, {shape})")
-        # The run ends at the first of max_steps, a hook's last step (StopAtStep) and the data's end.
-        bounds = [b for b in (self.total, session.final_step, session.data_steps) if b is not None]
-        self.total = min(bounds) if bounds else None
+        self._session = session
+        self.total = self._total()
         if self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("step"),
@@ -52,8 +53,11 @@ class ProgressHook(Hook):
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         loss = f"{event.loss:.4f}"
         rate = "-" if event.examples_per_sec is None else f"{event.examples_per_sec:,.0f}"
+        self.total = self._total()  # a rollback or a resize re-plans the data, and its end
         if self._progress is not None:
-            self._progress.update(self._task, completed=event.global_step, loss=loss, rate=rate)
+            self._progress.update(
+                self._task, total=self.total, completed=event.global_step, loss=loss, rate=rate
+            )
         elif time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
             total = f"/{self.total}" if self.total else ""
@@ -62,6 +66,13 @@ class ProgressHook(Hook):
                 file=sys.stderr,
                 flush=True,
             )
+
+    def _total(self) -> int | None:
+        """The run ends at the first of max_steps, a hook's last step (StopAtStep) and the data's end."""
+        session = self._session
+        found = () if session is None else (session.final_step, session.data_steps)
+        bounds = [b for b in (self._max_steps, *found) if b is not None]
+        return min(bounds) if bounds else None
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._progress is not None:

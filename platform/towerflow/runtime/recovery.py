@@ -211,6 +211,8 @@ class RecoveryActions:
         members = sorted(self.group.slots)
         feed = self.make_data(len(members), seen, self._step_shape(len(members)))
         self.data_splits = dict(zip(members, feed.splits))
+        if feed.steps is not None:  # a file partly read before the checkpoint is read again
+            self.session.data_steps = version + feed.steps
         self.aggregator = StepAggregator(
             replicas_per_step=self.aggregator.replicas_per_step, first_step=version + 1, examples_seen=seen
         )
