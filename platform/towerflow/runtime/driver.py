@@ -42,6 +42,9 @@ from towerflow.runtime.worker_group import WorkerGroup
 from towerflow.shared_types import DataFeed, StepShape, join_pieces
 
 log = logging.getLogger(__name__)
+# Once the last step is taken, a worker silent this long (or its timeout, if shorter) is let go: a
+# live one answers a drain within a poll, even mid-step (a drain runs on a thread of its own).
+SILENT_AT_THE_END_S = 30.0
 
 
 class Driver(RecoveryActions, CheckpointActions, HookQueries):
@@ -287,6 +290,11 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
                 stopping = True
                 self.group.request_stop()
             running = self.group.running
+            final = self.session.final_step
+            if running and final is not None and self.group.global_step >= final:
+                for loss in self.group.let_silent_go(min(self.group.timeout_s, SILENT_AT_THE_END_S)):
+                    self._fault(loss, "let go, not replaced: the run's last step was taken")
+                running = self.group.running
             if running and not released and self._all_waiting_to_start(running):
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
                 # a stop or the end of the data): nothing is in flight, so end the shards to let them go.

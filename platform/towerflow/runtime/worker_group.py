@@ -233,6 +233,26 @@ class WorkerGroup:
         slot.finished, slot.drain_ref, slot.shard_error = False, None, None
         self.run(worker_id, *run_args)
 
+    def let_silent_go(self, silent_for_s: float) -> list[ActorLoss]:
+        """Once the run's last step is taken, running workers have nothing left to do: one still
+        starting (a replacement) is let go at once, one silent for `silent_for_s` (hung) too, rather
+        than kept waiting for at the run's end, up to `timeout_s`, and replaced. Neither is replaced.
+        Returns the hung ones, for the record."""
+        now, hung = time.monotonic(), []
+        for slot in self.slots.values():
+            silent = now - slot.asked_at if slot.drain_ref is not None else 0.0
+            if slot.lost or slot.finished or (slot.answered and silent <= silent_for_s):
+                continue
+            with contextlib.suppress(Exception):
+                ray.kill(slot.actor)
+            slot.lost, slot.drain_ref = True, None
+            if not slot.answered:
+                log.info("worker %d had not started by the run's last step: let go", slot.worker_id)
+                continue
+            cause = f"no answer for {silent:.0f} s after the run's last step"
+            hung.append(ActorLoss(LossKind.WORKER, slot.worker_id, self.global_step, cause, hung=True))
+        return hung
+
     def lose_stranded(self, status: ClusterStatus) -> None:
         """Workers whose run ended on a failed call to a shard when every shard answers after all
         (a call lost in transit: Ray's ActorUnavailableError, say) count as lost, to be replaced
