@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # Once the last step is taken, a worker silent this long (or its timeout, if shorter) is let go: a
 # live one answers a drain within a poll, even mid-step (a drain runs on a thread of its own).
 SILENT_AT_THE_END_S = 30.0
+LET_GO = "let go, not replaced: the run's last step was taken"
 
 
 class Driver(RecoveryActions, CheckpointActions, HookQueries):
@@ -290,10 +291,9 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
                 stopping = True
                 self.group.request_stop()
             running = self.group.running
-            final = self.session.final_step
-            if running and final is not None and self.group.global_step >= final:
+            if running and self._last_step_taken():
                 for loss in self.group.let_silent_go(min(self.group.timeout_s, SILENT_AT_THE_END_S)):
-                    self._fault(loss, "let go, not replaced: the run's last step was taken")
+                    self._fault(loss, LET_GO)
                 running = self.group.running
             if running and not released and self._all_waiting_to_start(running):
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
@@ -336,21 +336,30 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
             self.state = State.RUNNING
             return []  # what the workers reported before the rollback is redone
         if decision is Decision.REPLACE_WORKERS:
-            if self.elastic.shrinks_on_loss(len(self.group.running)):
+            if self._last_step_taken():  # nothing left for a replacement to do
+                for loss in status.lost_workers:
+                    self._fault(loss, LET_GO)
+                self._log_losses()
+            elif self.elastic.shrinks_on_loss(len(self.group.running)):
                 for loss in status.lost_workers:
                     self._fault(loss, f"went on without it ({len(self.group.running)} worker(s) left)")
                 self._log_losses()
                 self._resize(leaving=[], joining=[], records=status.records)
                 return []  # the resize reports them
-            self.state = State.RECOVERING
-            self._replace_workers(status.lost_workers)
-            self.state = State.RUNNING
+            else:
+                self.state = State.RECOVERING
+                self._replace_workers(status.lost_workers)
+                self.state = State.RUNNING
         change = self._membership_change() if self.state is State.RUNNING else None
         if change is not None:
             leaving, joining = change
             self._resize(leaving=leaving, joining=joining, records=status.records)
             return []
         return status.records
+
+    def _last_step_taken(self) -> bool:
+        final = self.session.final_step
+        return final is not None and self.group.global_step >= final
 
     def _all_waiting_to_start(self, workers: list[int]) -> bool:
         if not all(self._start_steps[w] > self.session.start_step for w in workers):
