@@ -234,10 +234,9 @@ class WorkerGroup:
         self.run(worker_id, *run_args)
 
     def let_silent_go(self, silent_for_s: float) -> list[ActorLoss]:
-        """Once the run's last step is taken, running workers have nothing left to do: one still
-        starting (a replacement) is let go at once, one silent for `silent_for_s` (hung) too, rather
-        than kept waiting for at the run's end, up to `timeout_s`, and replaced. Neither is replaced.
-        Returns the hung ones, for the record."""
+        """Once the run's last step is taken, running workers have nothing left to do. One still
+        starting (a replacement) is let go at once; one silent for `silent_for_s` (hung) too, rather
+        than waited for up to `timeout_s` and replaced. Returns the hung ones, for the record."""
         now, hung = time.monotonic(), []
         for slot in self.slots.values():
             silent = now - slot.asked_at if slot.drain_ref is not None else 0.0
@@ -249,7 +248,7 @@ class WorkerGroup:
             if not slot.answered:
                 log.info("worker %d had not started by the run's last step: let go", slot.worker_id)
                 continue
-            cause = f"no answer for {silent:.0f} s after the run's last step"
+            cause = f"no answer for {silent:.0f} s, with the run's last step taken"
             hung.append(ActorLoss(LossKind.WORKER, slot.worker_id, self.global_step, cause, hung=True))
         return hung
 
