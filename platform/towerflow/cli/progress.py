@@ -23,7 +23,6 @@ class ProgressHook(Hook):
 
     def __init__(self, total_steps: int | None, *, console: Console | None = None, log_every_s: float = 10.0):
         self.console = console or Console(stderr=True)
-        self.total = total_steps
         self.log_every_s = log_every_s
         self._progress: Progress | None = None
         self._task = None
@@ -35,7 +34,6 @@ class ProgressHook(Hook):
         shape = f"{session.num_workers} workers x {session.spec.cluster.towers_per_worker} towers, {session.num_shards} PS"
         self.console.print(f"[bold]towerflow[/]: {session.spec.name} ({session.spec.training.mode}, {shape})")
         self._session = session
-        self.total = self._total()
         if self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("step"),
@@ -53,21 +51,19 @@ class ProgressHook(Hook):
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         loss = f"{event.loss:.4f}"
         rate = "-" if event.examples_per_sec is None else f"{event.examples_per_sec:,.0f}"
-        self.total = self._total()  # a rollback or a resize re-plans the data, and its end
+        total = self.total  # a rollback or a resize re-plans the data, and its end
         if self._progress is not None:
-            self._progress.update(
-                self._task, total=self.total, completed=event.global_step, loss=loss, rate=rate
-            )
+            self._progress.update(self._task, total=total, completed=event.global_step, loss=loss, rate=rate)
         elif time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
-            total = f"/{self.total}" if self.total else ""
             print(
-                f"step {event.global_step}{total} loss {loss} examples/sec {rate}",
+                f"step {event.global_step}{f'/{total}' if total else ''} loss {loss} examples/sec {rate}",
                 file=sys.stderr,
                 flush=True,
             )
 
-    def _total(self) -> int | None:
+    @property
+    def total(self) -> int | None:
         """The run ends at the first of max_steps, a hook's last step (StopAtStep) and the data's end."""
         session = self._session
         found = () if session is None else (session.final_step, session.data_steps)

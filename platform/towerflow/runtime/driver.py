@@ -125,8 +125,7 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
             feed = self.make_data(count, None, self._step_shape(count))
             self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
             self._ready_node_for_reading = feed.ready_node_for_reading
-            if feed.steps is not None:
-                self.session.data_steps = self.session.start_step + feed.steps
+            self._note_data_end(self.session.start_step, feed)
             self._create_actors(count)
             if self.session.tags.get("run_id"):
                 self.control = ControlPoint(self.session.tags["run_id"])
@@ -356,6 +355,11 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
             self._resize(leaving=leaving, joining=joining, records=status.records)
             return []
         return status.records
+
+    def _note_data_end(self, from_step: int, feed: DataFeed) -> None:
+        """Where the data planned from `from_step` runs out, where the files' counts tell."""
+        if feed.steps is not None:
+            self.session.data_steps = from_step + feed.steps
 
     def _last_step_taken(self) -> bool:
         final = self.session.final_step

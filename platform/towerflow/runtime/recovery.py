@@ -108,8 +108,7 @@ class RecoveryActions:
             self.state = State.RUNNING
             return
         planned_s = time.monotonic() - planned
-        if feed.steps is not None:
-            self.session.data_steps = version + feed.steps
+        self._note_data_end(version, feed)
         self.data_splits = dict(zip(members, feed.splits))
         self._set_worker_count(len(members))
         model_state = self.model_state()
@@ -211,8 +210,7 @@ class RecoveryActions:
         members = sorted(self.group.slots)
         feed = self.make_data(len(members), seen, self._step_shape(len(members)))
         self.data_splits = dict(zip(members, feed.splits))
-        if feed.steps is not None:  # a file partly read before the checkpoint is read again
-            self.session.data_steps = version + feed.steps
+        self._note_data_end(version, feed)  # a file partly read before the checkpoint is read again
         self.aggregator = StepAggregator(
             replicas_per_step=self.aggregator.replicas_per_step, first_step=version + 1, examples_seen=seen
         )

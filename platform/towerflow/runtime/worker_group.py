@@ -111,8 +111,7 @@ class WorkerGroup:
         """Withdraw the newest `count` spare requests."""
         for worker_id in sorted(self.spares)[::-1][:count]:
             actor, _ = self.spares.pop(worker_id)
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+            _kill_quietly(actor)
 
     def adopt(self, worker_id: int) -> None:
         """A started spare becomes a member (run it next)."""
@@ -122,8 +121,7 @@ class WorkerGroup:
     def remove(self, worker_id: int) -> None:
         """Worker `worker_id` leaves the group for good (a shrink)."""
         slot = self.slots.pop(worker_id)
-        with contextlib.suppress(Exception):
-            ray.kill(slot.actor)
+        _kill_quietly(slot.actor)
 
     def stop_and_drain(
         self, timeout_s: float, on_lost: Callable[[list[int]], None] | None = None
@@ -219,8 +217,7 @@ class WorkerGroup:
             self.poll(0.2)
         for worker_id in self.running:
             slot = self.slots[worker_id]
-            with contextlib.suppress(Exception):
-                ray.kill(slot.actor)
+            _kill_quietly(slot.actor)
             slot.lost = True
 
     def rerun(self, worker_id: int, *run_args: Any) -> None:
@@ -237,20 +234,20 @@ class WorkerGroup:
         """Once the run's last step is taken, running workers have nothing left to do. One still
         starting (a replacement) is let go at once; one silent for `silent_for_s` (hung) too, rather
         than waited for up to `timeout_s` and replaced. Returns the hung ones, for the record."""
-        now, hung = time.monotonic(), []
+        now, hung = time.monotonic(), ClusterStatus()
         for slot in self.slots.values():
             silent = now - slot.asked_at if slot.drain_ref is not None else 0.0
             if slot.lost or slot.finished or (slot.answered and silent <= silent_for_s):
                 continue
-            with contextlib.suppress(Exception):
-                ray.kill(slot.actor)
-            slot.lost, slot.drain_ref = True, None
-            if not slot.answered:
+            _kill_quietly(slot.actor)
+            if slot.answered:
+                self._lose(
+                    slot, hung, f"no answer for {silent:.0f} s, with the run's last step taken", hung=True
+                )
+            else:
                 log.info("worker %d had not started by the run's last step: let go", slot.worker_id)
-                continue
-            cause = f"no answer for {silent:.0f} s, with the run's last step taken"
-            hung.append(ActorLoss(LossKind.WORKER, slot.worker_id, self.global_step, cause, hung=True))
-        return hung
+                slot.lost, slot.drain_ref = True, None
+        return hung.losses
 
     def lose_stranded(self, status: ClusterStatus) -> None:
         """Workers whose run ended on a failed call to a shard when every shard answers after all
@@ -259,16 +256,14 @@ class WorkerGroup:
         worker short for good."""
         for slot in self.slots.values():
             if slot.finished and not slot.lost and slot.shard_error is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(slot.actor)  # alive and idle: its replacement takes its id
+                _kill_quietly(slot.actor)  # alive and idle: its replacement takes its id
                 cause = f"its call to a parameter server failed, and every one answers: {slot.shard_error}"
                 self._lose(slot, status, cause)
 
     def kill(self) -> None:
         actors = [slot.actor for slot in self.slots.values()] + [actor for actor, _ in self.spares.values()]
         for actor in actors:
-            with contextlib.suppress(Exception):  # already dead is fine
-                ray.kill(actor)
+            _kill_quietly(actor)
 
     # -- internals -------------------------------------------------------------------------------
     def _read_drain(self, slot: WorkerSlot, status: ClusterStatus, *, block: bool) -> None:
@@ -327,8 +322,7 @@ class WorkerGroup:
             if slot.answered or slot.lost:
                 continue
             if waited > self.start_timeout_s:
-                with contextlib.suppress(Exception):
-                    ray.kill(slot.actor)
+                _kill_quietly(slot.actor)
                 self._lose(
                     slot,
                     status,
@@ -375,8 +369,7 @@ class WorkerGroup:
             )
 
     def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:
-        with contextlib.suppress(Exception):
-            ray.kill(slot.actor)  # alive but stuck: a fresh one does better
+        _kill_quietly(slot.actor)  # alive but stuck: a fresh one does better
         self._lose(slot, status, f"{why} (training.failure.worker_timeout_s: {self.timeout_s:g})", hung=True)
 
     def _lose(self, slot: WorkerSlot, status: ClusterStatus, cause: str, *, hung: bool = False) -> None:
@@ -384,6 +377,11 @@ class WorkerGroup:
             return
         slot.lost, slot.drain_ref = True, None
         status.losses.append(ActorLoss(LossKind.WORKER, slot.worker_id, self.global_step, cause, hung=hung))
+
+
+def _kill_quietly(actor: Any) -> None:
+    with contextlib.suppress(Exception):  # already dead is fine
+        ray.kill(actor)
 
 
 def _free_resources() -> str:
