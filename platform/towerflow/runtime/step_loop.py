@@ -28,6 +28,7 @@ from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.towers import TowerStep, signature_of
 from towerflow.runtime.user_errors import misfit_error
 from towerflow.runtime.worker_config import WorkerConfig
+from towerflow.runtime.worker_group import ACTOR_GONE
 from towerflow.runtime.worker_messages import StepRecord, WarmUp, WorkerReport
 
 
@@ -95,6 +96,7 @@ class StepLoop:
         done = any(r.done for r in replies)
         steps = computed = examples = 0
         inflight: _Computed | None = None  # overlap_push: the step whose push is still on its way
+        retire = True
         try:
             while not done and not self.stop.is_set():
                 self._profiler.at_step(versions[0] + 1)
@@ -144,13 +146,19 @@ class StepLoop:
             if inflight is not None:  # the last push's reply, and its record
                 self._settle(inflight)
                 steps, examples = steps + 1, examples + inflight.trained_examples
+        except (*ACTOR_GONE, ray.exceptions.ObjectLostError):
+            # A call to a shard failed: the controller retires us as it replaces us, or rolls the
+            # shards back. Retiring here could let a shard close a step with our gradient alone
+            # and drop the others' as stale, a step no worker then reports.
+            retire = False
+            raise
         finally:
             self._busy_since = self._waiting_since = None
             self._profiler.stop()
-            # Let sync aggregation go on without us (also when we failed); a lost shard is the
-            # controller's to handle, not a reason to hide this worker's own error.
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.get([shard.retire.remote(cfg.worker_id) for shard in shards])
+            # Let sync aggregation go on without us (also when our own code failed).
+            if retire:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.get([shard.retire.remote(cfg.worker_id) for shard in shards])
         return steps, examples
 
     # -- one step --------------------------------------------------------------------------------
