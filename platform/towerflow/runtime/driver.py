@@ -10,7 +10,6 @@ acts: report steps to the hooks, replace lost workers, or fail. Whatever happens
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from towerflow.errors import DataError, TrainingError
+from towerflow.errors import TrainingError
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator
@@ -31,15 +30,16 @@ from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, e
 from towerflow.runtime.placement import ActorPlacement
 from towerflow.runtime.protocol import protocol_for, step_shape
 from towerflow.runtime.recovery import RecoveryActions, State
-from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.runtime.result import TrainResult
 from towerflow.runtime.run_control import ControlPoint
+from towerflow.runtime.run_end import RunEnd
 from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
 from towerflow.runtime.worker_group import WorkerGroup
-from towerflow.shared_types import DataFeed, StepShape, join_pieces
+from towerflow.shared_types import DataFeed, StepShape
 
 log = logging.getLogger(__name__)
 # Once the last step is taken, a worker silent this long (or its timeout, if shorter) is let go: a
@@ -48,7 +48,7 @@ SILENT_AT_THE_END_S = 30.0
 LET_GO = "let go, not replaced: the run's last step was taken"
 
 
-class Driver(RecoveryActions, CheckpointActions, HookQueries):
+class Driver(RecoveryActions, CheckpointActions, HookQueries, RunEnd):
     def __init__(
         self,
         spec: Any,
@@ -381,72 +381,10 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries):
             for hook in self.hooks:
                 hook.after_run(self.context, event)
 
-    # -- the end ---------------------------------------------------------------------------------
-    def _result(self, worker_summaries: list[dict[str, Any]], started: float) -> TrainResult:
-        shard_stats = ray.get([s.stats.remote() for s in self.shards])
-        parameters = self._fetch_parameters() if self.return_parameters else None
-        agg = self.aggregator
-        last = agg.last_event
-        return TrainResult(
-            run_id=self.session.tags.get("run_id"),
-            status="FINISHED",
-            global_step=shard_stats[0]["version"],
-            final_loss=last.loss if last else None,
-            final_metrics=dict(last.metrics) if last else {},
-            examples_seen=agg.examples_seen,
-            examples_per_sec=agg.steady_examples_per_sec(),
-            wall_s=time.time() - started,
-            dropped_stale=sum(s["stale"] for s in shard_stats) // max(1, len(shard_stats)),
-            rejected=agg.rejected_total,
-            staleness=staleness_summary(agg.staleness),
-            workers=worker_summaries,
-            shards=shard_stats,
-            parameters=parameters,
-            model_state=self.model_state() if self.return_parameters else None,
-        )
-
-    def _fetch_parameters(self) -> list[np.ndarray]:
-        replies = ray.get([s.pull.remote(0) for s in self.shards])
-        session = self.session
-        whole = join_pieces(ray.get([r.params for r in replies]), session.pieces, session.shard_assignment)
-        return [whole[i] for i in sorted(whole)]
-
+    # -- where the run stands ----------------------------------------------------------------------
     def _data_position(self) -> dict[str, Any]:
         return {"examples_seen": self.aggregator.examples_seen}
-
-    def _check_something_trained(self) -> None:
-        """A job whose data ended before its first step trained nothing: fail it, so that no untrained
-        model is exported or registered as if it were a result. (A resume at the run's final step,
-        max_steps or a hook's last step, is no error.)"""
-        final_step = self.session.final_step
-        if self.aggregator.last_event is not None or self.context.stop_requested:
-            return
-        if final_step is not None and self.session.start_step >= final_step:
-            return
-        data = self.spec.data
-        raise DataError(
-            f"data.train: the data ended before the first training step ({data.train.paths}, "
-            f"data.batch_size {data.batch_size:,} per worker, {self.spec.cluster.workers} worker(s), "
-            f"drop_remainder {str(data.drop_remainder).lower()}): nothing was trained. Lower "
-            "data.batch_size, or give more data."
-        )
 
     def _global_step(self) -> int:
         last = self.aggregator.last_event
         return last.global_step if last else 0
-
-    def _release(self) -> None:
-        if self.control is not None:
-            with contextlib.suppress(Exception):
-                self.control.close()
-        self.group.kill()
-        self.shard_group.kill()
-        # The reads' claim on the cluster's cores goes now, not minutes after (data/splits.py).
-        with contextlib.suppress(Exception):
-            self._close_data(wait_s=10.0, release=True)
-        if self._evaluator is not None:
-            with contextlib.suppress(Exception):  # already dead is fine
-                ray.kill(self._evaluator)
-        self._evaluator = None
-        with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
-            self.actor_placement.release()

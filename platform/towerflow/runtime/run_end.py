@@ -1,0 +1,83 @@
+"""The run's end (mixed into the Driver): the result a finished run reports, the check that a run
+trained something, and the release of everything the run held, whatever its outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from towerflow.errors import DataError
+from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.shared_types import join_pieces
+
+
+class RunEnd:
+    """The end of a run, for the Driver, which provides the shards, the worker group, the
+    aggregator, the session and the data these read."""
+
+    def _result(self, worker_summaries: list[dict[str, Any]], started: float) -> TrainResult:
+        shard_stats = ray.get([s.stats.remote() for s in self.shards])
+        parameters = self._fetch_parameters() if self.return_parameters else None
+        agg = self.aggregator
+        last = agg.last_event
+        return TrainResult(
+            run_id=self.session.tags.get("run_id"),
+            status="FINISHED",
+            global_step=shard_stats[0]["version"],
+            final_loss=last.loss if last else None,
+            final_metrics=dict(last.metrics) if last else {},
+            examples_seen=agg.examples_seen,
+            examples_per_sec=agg.steady_examples_per_sec(),
+            wall_s=time.time() - started,
+            dropped_stale=sum(s["stale"] for s in shard_stats) // max(1, len(shard_stats)),
+            rejected=agg.rejected_total,
+            staleness=staleness_summary(agg.staleness),
+            workers=worker_summaries,
+            shards=shard_stats,
+            parameters=parameters,
+            model_state=self.model_state() if self.return_parameters else None,
+        )
+
+    def _fetch_parameters(self) -> list[np.ndarray]:
+        replies = ray.get([s.pull.remote(0) for s in self.shards])
+        session = self.session
+        whole = join_pieces(ray.get([r.params for r in replies]), session.pieces, session.shard_assignment)
+        return [whole[i] for i in sorted(whole)]
+
+    def _check_something_trained(self) -> None:
+        """A job whose data ended before its first step trained nothing: fail it, so that no untrained
+        model is exported or registered as if it were a result. (A resume at the run's final step,
+        max_steps or a hook's last step, is no error.)"""
+        final_step = self.session.final_step
+        if self.aggregator.last_event is not None or self.context.stop_requested:
+            return
+        if final_step is not None and self.session.start_step >= final_step:
+            return
+        data = self.spec.data
+        raise DataError(
+            f"data.train: the data ended before the first training step ({data.train.paths}, "
+            f"data.batch_size {data.batch_size:,} per worker, {self.spec.cluster.workers} worker(s), "
+            f"drop_remainder {str(data.drop_remainder).lower()}): nothing was trained. Lower "
+            "data.batch_size, or give more data."
+        )
+
+    def _release(self) -> None:
+        if self.control is not None:
+            with contextlib.suppress(Exception):
+                self.control.close()
+        self.group.kill()
+        self.shard_group.kill()
+        # The reads' claim on the cluster's cores goes now, not minutes after (data/splits.py).
+        with contextlib.suppress(Exception):
+            self._close_data(wait_s=10.0, release=True)
+        if self._evaluator is not None:
+            with contextlib.suppress(Exception):  # already dead is fine
+                ray.kill(self._evaluator)
+        self._evaluator = None
+        with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
+            self.actor_placement.release()
