@@ -149,6 +149,52 @@ def test_a_worker_hung_when_the_last_step_is_taken_is_let_go_not_waited_for(
     assert hook.metrics.get("workers_replaced", 0) == 0  # no replacement was started
 
 
+class StopWhenReplaced(FaultAt):
+    """Asks the run to stop as the lost worker's replacement is made (it is still starting)."""
+
+    def after_run(self, context, event):
+        self.context = context
+        super().after_run(context, event)
+
+    def on_fault(self, event):
+        super().on_fault(event)
+        self.context.request_stop("a stop as the replacement starts")
+
+
+class StopAtTheKill(FaultAt):
+    """Asks the run to stop at once after the kill, before the loss is noticed."""
+
+    def after_run(self, context, event):
+        super().after_run(context, event)
+        if self.killed_at:
+            context.request_stop("a stop right after the kill")
+
+
+def test_a_stop_reaches_a_replacement_whose_run_begins_after_it(ray_cluster, blob_data, tmp_path):
+    """A worker's calls run on threads: the stop sent to a replacement still starting may come
+    before its run begins (held back here 3 s). It stops all the same; the run does not go on
+    with the replacement alone to max_steps."""
+    spec = _spec(blob_data, mode="async", max_steps=400, epochs=None)
+    hook = StopWhenReplaced(step=20)
+    faults = FaultInjector(step_delay_s={0: 0.1, 1: 0.1}, run_start_delay_s={1: 3.0})
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=faults)
+    assert [f.action for f in hook.faults] == ["replaced"]
+    assert result.global_step < 100, result.global_step  # 400 before: the replacement trained on alone
+    assert not any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 10)
+
+
+def test_a_worker_lost_while_the_run_stops_is_let_go_not_replaced(ray_cluster, blob_data, tmp_path):
+    spec = _spec(blob_data, mode="async", max_steps=400, epochs=None)
+    hook = StopAtTheKill(step=20)
+    faults = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
+    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=faults)
+    (fault,) = hook.faults
+    assert "worker 1 lost" in fault.what
+    assert fault.action == "let go, not replaced: the run is stopping"
+    assert hook.metrics.get("workers_replaced", 0) == 0 and hook.metrics["workers_lost"] == 1
+    assert result.global_step < 100
+
+
 def test_more_losses_than_allowed_fail_the_run_naming_each(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, mode="async", max_steps=400, epochs=None, failure={"max_worker_failures": 1})
     hook = FaultAt(step=10, times=2)

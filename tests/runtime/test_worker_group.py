@@ -21,7 +21,7 @@ class _Worker:
         self._stop = threading.Event()
         self._deaf = deaf
 
-    def run(self, *args) -> dict:
+    def run(self, *args, run_number: int = 1) -> dict:
         while self._deaf or not self._stop.is_set():
             time.sleep(0.05)
         return {"steps": 0}
@@ -29,7 +29,7 @@ class _Worker:
     def drain(self) -> WorkerReport:
         return WorkerReport([], None)
 
-    def request_stop(self) -> None:
+    def request_stop(self, run_number: int) -> None:
         self._stop.set()
 
 

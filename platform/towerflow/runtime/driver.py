@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 # Once the last step is taken, a worker silent this long (or its timeout, if shorter) is let go: a
 # live one answers a drain within a poll, even mid-step (a drain runs on a thread of its own).
 SILENT_AT_THE_END_S = 30.0
-LET_GO = "let go, not replaced: the run's last step was taken"
+LET_GO = "let go, not replaced: {}"
+LAST_STEP_TAKEN = "the run's last step was taken"
 
 
 class Driver(RecoveryActions, CheckpointActions, HookQueries, RunEnd):
@@ -282,17 +283,18 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries, RunEnd):
                     self.stop_signals.name,
                 )
                 self.context.request_stop(f"stopped by {self.stop_signals.name}")
-            if self.context.stop_requested and not stopping:
+            if self.context.stop_requested:
                 # Workers end their current step and retire, and sync shards aggregate over those
                 # still running, so every shard ends at the same version. Finishing the shards here
                 # instead would race the pushes in flight: one shard could take a step that another
                 # (finished first) refuses, and the final state would not be a consistent cut.
+                # Asked every turn: a run started since (a replacement's, a rollback's) stops too.
                 stopping = True
                 self.group.request_stop()
             running = self.group.running
             if running and self._last_step_taken():
                 for loss in self.group.let_silent_go(min(self.group.timeout_s, SILENT_AT_THE_END_S)):
-                    self._fault(loss, LET_GO)
+                    self._fault(loss, LET_GO.format(LAST_STEP_TAKEN))
                 running = self.group.running
             if running and not released and self._all_waiting_to_start(running):
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
@@ -335,9 +337,10 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries, RunEnd):
             self.state = State.RUNNING
             return []  # what the workers reported before the rollback is redone
         if decision is Decision.REPLACE_WORKERS:
-            if self._last_step_taken():  # nothing left for a replacement to do
+            nothing_to_do = self._why_nothing_is_left()
+            if nothing_to_do is not None:
                 for loss in status.lost_workers:
-                    self._fault(loss, LET_GO)
+                    self._fault(loss, LET_GO.format(nothing_to_do))
                 self._log_losses()
             elif self.elastic.shrinks_on_loss(len(self.group.running)):
                 for loss in status.lost_workers:
@@ -364,6 +367,14 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries, RunEnd):
     def _last_step_taken(self) -> bool:
         final = self.session.final_step
         return final is not None and self.group.global_step >= final
+
+    def _why_nothing_is_left(self) -> str | None:
+        """Why a replacement would have nothing to do (the run's end is near), or None."""
+        if self._last_step_taken():
+            return LAST_STEP_TAKEN
+        if self.context.stop_requested:
+            return "the run is stopping"
+        return None
 
     def _all_waiting_to_start(self, workers: list[int]) -> bool:
         if not all(self._start_steps[w] > self.session.start_step for w in workers):

@@ -1,5 +1,5 @@
-"""Faults a test or a benchmark injects into workers: slowness, non-finite losses, and a call to the
-shards that fails in transit.
+"""Faults a test or a benchmark injects into workers: slowness, a late start, non-finite losses, and
+a call to the shards that fails in transit.
 
 Production types carry no test knobs: a caller passes one `FaultInjector` (`towerflow.train(...,
 faults=...)`) and every worker asks it. Faults that need no help from the code under test (a
@@ -22,9 +22,15 @@ class FaultInjector:
     # worker id -> the global step whose push replies it fails to read, with the error Ray raises
     # for a call to a live actor lost in transit (the shards live on; the pushes may have landed)
     shard_call_lost: dict[int, int] = field(default_factory=dict)
+    # worker id -> seconds each of its runs waits before it begins (a run that starts late: its
+    # actor's calls run on threads, so a stop sent after it may come first)
+    run_start_delay_s: dict[int, float] = field(default_factory=dict)
 
     def delay(self, worker: int) -> float:
         return self.step_delay_s.get(worker, 0.0)
+
+    def run_start_delay(self, worker: int) -> float:
+        return self.run_start_delay_s.get(worker, 0.0)
 
     def loss(self, worker: int, global_step: int, loss: float) -> float:
         window = self.nonfinite_loss.get(worker)

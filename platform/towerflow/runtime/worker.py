@@ -19,6 +19,7 @@ import ray
 
 from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
+from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan
@@ -75,6 +76,8 @@ class TowerWorker:
         self.adapter = BatchAdapter(input_names, config.label, config.feature_scales)
         self._profiler = StepWindowProfiler(config.profile_steps)
         self._loop = StepLoop(config, self.model, self.towers, self.adapter, self._profiler)
+        self._faults = config.faults or FaultInjector()
+        self._run_number = self._stopped_run = 0  # the current run, the last one asked to stop
 
     # -- called by the driver --------------------------------------------------------------------
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
@@ -135,8 +138,12 @@ class TowerWorker:
     def drain(self) -> WorkerReport:
         return self._loop.drain()
 
-    def request_stop(self) -> None:
-        self._loop.stop.set()
+    def request_stop(self, run_number: int) -> None:
+        """Stop run `run_number` after its step, even one not begun yet: this actor's calls run on
+        threads, so a stop sent after a run may start first (a replacement's, stopped as it starts)."""
+        self._stopped_run = run_number
+        if self._run_number == run_number:
+            self._loop.stop.set()
 
     def evaluate(
         self,
@@ -184,6 +191,8 @@ class TowerWorker:
         buckets: list[list[int]],
         data: Any,
         rejoin: Rejoin | None = None,
+        *,
+        run_number: int = 1,
     ) -> dict[str, Any]:
         """Train until the data ends, the shards say the last step is done, or the driver stops us.
 
@@ -192,8 +201,12 @@ class TowerWorker:
         A replacement worker gets `rejoin`: the rows its lost predecessor had received and not
         trained on (data/splits.py), read before its split, and the model's non-trainable state.
         """
+        time.sleep(self._faults.run_start_delay(self.config.worker_id))
         loop = self._loop
+        self._run_number = run_number  # before the fresh stop event, read after it (request_stop)
         stop = loop.new_run()
+        if self._stopped_run == run_number:
+            stop.set()
         loop.attach(PushPlan(shards, placement, buckets))
         start = time.perf_counter()
         stream = as_stream(data)

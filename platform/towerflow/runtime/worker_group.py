@@ -41,6 +41,8 @@ class WorkerSlot:
     waiting_told_at: float = 0.0  # how long it had waited to start when the log last said so
     data_wait_s: float | None = None  # how long it had waited for its next batch at its last answer
     shard_error: str | None = None  # its run ended on a failed call to a shard: what Ray said
+    runs: int = 0  # its runs started so far: the number of the current one
+    stopped_run: int = 0  # the last run asked to stop
 
 
 class WorkerGroup:
@@ -157,12 +159,16 @@ class WorkerGroup:
 
     def run(self, worker_id: int, *args: Any) -> None:
         slot = self.slots[worker_id]
-        slot.run_ref = slot.actor.run.remote(*args)
+        slot.runs += 1
+        slot.run_ref = slot.actor.run.remote(*args, run_number=slot.runs)
 
     def request_stop(self) -> None:
+        """Ask every live worker's current run to stop after its step; a run asked already is not
+        asked again, so a caller may ask every turn and reach the runs started since."""
         for slot in self.slots.values():
-            if not slot.lost:
-                slot.actor.request_stop.remote()
+            if not slot.lost and slot.stopped_run != slot.runs:
+                slot.stopped_run = slot.runs
+                slot.actor.request_stop.remote(slot.runs)
 
     def replace(self, worker_id: int, *run_args: Any) -> None:
         """A new actor under a lost worker's id, running with `run_args` (its split taken over)."""
