@@ -130,7 +130,10 @@ def whole_weights(variables: list[Any]) -> list[np.ndarray]:
 
 
 def train(
-    args: argparse.Namespace, cluster: dict[str, list[str]], clock: workloads.TrainClock
+    args: argparse.Namespace,
+    cluster: dict[str, list[str]],
+    clock: workloads.TrainClock,
+    procs: list[subprocess.Popen],
 ) -> workloads.RunReport:
     import tensorflow as tf
     import tf_keras
@@ -184,6 +187,8 @@ def train(
     times = workloads.StepTimes(clock, args.warmup, args.steps, spec.global_batch)
     snaps = workloads.Snapshots(args.out, args.snapshot_every, clock)
     total = (args.warmup + args.steps) * workers  # scheduled steps: the same examples as sync's steps
+    progress, kill = workloads.Progress(args.out), workloads.Kill(args)
+    victim = procs[0] if args.kill == "ps" else procs[args.ps + 1] if args.kill == "worker" else None
     pending: deque[Any] = deque()
     scheduled = completed = 0
     losses: list[float] = []
@@ -202,6 +207,9 @@ def train(
         step = completed // workers
         times.record(step, sum(losses) / len(losses))
         losses.clear()
+        progress.mark(step)
+        if victim is not None and kill.due(step):
+            kill.strike(victim.pid, step)
         if snaps.due(step):
             # Read straight from the PS while the workers train on through the steps in flight (so
             # the clock runs on): the snapshot may hold some of their updates, and is no atomic cut
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     procs = start_servers(cluster, args.out)
     try:
         wait_for_servers(procs, cluster["ps"] + cluster["worker"])
-        train(args, cluster, clock).emit()
+        train(args, cluster, clock, procs).emit()
     finally:
         stop_servers(procs)
     # With the servers gone, TensorFlow's exit-time cleanup only logs failed RPCs to them (and could

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 import numpy as np
 from workloads import (
     WORKLOADS,
+    Kill,
+    Progress,
     RunReport,
     Snapshots,
     StepTimes,
@@ -59,6 +62,41 @@ def compiled_model(strategy: Any, workload: str, keras: Any) -> Any:
     return model
 
 
+class Checkpoints:
+    """The model's and Adam's state every `every` global batches as Ray Train checkpoints, and their
+    restore when Ray Train starts the loop again after a failure (`FailureConfig`), as its guide
+    has it. Every rank writes (under MultiWorkerMirroredStrategy a save may hold collectives); rank
+    0's copy is the one reported, the others' go."""
+
+    def __init__(self, model: Any, every: int, rank: int) -> None:
+        import tensorflow as tf
+
+        self.every, self.rank = every, rank
+        self.state = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+
+    def restore(self) -> int:
+        """The global batches the restored checkpoint had trained (0: none to restore)."""
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return 0
+        with checkpoint.as_directory() as folder:
+            self.state.read(os.path.join(folder, "state")).expect_partial()
+            return json.loads(Path(folder, "step.json").read_text())["step"]
+
+    def report(self, step: int) -> None:
+        if not self.every or step % self.every:
+            return
+        import ray.train
+
+        with tempfile.TemporaryDirectory() as folder:
+            self.state.write(os.path.join(folder, "state"))
+            Path(folder, "step.json").write_text(json.dumps({"step": step}))
+            checkpoint = ray.train.Checkpoint.from_directory(folder) if self.rank == 0 else None
+            ray.train.report({"step": step}, checkpoint=checkpoint)
+
+
 def train_loop(config: dict[str, Any]) -> None:
     """Every worker: tf_keras `fit` under MultiWorkerMirroredStrategy; rank 0 times it and saves."""
     loop_start = time.time()
@@ -71,6 +109,11 @@ def train_loop(config: dict[str, Any]) -> None:
     world = ray.train.get_context().get_world_size()
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     model = compiled_model(strategy, config["workload"], tf_keras)
+    checkpoints = Checkpoints(model, config["checkpoint_every"], rank)
+    done = checkpoints.restore()  # global batches already trained: the run's restart after a failure
+    progress = Progress(Path(config["out"]))
+    fault = {**config["fault"], "kill": config["fault"]["kill"] if rank == 1 else None}  # rank 1 dies
+    kill = Kill(argparse.Namespace(**fault))
 
     clock = TrainClock()
     clock.process_start = config["process_start"]
@@ -88,7 +131,12 @@ def train_loop(config: dict[str, Any]) -> None:
             clock.start()
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-            step = batch + 1  # one epoch of warmup+steps batches: Keras's batch index is the step
+            step = done + batch + 1  # one epoch of the batches left: Keras's batch index counts them
+            if rank == 0:
+                progress.mark(step)
+            if kill.due(step):
+                kill.strike(os.getpid(), step)
+            checkpoints.report(step)
             # tf_keras under MultiWorkerMirroredStrategy SUMs the loss metric over the workers
             # (reduce_per_replica's "auto" is "sum" there): the logs say workers x the mean loss.
             # Divided back, it is Keras's usual number, the running mean over the epoch so far.
@@ -110,7 +158,9 @@ def train_loop(config: dict[str, Any]) -> None:
         .repeat()
     )
     timing = Timing()
-    model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, callbacks=[timing] if rank == 0 else [])
+    # Rank 0 times; every rank reports a checkpoint (Ray Train's report is a barrier) and may be killed.
+    timed = rank == 0 or checkpoints.every or kill.target
+    model.fit(data, epochs=1, steps_per_epoch=total - done, verbose=0, callbacks=[timing] if timed else [])
     if rank == 0:
         record = {
             "ends": times.ends,
@@ -169,7 +219,7 @@ def train_dataset(data: Path) -> Any:
 
 
 def run_trainer(args: argparse.Namespace, loop: Any, steps: int) -> None:
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
 
     out = args.out.resolve()
@@ -182,6 +232,8 @@ def run_trainer(args: argparse.Namespace, loop: Any, steps: int) -> None:
             "warmup": args.warmup,
             "steps": steps,
             "snapshot_every": args.snapshot_every,
+            "checkpoint_every": args.checkpoint_every,
+            "fault": {"kill": args.kill, "kill_at": args.kill_at, "out": str(out)},
             "out": str(out),
             "process_start": CLOCK.process_start,
         },
@@ -191,6 +243,8 @@ def run_trainer(args: argparse.Namespace, loop: Any, steps: int) -> None:
         run_config=RunConfig(
             name=f"raytrain-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}",
             storage_path=str(out / "raytrain"),
+            # A run with a fault gets the restart Ray Train's fault-tolerance guide gives it.
+            failure_config=FailureConfig(max_failures=1 if args.kill else 0),
         ),
     )
     trainer.fit()

@@ -16,16 +16,29 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 from cpu_roles import cpu_by_process, used_between  # noqa: E402
-from workloads import ROOT, Snapshots, StepTimes, TrainClock, report, runner_args  # noqa: E402
+from workloads import (  # noqa: E402
+    ROOT,
+    Kill,
+    Progress,
+    Snapshots,
+    StepTimes,
+    TrainClock,
+    report,
+    runner_args,
+)
 
 from towerflow.runtime.hooks import Hook  # noqa: E402
 
 
 class Recorder(Hook):
-    """Global batches done (examples seen / global batch) and their time; snapshots at set steps."""
+    """Global batches done (examples seen / global batch) and their time; snapshots at set steps;
+    the run contract's fault (worker 1's or shard 0's process SIGKILLed)."""
 
-    def __init__(self, times: StepTimes, snaps: Snapshots, updates_per_batch: int) -> None:
+    def __init__(
+        self, times: StepTimes, snaps: Snapshots, updates_per_batch: int, progress: Progress, kill: Kill
+    ) -> None:
         self.times, self.snaps, self.updates_per_batch = times, snaps, updates_per_batch
+        self.progress, self.kill = progress, kill
         self.splits: list[dict[str, float]] = []
         self.cpu: list[tuple[float, dict]] = []  # (wall, CPU by process) at the window's ends
 
@@ -36,6 +49,16 @@ class Recorder(Hook):
     def after_run(self, context, event) -> None:
         batches = event.examples_seen // self.times.global_batch
         self.times.record(batches, event.loss, at=event.elapsed_s)
+        self.progress.mark(batches)
+        if batches >= self.times.warmup + self.times.steps:
+            # The contract counts examples: a sync step taken while a worker is lost holds fewer.
+            context.request_stop("the run's examples are done")
+        if self.kill.due(batches):
+            import ray
+
+            runtime = context.session.runtime
+            actor = runtime.group.slots[1].actor if self.kill.target == "worker" else runtime.shards[0]
+            self.kill.strike(ray.get(actor.pid.remote()), batches)
         if self.times.warmup < batches <= self.times.warmup + self.times.steps:
             self.splits.append(dict(event.time_split))
         ends = (self.times.warmup, self.times.warmup + self.times.steps)
@@ -72,13 +95,18 @@ def main() -> None:
         "cluster.cpus_per_worker=1",
         "cluster.cpus_per_ps=0.5",
         "cluster.data_cpus=1",
-        f"training.max_steps={(args.warmup + args.steps) * updates_per_batch}",
+        # (a fault's run may need more steps for its examples: a guard, not the end)
+        f"training.max_steps={(args.warmup + args.steps) * updates_per_batch * (2 if args.kill else 1)}",
         f"training.optimizer.learning_rate={spec.learning_rate}",
         "export.saved_model=false",
         "export.register_as=null",
         "supervision.eval=null",
-        "supervision.checkpoint.enabled=false",
     ]
+    if args.checkpoint_every:  # where the shards roll back to when one is lost
+        every = args.checkpoint_every * updates_per_batch
+        overrides += ["supervision.checkpoint.enabled=true", f"supervision.checkpoint.every_steps={every}"]
+    else:
+        overrides.append("supervision.checkpoint.enabled=false")
     if args.mode == "async":
         overrides.append(f"training.fetch_every={args.fetch_every}")
         overrides.append(f"training.overlap_push={str(args.overlap_push).lower()}")
@@ -88,7 +116,7 @@ def main() -> None:
     job = load_spec(base, overrides)
     times = StepTimes(clock, args.warmup, args.steps, spec.global_batch)
     snaps = Snapshots(args.out, args.snapshot_every, clock)
-    recorder = Recorder(times, snaps, updates_per_batch)
+    recorder = Recorder(times, snaps, updates_per_batch, Progress(args.out), Kill(args))
     os.chdir(ROOT)  # model refs (models., benchmarks.) import from the repository root
     ray.init(num_cpus=workers + 2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:

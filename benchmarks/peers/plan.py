@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -175,16 +176,28 @@ class Run:
         return cls(**fields)
 
 
-def make_run(turn: Turn, round_: int, data: Path, out: Path, timeout_s: float) -> Run:
+def make_run(
+    turn: Turn,
+    round_: int,
+    data: Path,
+    out: Path,
+    timeout_s: float,
+    *,
+    steps: Steps | None = None,
+    extra: Sequence[str] = (),
+    tag: str = "",
+) -> Run:
+    """One run in a fresh process; `steps` other than the workload's, `extra` arguments (a fault)
+    and a `tag` for its folder's name are for benchmarks/faults_peers.py."""
     config = turn.config
-    system, steps = SYSTEMS[config.system], STEPS[config.workload]
+    system, steps = SYSTEMS[config.system], steps or STEPS[config.workload]
     kind = "" if turn.timed else "-snapshots"
-    folder = out / f"r{round_}-{config.key.replace('/', '-')}{kind}"
+    folder = out / f"r{round_}-{config.key.replace('/', '-')}{kind}{tag}"
     every = steps.snapshot_every if turn.snapshots else 0
     command = [sys.executable, str(PEERS / f"peer_{system.runner}.py"), f"--workload={config.workload}"]
     command += [f"--workers={config.workers}", f"--data={data}", f"--warmup={steps.warmup}"]
     command += [f"--steps={steps.timed}", f"--snapshot-every={every}", f"--out={folder}"]
-    command += [f"--mode={system.mode}", *system.extra]
+    command += [f"--mode={system.mode}", *system.extra, *extra]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     run, started = Run(config, round_, folder, timed=turn.timed), time.time()
     try:

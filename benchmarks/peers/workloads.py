@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -158,10 +160,54 @@ def runner_args(argv: list[str] | None = None, *, modes: Sequence[str] = ("sync"
     parser.add_argument(
         "--overlap-push", action="store_true", help="towerflow async: compute the next step during a push"
     )
+    # A fault for benchmarks/faults_peers.py: one SIGKILL, at the first global batch done at or past --kill-at
+    parser.add_argument(
+        "--kill", choices=("worker", "ps"), help="SIGKILL worker 1's process, or PS 0's, once"
+    )
+    parser.add_argument("--kill-at", type=int, default=0, help="global batch at which --kill strikes")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="global batches between the system's own checkpoints, where it resumes from them (0: none)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.spec = WORKLOADS[args.workload]
     return args
+
+
+class Progress:
+    """The wall time of every global batch done, appended to `out/progress.log` as it happens, so
+    that what a fault costs is read from it across a system's restarts (a restarted process
+    appends to the same file)."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = Path(out) / "progress.log"
+        self._last = 0
+
+    def mark(self, step: int) -> None:
+        if step == self._last:
+            return
+        self._last = step
+        with self.path.open("a") as log:
+            log.write(f"{step} {time.time():.3f}\n")
+
+
+class Kill:
+    """`--kill` at `--kill-at`, once per run: the kill's wall time and step go to `out/kill.json`,
+    which also tells a restarted process that it was done."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.target, self.at = args.kill, args.kill_at
+        self.path = Path(args.out) / "kill.json"
+
+    def due(self, step: int) -> bool:
+        return self.target is not None and step >= self.at and not self.path.exists()
+
+    def strike(self, pid: int, step: int) -> None:
+        self.path.write_text(json.dumps({"wall": time.time(), "step": step, "target": self.target}))
+        os.kill(pid, signal.SIGKILL)
 
 
 class TrainClock:

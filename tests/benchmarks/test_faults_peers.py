@@ -1,0 +1,70 @@
+"""What the faults-beside-the-peers benchmark reads from a run's files: the longest stall from the
+kill on, the batches trained twice, and the seconds a fault cost against the same round's clean
+run. The progress logs are shaped as the runners write them (the Ray Train one from a hand run,
+2026-11-29: killed after batch 15, restarted from its checkpoint of batch 10)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from faults_peers import fault_figures, last_line, summarize  # noqa: E402
+from peers.plan import Config, Run  # noqa: E402
+
+
+def _run(
+    folder: Path, marks: list[tuple[int, float]], kill: tuple[int, float] | None, system="raytrain", **fields
+) -> Run:
+    folder.mkdir(parents=True)
+    (folder / "progress.log").write_text("".join(f"{step} {wall:.3f}\n" for step, wall in marks))
+    if kill is not None:
+        step, wall = kill
+        (folder / "kill.json").write_text(json.dumps({"wall": wall, "step": step, "target": "worker"}))
+    return Run(Config(system, "lenet", 2), fields.pop("round_", 1), folder, **fields)
+
+
+def test_a_restart_from_a_checkpoint_is_a_long_stall_and_batches_redone(tmp_path):
+    marks = [(step, 100 + 0.25 * step) for step in range(1, 16)]  # the kill after batch 15
+    marks += [(step, 118 + 0.25 * (step - 11)) for step in range(11, 31)]  # from batch 11 again
+    figures = fault_figures(_run(tmp_path / "r", marks, kill=(15, 103.8)))
+    assert figures["redone"] == 5
+    assert abs(figures["stall_s"] - 14.2) < 1e-6  # the kill -> the restarted run's first batch
+
+
+def test_training_on_through_a_loss_redoes_nothing_and_stalls_little(tmp_path):
+    marks = [(step, 100 + 0.2 * step) for step in range(1, 31)]
+    marks[16] = (17, marks[16][1] + 1.5)  # the replacement's join: one slow batch
+    marks[17:] = [(step, wall + 1.5) for step, wall in marks[17:]]
+    figures = fault_figures(_run(tmp_path / "r", marks, kill=(15, 103.0)))
+    assert figures["redone"] == 0
+    assert abs(figures["stall_s"] - 1.7) < 1e-6
+
+
+def test_a_run_without_a_kill_has_no_fault_figures(tmp_path):
+    figures = fault_figures(_run(tmp_path / "r", [(1, 100.0)], kill=None))
+    assert figures == {"stall_s": None, "redone": None}
+
+
+def test_seconds_lost_pair_rounds_and_a_failed_run_is_named_by_its_error(tmp_path):
+    kill = (15, 103.0)
+    marks = [(step, 100 + 0.2 * step) for step in range(1, 31)]
+    clean = [_run(tmp_path / f"c{r}", marks, None, round_=r, wall_s=w) for r, w in ((1, 60.0), (2, 70.0))]
+    faulted = [_run(tmp_path / f"f{r}", marks, kill, round_=r, wall_s=w) for r, w in ((1, 75.0), (2, 90.0))]
+    failed = _run(tmp_path / "ps", marks[:15], kill, system="psstrategy", error="exit 1: ...")
+    (tmp_path / "ps.log").write_text(
+        "Traceback (most recent call last):\n  File ...\n"
+        "tensorflow.python.framework.errors_impl.UnavailableError: Graph execution error:\n"
+        "Additional GRPC error information ...\n"
+    )
+    rows = summarize(
+        {"raytrain/clean": clean, "raytrain/worker": faulted, "psstrategy/ps": [failed]}, tmp_path
+    )
+    by_case = {(r["system"], r["fault"]): r for r in rows}
+    assert by_case["raytrain", "worker"]["lost_s"] == [15.0, 20.0]
+    assert by_case["raytrain", "worker"]["survived"] == "2/2"
+    failure = by_case["psstrategy", "ps"]
+    assert failure["survived"] == "0/1" and "UnavailableError" in failure["errors"][0]
+    assert last_line(rows) == "peer_faults_lost_s=raytrain/worker:17.5,psstrategy/ps:failed"
