@@ -14,8 +14,9 @@ benchmarks/peers/) for `--batches` global batches, once clean and once with a pr
 towerflow and Ray Train checkpoint every `--every` global batches in every run, clean ones too;
 the PSStrategy runner takes none (nothing in the run could resume from one).
 
-For each fault: survived (the run reached its batches), seconds lost (the fault run's wall time
-less the clean run's of the same round), the longest stall (from the kill, the longest time with no
+For each fault: survived (the run reached its batches), seconds lost (the fault run's time from
+its first global batch done to its last, less the clean run's of the same round: start-up, which
+no fault here touches, swings more than a fault costs), the longest stall (from the kill, the longest time with no
 global batch done) and the global batches trained twice. Figures go to docs/reliability.md.
 
     python benchmarks/faults_peers.py               # 2 rounds: about 12 minutes on 2 cores
@@ -119,6 +120,16 @@ def fault_figures(run: Run) -> dict:
     return {"stall_s": stall, "redone": redone}
 
 
+def training_span(run: Run) -> float:
+    """Seconds from the run's first global batch done to its last (its start-up apart: Ray Train's
+    swung from 40 to 80 s between runs, more than a fault costs), or its wall time without a log."""
+    log_path = run.folder / "progress.log"
+    walls = (
+        [float(line.split()[1]) for line in log_path.read_text().splitlines()] if log_path.exists() else []
+    )
+    return max(walls) - min(walls) if len(walls) > 1 else run.wall_s
+
+
 def failure_of(run: Run, out: Path) -> str:
     """The error a failed run ended on, as its log's last exception line says."""
     log_file = out / f"{run.folder.name}.log"
@@ -140,7 +151,7 @@ def summarize(results: dict[str, list[Run]], out: Path) -> list[dict]:
                 continue
             twin = next((c for c in clean if c.round == run.round and c.ok), None)
             if twin is not None:
-                lost.append(run.wall_s - twin.wall_s)
+                lost.append(training_span(run) - training_span(twin))
             figures = fault_figures(run)
             if figures["stall_s"] is not None:
                 stalls.append(figures["stall_s"])

@@ -48,11 +48,23 @@ def test_a_run_without_a_kill_has_no_fault_figures(tmp_path):
     assert figures == {"stall_s": None, "redone": None}
 
 
+def _marks(seconds_a_batch: float, pause_s: float = 0.0) -> list[tuple[int, float]]:
+    """30 batches from wall time 100, with a pause after batch 15."""
+    return [(step, 100 + seconds_a_batch * step + (pause_s if step > 15 else 0)) for step in range(1, 31)]
+
+
 def test_seconds_lost_pair_rounds_and_a_failed_run_is_named_by_its_error(tmp_path):
-    kill = (15, 103.0)
-    marks = [(step, 100 + 0.2 * step) for step in range(1, 31)]
-    clean = [_run(tmp_path / f"c{r}", marks, None, round_=r, wall_s=w) for r, w in ((1, 60.0), (2, 70.0))]
-    faulted = [_run(tmp_path / f"f{r}", marks, kill, round_=r, wall_s=w) for r, w in ((1, 75.0), (2, 90.0))]
+    """Seconds lost are training time (first batch to last), not wall time: the start-up (wall_s
+    here 60-90 s) swings more than a fault costs."""
+    kill = (15, 103.01)
+    clean = [
+        _run(tmp_path / f"c{r}", _marks(0.2), None, round_=r, wall_s=w) for r, w in ((1, 60.0), (2, 90.0))
+    ]
+    faulted = [
+        _run(tmp_path / f"f{r}", _marks(0.2, pause), kill, round_=r, wall_s=w)
+        for r, pause, w in ((1, 15.0, 75.0), (2, 20.0, 70.0))
+    ]
+    marks = _marks(0.2)
     failed = _run(tmp_path / "ps", marks[:15], kill, system="psstrategy", error="exit 1: ...")
     (tmp_path / "ps.log").write_text(
         "Traceback (most recent call last):\n  File ...\n"
@@ -63,7 +75,7 @@ def test_seconds_lost_pair_rounds_and_a_failed_run_is_named_by_its_error(tmp_pat
         {"raytrain/clean": clean, "raytrain/worker": faulted, "psstrategy/ps": [failed]}, tmp_path
     )
     by_case = {(r["system"], r["fault"]): r for r in rows}
-    assert by_case["raytrain", "worker"]["lost_s"] == [15.0, 20.0]
+    assert [round(lost, 6) for lost in by_case["raytrain", "worker"]["lost_s"]] == [15.0, 20.0]
     assert by_case["raytrain", "worker"]["survived"] == "2/2"
     failure = by_case["psstrategy", "ps"]
     assert failure["survived"] == "0/1" and "UnavailableError" in failure["errors"][0]
