@@ -12,6 +12,25 @@ from towerflow.cli.main import _stopped
 from towerflow.runtime.signals import EXIT_CODE, StopRequested, StopSignals, stopped_by_sigterm
 
 
+@pytest.fixture(autouse=True)
+def _sigint_as_a_terminal_leaves_it():
+    """pytest started in the background from a non-interactive shell (`cmd &`) inherits SIGINT
+    ignored, which StopSignals rightly leaves alone (below): these tests start from a terminal's."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_an_ignored_sigint_stays_ignored():
+    """A job started in the background ignores Ctrl-C: the run must not start taking it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with StopSignals() as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        stop.check()  # nothing came
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 @pytest.mark.parametrize(
     ("signum", "code", "last_word"),
     [
