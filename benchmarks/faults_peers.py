@@ -9,21 +9,24 @@ benchmarks/peers/) for `--batches` global batches, once clean and once with a pr
   towerflow async beside ParameterServerStrategy (its coordinator runs a lost worker's steps on
   the others);
 - parameter server 0 killed: towerflow async (the shards roll back to their newest checkpoint)
-  beside ParameterServerStrategy (its coordinator raises: a restart of every process from a
-  checkpoint is left to the user).
-towerflow and Ray Train checkpoint every `--every` global batches in every run, clean ones too;
-the PSStrategy runner takes none (nothing in the run could resume from one).
+  beside ParameterServerStrategy (its coordinator raises: the run fails, and is started again).
+Every system checkpoints every `--every` global batches in every run, clean ones too (towerflow
+and Ray Train to go on from within the run; PSStrategy as its tutorial does, joining the steps in
+flight first). A PSStrategy run that fails is started again at once, as its user would, and
+resumes from its newest checkpoint: its seconds lost count both processes.
 
-For each fault: survived (the run reached its batches), seconds lost (the fault run's time from
-its first global batch done to its last, less the clean run's of the same round: start-up, which
-no fault here touches, swings more than a fault costs), the longest stall (from the kill, the longest time with no
-global batch done) and the global batches trained twice. Figures go to docs/reliability.md.
+For each fault: survived (the run reached its batches without a restart by hand), seconds lost
+(the fault run's time from its first global batch done to its last, less the clean run's of the
+same round: start-up, which no fault here touches, swings more than a fault costs), the longest
+stall (from the kill, the longest time with no global batch done) and the global batches trained
+twice. Figures go to docs/reliability.md.
 
     python benchmarks/faults_peers.py               # 2 rounds: about 12 minutes on 2 cores
     python benchmarks/faults_peers.py --rounds 3
 
 The last line: `peer_faults_lost_s=` and, per system and fault, `<system>/<fault>:<median seconds
-lost>` (`failed` where the run did not survive), comma-separated.
+lost>` (`failed` where the run did not survive; `(restarted)` after the figure of runs that were
+started again by hand), comma-separated.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Case:
     system: str  # a key of peers.plan.SYSTEMS
     fault: str | None  # "worker", "ps", or None: the clean run
     checkpoints: bool = True  # the system's own, every --every batches
+    restart: bool = False  # a failed run is started again as its user would, resuming from them
 
     @property
     def name(self) -> str:
@@ -63,9 +67,9 @@ CASES = [
     Case("towerflow_async", None),
     Case("towerflow_async", "worker"),
     Case("towerflow_async", "ps"),
-    Case("psstrategy", None, checkpoints=False),
-    Case("psstrategy", "worker", checkpoints=False),
-    Case("psstrategy", "ps", checkpoints=False),
+    Case("psstrategy", None),
+    Case("psstrategy", "worker"),
+    Case("psstrategy", "ps", restart=True),
 ]
 LABELS = {
     "towerflow_sync": "towerflow sync",
@@ -97,7 +101,26 @@ def run_case(case: Case, round_: int, args: argparse.Namespace) -> Run:
     turn = Turn(Config(case.system, "lenet", 2), snapshots=False)
     steps = Steps(warmup=10, timed=args.batches - 10, snapshot_every=0)
     tag = f"-{case.fault or 'clean'}"
-    return make_run(turn, round_, args.data, args.out, args.run_timeout, steps=steps, extra=extra, tag=tag)
+    run = make_run(turn, round_, args.data, args.out, args.run_timeout, steps=steps, extra=extra, tag=tag)
+    if run.ok or not case.restart:
+        return run
+    # The user's restart: the same command again at once (the kill is done: kill.json says so),
+    # resuming from the newest checkpoint; both processes log their batches to one progress.log.
+    failed = failure_of(run, args.out)
+    again = make_run(
+        turn,
+        round_,
+        args.data,
+        args.out,
+        args.run_timeout,
+        steps=steps,
+        extra=extra,
+        tag=tag,
+        log_name=f"{run.folder.name}-restarted",
+    )
+    again.wall_s += run.wall_s
+    again.report["restarted_after"] = failed
+    return again
 
 
 def fault_figures(run: Run) -> dict:
@@ -116,7 +139,9 @@ def fault_figures(run: Run) -> dict:
     walls = [killed["wall"], *after]
     stall = max((b - a for a, b in zip(walls, walls[1:])), default=None)
     first_after = min((step for step, wall in marks if wall > killed["wall"]), default=None)
-    redone = 0 if first_after is None or not before else max(0, max(before) - first_after + 1)
+    # The batch the kill came after, as the killer counted (a peer's rank 0 may log it a moment later)
+    reached = max([*before, killed["step"]])
+    redone = 0 if first_after is None else max(0, reached - first_after + 1)
     return {"stall_s": stall, "redone": redone}
 
 
@@ -144,11 +169,13 @@ def summarize(results: dict[str, list[Run]], out: Path) -> list[dict]:
         if case.fault is None or case.name not in results:
             continue
         faulted, clean = results[case.name], results.get(f"{case.system}/clean", [])
-        lost, stalls, redone, errors = [], [], [], []
+        lost, stalls, redone, errors, restarted = [], [], [], [], []
         for run in faulted:
             if not run.ok:
                 errors.append(failure_of(run, out))
                 continue
+            if "restarted_after" in run.report:
+                restarted.append(run.report["restarted_after"])
             twin = next((c for c in clean if c.round == run.round and c.ok), None)
             if twin is not None:
                 lost.append(training_span(run) - training_span(twin))
@@ -160,7 +187,8 @@ def summarize(results: dict[str, list[Run]], out: Path) -> list[dict]:
             {
                 "system": case.system,
                 "fault": case.fault,
-                "survived": f"{len(faulted) - len(errors)}/{len(faulted)}",
+                "survived": f"{len(faulted) - len(errors) - len(restarted)}/{len(faulted)}",
+                "restarted": sorted(set(restarted)),
                 "lost_s": lost,
                 "stall_s": stalls,
                 "redone": redone,
@@ -185,6 +213,8 @@ def table(rows: list[dict]) -> str:
     ]
     for row in rows:
         how = "; ".join(row["errors"]) or "-"
+        if row["restarted"]:
+            how = f"failed ({'; '.join(row['restarted'])}), restarted by hand from its checkpoint"
         redone = ", ".join(str(r) for r in row["redone"]) or "-"
         lines.append(
             f"| {FAULTS[row['fault']]} | {LABELS[row['system']]} | {row['survived']} | "
@@ -199,7 +229,8 @@ def last_line(rows: list[dict]) -> str:
         figure = (
             f"{statistics.median(row['lost_s']):.1f}" if row["lost_s"] and not row["errors"] else "failed"
         )
-        parts.append(f"{row['system']}/{row['fault']}:{figure}")
+        restarted = "(restarted)" if row["restarted"] else ""
+        parts.append(f"{row['system']}/{row['fault']}:{figure}{restarted}")
     return "peer_faults_lost_s=" + ",".join(parts)
 
 

@@ -183,6 +183,15 @@ def train(
         losses = strategy.run(replica_fn, args=(images, labels))
         return strategy.reduce(tf.distribute.ReduceOp.MEAN, losses, axis=None)
 
+    # The tutorial's checkpoints (--checkpoint-every): what a run restarted after a lost PS resumes from.
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=optimizer), str(args.out / "checkpoints"), max_to_keep=2
+    )
+    done = 0
+    if args.checkpoint_every and manager.latest_checkpoint:
+        manager.checkpoint.restore(manager.latest_checkpoint)
+        done = int(manager.latest_checkpoint.rsplit("-", 1)[1])
+
     per_worker_iter = iter(coordinator.create_per_worker_dataset(dataset_fn))
     times = workloads.StepTimes(clock, args.warmup, args.steps, spec.global_batch)
     snaps = workloads.Snapshots(args.out, args.snapshot_every, clock)
@@ -190,12 +199,16 @@ def train(
     progress, kill = workloads.Progress(args.out), workloads.Kill(args)
     victim = procs[0] if args.kill == "ps" else procs[args.ps + 1] if args.kill == "worker" else None
     pending: deque[Any] = deque()
-    scheduled = completed = 0
+    scheduled = completed = done * workers
     losses: list[float] = []
 
+    saving = False  # a checkpoint is due: the steps in flight end first (the tutorial joins, then saves)
     clock.start()
     while completed < total:
-        while scheduled < total and len(pending) < IN_FLIGHT_PER_WORKER * workers:
+        if saving and not pending:
+            manager.save(checkpoint_number=completed // workers)
+            saving = False
+        while not saving and scheduled < total and len(pending) < IN_FLIGHT_PER_WORKER * workers:
             pending.append(coordinator.schedule(step_fn, args=(per_worker_iter,)))
             scheduled += 1
         # No join here (it would drain every worker): fetching the oldest step in order waits only
@@ -210,6 +223,7 @@ def train(
         progress.mark(step)
         if victim is not None and kill.due(step):
             kill.strike(victim.pid, step)
+        saving = saving or bool(args.checkpoint_every and step % args.checkpoint_every == 0)
         if snaps.due(step):
             # Read straight from the PS while the workers train on through the steps in flight (so
             # the clock runs on): the snapshot may hold some of their updates, and is no atomic cut

@@ -186,13 +186,16 @@ def make_run(
     steps: Steps | None = None,
     extra: Sequence[str] = (),
     tag: str = "",
+    log_name: str | None = None,
 ) -> Run:
-    """One run in a fresh process; `steps` other than the workload's, `extra` arguments (a fault)
-    and a `tag` for its folder's name are for benchmarks/faults_peers.py."""
+    """One run in a fresh process; `steps` other than the workload's, `extra` arguments (a fault),
+    a `tag` for its folder's name and another name for its log (a run started again in the same
+    folder) are for benchmarks/faults_peers.py."""
     config = turn.config
     system, steps = SYSTEMS[config.system], steps or STEPS[config.workload]
     kind = "" if turn.timed else "-snapshots"
     folder = out / f"r{round_}-{config.key.replace('/', '-')}{kind}{tag}"
+    log_file = out / f"{log_name or folder.name}.log"
     every = steps.snapshot_every if turn.snapshots else 0
     command = [sys.executable, str(PEERS / f"peer_{system.runner}.py"), f"--workload={config.workload}"]
     command += [f"--workers={config.workers}", f"--data={data}", f"--warmup={steps.warmup}"]
@@ -204,10 +207,10 @@ def make_run(
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as timed_out:
         run.error = f"no result within {timeout_s:.0f} s"
-        (out / f"{folder.name}.log").write_text(str(timed_out.stderr or "")[-20000:])
+        log_file.write_text(str(timed_out.stderr or "")[-20000:])
         return run
     run.wall_s = time.time() - started
-    (out / f"{folder.name}.log").write_text(done.stderr[-200_000:])
+    log_file.write_text(done.stderr[-200_000:])
     try:
         run.report = read_report(done.stdout)
     except ValueError:

@@ -80,3 +80,17 @@ def test_seconds_lost_pair_rounds_and_a_failed_run_is_named_by_its_error(tmp_pat
     failure = by_case["psstrategy", "ps"]
     assert failure["survived"] == "0/1" and "UnavailableError" in failure["errors"][0]
     assert last_line(rows) == "peer_faults_lost_s=raytrain/worker:17.5,psstrategy/ps:failed"
+
+
+def test_a_run_restarted_by_hand_counts_its_seconds_lost_but_not_as_survived(tmp_path):
+    """ParameterServerStrategy's run fails on a lost PS and is started again, resuming from its
+    checkpoint: both processes log to one progress.log, so its loss counts the restart."""
+    clean = _run(tmp_path / "c", _marks(0.2), None, system="psstrategy", wall_s=15.0)
+    marks = _marks(0.2)[:15] + [(step, wall + 12.0) for step, wall in _marks(0.2)[10:]]  # from batch 11
+    again = _run(tmp_path / "f", marks, (15, 103.01), system="psstrategy", wall_s=40.0)
+    again.report["restarted_after"] = "UnavailableError: Graph execution error:"
+    (row,) = summarize({"psstrategy/clean": [clean], "psstrategy/ps": [again]}, tmp_path)
+    assert row["survived"] == "0/1" and row["restarted"] == ["UnavailableError: Graph execution error:"]
+    # every batch from 11 on came 12 s later than the clean run's
+    assert row["redone"] == [5] and round(row["lost_s"][0], 6) == 12.0
+    assert last_line([row]) == "peer_faults_lost_s=psstrategy/ps:12.0(restarted)"
