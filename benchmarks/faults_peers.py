@@ -123,17 +123,24 @@ def run_case(case: Case, round_: int, args: argparse.Namespace) -> Run:
     return again
 
 
-def fault_figures(run: Run) -> dict:
-    """From the run's progress log and kill record: the longest stall from the kill on, and the
-    global batches done again (a restart or a rollback to an earlier batch)."""
-    kill_path, log_path = run.folder / "kill.json", run.folder / "progress.log"
-    if not kill_path.exists() or not log_path.exists():
-        return {"stall_s": None, "redone": None}
-    killed = json.loads(kill_path.read_text())
-    marks = [
+def progress_marks(run: Run) -> list[tuple[int, float]]:
+    """(global batch, wall time) of each batch done, as the run's progress.log has them."""
+    log_path = run.folder / "progress.log"
+    if not log_path.exists():
+        return []
+    return [
         (int(step), float(wall))
         for step, wall in (line.split() for line in log_path.read_text().splitlines())
     ]
+
+
+def fault_figures(run: Run) -> dict:
+    """From the run's progress log and kill record: the longest stall from the kill on, and the
+    global batches done again (a restart or a rollback to an earlier batch)."""
+    kill_path, marks = run.folder / "kill.json", progress_marks(run)
+    if not kill_path.exists() or not marks:
+        return {"stall_s": None, "redone": None}
+    killed = json.loads(kill_path.read_text())
     before = [step for step, wall in marks if wall <= killed["wall"]]
     after = sorted(wall for _, wall in marks if wall > killed["wall"])
     walls = [killed["wall"], *after]
@@ -146,12 +153,10 @@ def fault_figures(run: Run) -> dict:
 
 
 def training_span(run: Run) -> float:
-    """Seconds from the run's first global batch done to its last (its start-up apart: Ray Train's
-    swung from 40 to 80 s between runs, more than a fault costs), or its wall time without a log."""
-    log_path = run.folder / "progress.log"
-    walls = (
-        [float(line.split()[1]) for line in log_path.read_text().splitlines()] if log_path.exists() else []
-    )
+    """Seconds from the run's first global batch done to its last, its start-up apart (Ray Train's
+    runs took 68 to 109 s in all between rounds, a swing larger than what a fault costs); its wall
+    time where it logged no batches."""
+    walls = [wall for _, wall in progress_marks(run)]
     return max(walls) - min(walls) if len(walls) > 1 else run.wall_s
 
 
