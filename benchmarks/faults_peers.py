@@ -32,6 +32,7 @@ started again by hand), comma-separated.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -100,24 +101,16 @@ def run_case(case: Case, round_: int, args: argparse.Namespace) -> Run:
         extra += [f"--kill={case.fault}", f"--kill-at={args.at}"]
     turn = Turn(Config(case.system, "lenet", 2), snapshots=False)
     steps = Steps(warmup=10, timed=args.batches - 10, snapshot_every=0)
-    tag = f"-{case.fault or 'clean'}"
-    run = make_run(turn, round_, args.data, args.out, args.run_timeout, steps=steps, extra=extra, tag=tag)
+    launch = functools.partial(
+        make_run, turn, round_, args.data, args.out, args.run_timeout, steps=steps, extra=extra
+    )
+    run = launch(tag=f"-{case.fault or 'clean'}")
     if run.ok or not case.restart:
         return run
     # The user's restart: the same command again at once (the kill is done: kill.json says so),
     # resuming from the newest checkpoint; both processes log their batches to one progress.log.
     failed = failure_of(run, args.out)
-    again = make_run(
-        turn,
-        round_,
-        args.data,
-        args.out,
-        args.run_timeout,
-        steps=steps,
-        extra=extra,
-        tag=tag,
-        log_name=f"{run.folder.name}-restarted",
-    )
+    again = launch(tag=f"-{case.fault}", log_name=f"{run.folder.name}-restarted")
     again.wall_s += run.wall_s
     again.report["restarted_after"] = failed
     return again

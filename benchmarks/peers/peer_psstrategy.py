@@ -184,19 +184,19 @@ def train(
         return strategy.reduce(tf.distribute.ReduceOp.MEAN, losses, axis=None)
 
     # The tutorial's checkpoints (--checkpoint-every): what a run restarted after a lost PS resumes from.
-    manager = tf.train.CheckpointManager(
-        tf.train.Checkpoint(model=model, optimizer=optimizer), str(args.out / "checkpoints"), max_to_keep=2
-    )
-    done = 0
-    if args.checkpoint_every and manager.latest_checkpoint:
-        manager.checkpoint.restore(manager.latest_checkpoint)
-        done = int(manager.latest_checkpoint.rsplit("-", 1)[1])
+    manager, done = None, 0
+    if args.checkpoint_every:
+        state = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        manager = tf.train.CheckpointManager(state, str(args.out / "checkpoints"), max_to_keep=2)
+        if manager.latest_checkpoint:
+            state.restore(manager.latest_checkpoint)
+            done = int(manager.latest_checkpoint.rsplit("-", 1)[1])
 
     per_worker_iter = iter(coordinator.create_per_worker_dataset(dataset_fn))
     times = workloads.StepTimes(clock, args.warmup, args.steps, spec.global_batch)
     snaps = workloads.Snapshots(args.out, args.snapshot_every, clock)
     total = (args.warmup + args.steps) * workers  # scheduled steps: the same examples as sync's steps
-    progress, kill = workloads.Progress(args.out), workloads.Kill(args)
+    progress, kill = workloads.Progress(args.out), workloads.Kill(args.kill, args.kill_at, args.out)
     victim = procs[0] if args.kill == "ps" else procs[args.ps + 1] if args.kill == "worker" else None
     pending: deque[Any] = deque()
     scheduled = completed = done * workers
@@ -223,7 +223,7 @@ def train(
         progress.mark(step)
         if victim is not None and kill.due(step):
             kill.strike(victim.pid, step)
-        saving = saving or bool(args.checkpoint_every and step % args.checkpoint_every == 0)
+        saving = saving or bool(manager and step % args.checkpoint_every == 0)
         if snaps.due(step):
             # Read straight from the PS while the workers train on through the steps in flight (so
             # the clock runs on): the snapshot may hold some of their updates, and is no atomic cut

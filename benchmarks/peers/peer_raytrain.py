@@ -112,8 +112,8 @@ def train_loop(config: dict[str, Any]) -> None:
     checkpoints = Checkpoints(model, config["checkpoint_every"], rank)
     done = checkpoints.restore()  # global batches already trained: the run's restart after a failure
     progress = Progress(Path(config["out"]))
-    fault = {**config["fault"], "kill": config["fault"]["kill"] if rank == 1 else None}  # rank 1 dies
-    kill = Kill(argparse.Namespace(**fault))
+    fault = config["fault"]
+    kill = Kill(fault["kill"] if rank == 1 else None, fault["kill_at"], Path(config["out"]))  # rank 1 dies
 
     clock = TrainClock()
     clock.process_start = config["process_start"]
@@ -233,7 +233,7 @@ def run_trainer(args: argparse.Namespace, loop: Any, steps: int) -> None:
             "steps": steps,
             "snapshot_every": args.snapshot_every,
             "checkpoint_every": args.checkpoint_every,
-            "fault": {"kill": args.kill, "kill_at": args.kill_at, "out": str(out)},
+            "fault": {"kill": args.kill, "kill_at": args.kill_at},
             "out": str(out),
             "process_start": CLOCK.process_start,
         },

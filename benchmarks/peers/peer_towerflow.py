@@ -116,7 +116,9 @@ def main() -> None:
     job = load_spec(base, overrides)
     times = StepTimes(clock, args.warmup, args.steps, spec.global_batch)
     snaps = Snapshots(args.out, args.snapshot_every, clock)
-    recorder = Recorder(times, snaps, updates_per_batch, Progress(args.out), Kill(args))
+    recorder = Recorder(
+        times, snaps, updates_per_batch, Progress(args.out), Kill(args.kill, args.kill_at, args.out)
+    )
     os.chdir(ROOT)  # model refs (models., benchmarks.) import from the repository root
     ray.init(num_cpus=workers + 2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:

@@ -198,9 +198,9 @@ class Kill:
     """`--kill` at `--kill-at`, once per run: the kill's wall time and step go to `out/kill.json`,
     which also tells a restarted process that it was done."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.target, self.at = args.kill, args.kill_at
-        self.path = Path(args.out) / "kill.json"
+    def __init__(self, target: str | None, at: int, out: Path) -> None:
+        self.target, self.at = target, at  # target None: no kill
+        self.path = Path(out) / "kill.json"
 
     def due(self, step: int) -> bool:
         return self.target is not None and step >= self.at and not self.path.exists()

@@ -13,6 +13,7 @@ import ray
 
 from towerflow.errors import DataError
 from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.runtime.worker_group import kill_quietly
 from towerflow.shared_types import join_pieces
 
 
@@ -76,8 +77,7 @@ class RunEnd:
         with contextlib.suppress(Exception):
             self._close_data(wait_s=10.0, release=True)
         if self._evaluator is not None:
-            with contextlib.suppress(Exception):  # already dead is fine
-                ray.kill(self._evaluator)
+            kill_quietly(self._evaluator)
         self._evaluator = None
         with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
             self.actor_placement.release()

@@ -4,7 +4,6 @@ ones and put new ones in their places."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any
@@ -19,7 +18,7 @@ from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
 from towerflow.runtime.shard_parts import PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
-from towerflow.runtime.worker_group import ACTOR_GONE, first_line
+from towerflow.runtime.worker_group import ACTOR_GONE, first_line, kill_quietly
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +178,7 @@ class ShardGroup:
         yet declared dead; its bundle then still points at that node, and a shard placed there dies
         unstarted once the node is declared dead, after which Ray moves the bundle: hence attempts."""
         for index in indices:
-            with contextlib.suppress(Exception):
-                ray.kill(self.actors[index])
+            kill_quietly(self.actors[index])
             self.actor_placement.await_declared_dead(self.actors[index])
         for attempt in range(attempts):
             for index in indices:
@@ -211,8 +209,7 @@ class ShardGroup:
 
     def kill(self) -> None:
         for shard in self.actors:
-            with contextlib.suppress(Exception):  # already dead is fine
-                ray.kill(shard)
+            kill_quietly(shard)
         self.actors = []
 
     def _new(self, index: int) -> Any:

@@ -50,6 +50,7 @@ class StepLoop:
         self.towers = towers
         self.adapter = adapter
         self.stop = threading.Event()
+        self._run_number = self._stopped_run = 0  # the current run, the last one asked to stop
         self.warm_up: WarmUp | None = None  # what a spare needs to trace ahead, from the first batch
         self._variables = model.trainable_variables  # fixed once built; read every step
         self._profiler = profiler
@@ -69,10 +70,22 @@ class StepLoop:
         self._bucket_variables = plan.bucket_variables
         self.towers.push_in_buckets(self._bucket_variables, self._push_bucket)
 
-    def new_run(self) -> threading.Event:
-        """A fresh stop event for the next run (after a rollback): the last run's readers end."""
+    def new_run(self, run_number: int) -> threading.Event:
+        """A fresh stop event for run `run_number` (the last run's readers end with the old one),
+        set already if that run was asked to stop before it began (`request_stop`)."""
+        time.sleep(self._faults.run_start_delay(self.config.worker_id))
+        self._run_number = run_number  # before the fresh event; request_stop reads it after setting
         self.stop = threading.Event()
+        if self._stopped_run == run_number:
+            self.stop.set()
         return self.stop
+
+    def request_stop(self, run_number: int) -> None:
+        """Stop run `run_number` after its step, even one not begun yet: the worker's calls run on
+        threads, so a stop sent after a run may start first (a replacement's, stopped as it starts)."""
+        self._stopped_run = run_number
+        if self._run_number == run_number:
+            self.stop.set()
 
     def drain(self) -> WorkerReport:
         records = []

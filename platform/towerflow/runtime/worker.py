@@ -19,7 +19,6 @@ import ray
 
 from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
-from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan
@@ -76,8 +75,6 @@ class TowerWorker:
         self.adapter = BatchAdapter(input_names, config.label, config.feature_scales)
         self._profiler = StepWindowProfiler(config.profile_steps)
         self._loop = StepLoop(config, self.model, self.towers, self.adapter, self._profiler)
-        self._faults = config.faults or FaultInjector()
-        self._run_number = self._stopped_run = 0  # the current run, the last one asked to stop
 
     # -- called by the driver --------------------------------------------------------------------
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
@@ -139,11 +136,7 @@ class TowerWorker:
         return self._loop.drain()
 
     def request_stop(self, run_number: int) -> None:
-        """Stop run `run_number` after its step, even one not begun yet: this actor's calls run on
-        threads, so a stop sent after a run may start first (a replacement's, stopped as it starts)."""
-        self._stopped_run = run_number
-        if self._run_number == run_number:
-            self._loop.stop.set()
+        self._loop.request_stop(run_number)
 
     def evaluate(
         self,
@@ -201,12 +194,8 @@ class TowerWorker:
         A replacement worker gets `rejoin`: the rows its lost predecessor had received and not
         trained on (data/splits.py), read before its split, and the model's non-trainable state.
         """
-        time.sleep(self._faults.run_start_delay(self.config.worker_id))
         loop = self._loop
-        self._run_number = run_number  # before the fresh stop event, read after it (request_stop)
-        stop = loop.new_run()
-        if self._stopped_run == run_number:
-            stop.set()
+        stop = loop.new_run(run_number)
         loop.attach(PushPlan(shards, placement, buckets))
         start = time.perf_counter()
         stream = as_stream(data)

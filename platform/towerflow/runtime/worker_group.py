@@ -113,7 +113,7 @@ class WorkerGroup:
         """Withdraw the newest `count` spare requests."""
         for worker_id in sorted(self.spares)[::-1][:count]:
             actor, _ = self.spares.pop(worker_id)
-            _kill_quietly(actor)
+            kill_quietly(actor)
 
     def adopt(self, worker_id: int) -> None:
         """A started spare becomes a member (run it next)."""
@@ -123,7 +123,7 @@ class WorkerGroup:
     def remove(self, worker_id: int) -> None:
         """Worker `worker_id` leaves the group for good (a shrink)."""
         slot = self.slots.pop(worker_id)
-        _kill_quietly(slot.actor)
+        kill_quietly(slot.actor)
 
     def stop_and_drain(
         self, timeout_s: float, on_lost: Callable[[list[int]], None] | None = None
@@ -223,7 +223,7 @@ class WorkerGroup:
             self.poll(0.2)
         for worker_id in self.running:
             slot = self.slots[worker_id]
-            _kill_quietly(slot.actor)
+            kill_quietly(slot.actor)
             slot.lost = True
 
     def rerun(self, worker_id: int, *run_args: Any) -> None:
@@ -245,7 +245,7 @@ class WorkerGroup:
             silent = now - slot.asked_at if slot.drain_ref is not None else 0.0
             if slot.lost or slot.finished or (slot.answered and silent <= silent_for_s):
                 continue
-            _kill_quietly(slot.actor)
+            kill_quietly(slot.actor)
             if slot.answered:
                 self._lose(
                     slot, hung, f"no answer for {silent:.0f} s, with the run's last step taken", hung=True
@@ -262,14 +262,14 @@ class WorkerGroup:
         worker short for good."""
         for slot in self.slots.values():
             if slot.finished and not slot.lost and slot.shard_error is not None:
-                _kill_quietly(slot.actor)  # alive and idle: its replacement takes its id
+                kill_quietly(slot.actor)  # alive and idle: its replacement takes its id
                 cause = f"its call to a parameter server failed, and every one answers: {slot.shard_error}"
                 self._lose(slot, status, cause)
 
     def kill(self) -> None:
         actors = [slot.actor for slot in self.slots.values()] + [actor for actor, _ in self.spares.values()]
         for actor in actors:
-            _kill_quietly(actor)
+            kill_quietly(actor)
 
     # -- internals -------------------------------------------------------------------------------
     def _read_drain(self, slot: WorkerSlot, status: ClusterStatus, *, block: bool) -> None:
@@ -328,7 +328,7 @@ class WorkerGroup:
             if slot.answered or slot.lost:
                 continue
             if waited > self.start_timeout_s:
-                _kill_quietly(slot.actor)
+                kill_quietly(slot.actor)
                 self._lose(
                     slot,
                     status,
@@ -375,7 +375,7 @@ class WorkerGroup:
             )
 
     def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:
-        _kill_quietly(slot.actor)  # alive but stuck: a fresh one does better
+        kill_quietly(slot.actor)  # alive but stuck: a fresh one does better
         self._lose(slot, status, f"{why} (training.failure.worker_timeout_s: {self.timeout_s:g})", hung=True)
 
     def _lose(self, slot: WorkerSlot, status: ClusterStatus, cause: str, *, hung: bool = False) -> None:
@@ -385,8 +385,9 @@ class WorkerGroup:
         status.losses.append(ActorLoss(LossKind.WORKER, slot.worker_id, self.global_step, cause, hung=hung))
 
 
-def _kill_quietly(actor: Any) -> None:
-    with contextlib.suppress(Exception):  # already dead is fine
+def kill_quietly(actor: Any) -> None:
+    """Kill an actor; one already dead (or Ray already gone) is fine."""
+    with contextlib.suppress(Exception):
         ray.kill(actor)
 
 
