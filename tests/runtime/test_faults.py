@@ -183,8 +183,11 @@ def test_a_stop_reaches_a_replacement_whose_run_begins_after_it(ray_cluster, blo
     assert not any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 10)
 
 
-def test_a_worker_lost_while_the_run_stops_is_let_go_not_replaced(ray_cluster, blob_data, tmp_path):
-    spec = _spec(blob_data, mode="async", max_steps=400, epochs=None)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_lost_while_the_run_stops_is_let_go_not_replaced(ray_cluster, blob_data, tmp_path, mode):
+    """Sync: the shards retire it, or the survivors' last push waits for its gradient for ever
+    (the run hung until the worker timeout)."""
+    spec = _spec(blob_data, mode=mode, max_steps=400, epochs=None)
     hook = StopAtTheKill(step=20)
     faults = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
     result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=faults)

@@ -339,6 +339,7 @@ class Driver(RecoveryActions, CheckpointActions, HookQueries, RunEnd):
         if decision is Decision.REPLACE_WORKERS:
             nothing_to_do = self._why_nothing_is_left()
             if nothing_to_do is not None:
+                self._retire([loss.index for loss in status.lost_workers])  # sync survivors end their step
                 for loss in status.lost_workers:
                     self._fault(loss, LET_GO.format(nothing_to_do))
                 self._log_losses()
