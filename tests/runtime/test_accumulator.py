@@ -13,17 +13,19 @@ def _read_only(values):
 def test_sums_gradients_as_they_come_and_starts_over_after_each_take():
     accumulator = GradientAccumulator()
     pushed = [[_read_only([k] * 3), _read_only([[k, -k], [0, 1]])] for k in (1.0, 2.0, 4.0)]
-    for gradients in pushed:
-        accumulator.add(gradients)
-    sums, count = accumulator.take()
-    assert count == 3
+    for worker, gradients in enumerate(pushed):
+        accumulator.add(gradients, worker)
+    sums, workers = accumulator.take()
+    assert workers == (0, 1, 2)
     np.testing.assert_allclose(sums[0], [7.0] * 3)
     np.testing.assert_allclose(sums[1], [[7.0, -7.0], [0.0, 3.0]])
     np.testing.assert_allclose(pushed[0][0], [1.0] * 3)  # the pushed arrays are never written
 
-    accumulator.add([_read_only([5.0] * 3), _read_only([[1, 1], [1, 1]])])  # the next step replaces the sum
-    sums, count = accumulator.take()
-    assert count == 1
+    accumulator.add(
+        [_read_only([5.0] * 3), _read_only([[1, 1], [1, 1]])], 2
+    )  # the next step replaces the sum
+    sums, workers = accumulator.take()
+    assert workers == (2,)
     np.testing.assert_allclose(sums[0], [5.0] * 3)
     assert accumulator.count == 0
 
@@ -31,16 +33,16 @@ def test_sums_gradients_as_they_come_and_starts_over_after_each_take():
 def test_later_steps_sum_into_the_same_buffers_from_zero():
     accumulator = GradientAccumulator()
     for step in range(3):
-        accumulator.add([_read_only([1.0, 2.0])])
-        accumulator.add([_read_only([step, step])])
-        sums, count = accumulator.take()
-        assert count == 2
+        accumulator.add([_read_only([1.0, 2.0])], 0)
+        accumulator.add([_read_only([step, step])], 1)
+        sums, workers = accumulator.take()
+        assert workers == (0, 1)
         np.testing.assert_allclose(sums[0], [1.0 + step, 2.0 + step])  # nothing left from the step before
 
 
 def test_the_sums_of_two_or_more_are_aligned_for_tensorflow_to_read_in_place():
     accumulator = GradientAccumulator()
-    for k in (1.0, 2.0):
-        accumulator.add([_read_only([k] * 1000), _read_only([k] * 3)])
+    for worker, k in enumerate((1.0, 2.0)):
+        accumulator.add([_read_only([k] * 1000), _read_only([k] * 3)], worker)
     sums, _ = accumulator.take()
     assert all(is_aligned(total) for total in sums)

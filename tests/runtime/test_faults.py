@@ -15,6 +15,7 @@ from support import blob_spec
 
 from towerflow.errors import TrainingError
 from towerflow.launch import train
+from towerflow.runtime.driver import LAST_STEP_TAKEN
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
 from towerflow.spec import validate_spec
@@ -196,6 +197,46 @@ def test_a_worker_lost_while_the_run_stops_is_let_go_not_replaced(ray_cluster, b
     assert fault.action == "let go, not replaced: the run is stopping"
     assert hook.metrics.get("workers_replaced", 0) == 0 and hook.metrics["workers_lost"] == 1
     assert result.global_step < 100
+
+
+class KeepsTheRuntime(FaultAt):
+    """Records only, and keeps the run's runtime for a look at the end."""
+
+    def __init__(self) -> None:
+        super().__init__(step=10**9)
+
+    def after_run(self, context, event):
+        super().after_run(context, event)
+        self.runtime = context.session.runtime
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_killed_between_its_push_and_its_record_holds_no_report(
+    ray_cluster, blob_data, tmp_path, mode
+):
+    """Its gradient went into a step whose record never comes: the controller writes the record
+    off when it retires the worker, and the steps go out at once. Before, every later step's
+    report (hooks, checkpoints, the stop) waited the aggregator's 5-s grace."""
+    spec = _spec(blob_data, mode=mode, max_steps=200, epochs=None)  # > 5 s after the kill
+    hook = KeepsTheRuntime()
+    # Worker 1 dies at its first step in [10, 14) (async, it reads every other version or so),
+    # seconds before its replacement could start and reach such a step.
+    faults = FaultInjector(killed_before_record={1: (10, 14)}, step_delay_s={0: 0.05, 1: 0.05})
+    train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=faults)
+    fault = hook.faults[0]  # (the replacement, if the run outlasts its start, or let go)
+    assert "worker 1 lost" in fault.what and fault.action in (
+        "replaced",
+        f"let go, not replaced: {LAST_STEP_TAKEN}",
+    )
+    assert hook.runtime.aggregator.overdue_total == 0
+    reported = [e.global_step for e in hook.events]
+    missing = set(range(reported[0], reported[-1] + 1)) - set(reported)
+    # Sync: worker 0's record names every step. Async: the steps worker 1 alone made, whose records
+    # died with it (the last, and any not yet drained), are not reported; none after.
+    if mode == "sync":
+        assert not missing, missing
+    else:
+        assert missing and max(missing) < 20, missing
 
 
 def test_more_losses_than_allowed_fail_the_run_naming_each(ray_cluster, blob_data, tmp_path):

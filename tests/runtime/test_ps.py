@@ -40,6 +40,11 @@ def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_ap
     assert all(r.next.version == 1 for r in replies)
     late_b = ray.get(shard.push.remote([grad[1][0]], 0, 1, 1))
     assert late_b.verdict == "stale"
+    # The last bucket's replies name whose gradients the step applied (what records wait for).
+    assert [r.workers for r in replies[3:]] == [(2, 0), (2, 0)] and replies[0].workers == ()
+    assert (
+        ray.get(shard.step_workers.remote(0)) == {1: (2, 0)} and ray.get(shard.step_workers.remote(1)) == {}
+    )
 
     a, b = ray.get(ray.get(shard.pull.remote(1)).params)
     np.testing.assert_allclose(a, -(grad[2][0] + grad[0][0]) / 2)  # SGD, lr 1: minus the mean
@@ -112,3 +117,20 @@ def _wait_until(condition, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the shard never got there"
         time.sleep(0.02)
+
+
+def test_a_lost_workers_retire_completes_a_step_that_still_names_its_gradient(ray_cluster):
+    # Three sync workers: 0 and 1 pushed into step 1, then worker 1 died before its record. Its
+    # retire completes the step with both gradients, and the shard says worker 1 went into it:
+    # the driver stops waiting for its record (StepAggregator.write_off).
+    shard = shard_actor(0.1).remote(0)
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    protocol = SyncProtocol(replicas_to_aggregate=3, total_num_replicas=3)
+    ray.get(shard.load.remote(["w"], [np.zeros(2, np.float32)], sgd, protocol, None))
+    held = [shard.push.remote([np.ones(2, np.float32)], 0, worker, 0, 16) for worker in (0, 1)]
+    _wait_until(lambda: len(ray.get(shard.examples_taken.remote())) == 2)
+    assert ray.get(shard.step_workers.remote(0)) == {}
+    ray.get(shard.retire.remote(1))
+    assert [r.workers for r in ray.get(held)] == [(0, 1), (0, 1)]
+    assert ray.get(shard.step_workers.remote(0)) == {1: (0, 1)}
+    ray.kill(shard)

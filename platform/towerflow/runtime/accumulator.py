@@ -24,9 +24,13 @@ class GradientAccumulator:
     def __init__(self) -> None:
         self._first: list[np.ndarray] | None = None  # the step's first gradient, as it came
         self._buffers: list[np.ndarray] | None = None  # the running sum from the second on; reused
-        self.count = 0
+        self._workers: list[int] = []  # whose gradients the sum holds, in the order they came
 
-    def add(self, gradients: Sequence[np.ndarray]) -> None:
+    @property
+    def count(self) -> int:
+        return len(self._workers)
+
+    def add(self, gradients: Sequence[np.ndarray], worker: int) -> None:
         if self.count == 0:
             self._first = list(gradients)
         else:
@@ -39,12 +43,12 @@ class GradientAccumulator:
             else:
                 for total, gradient in zip(self._buffers, gradients, strict=True):
                     np.add(total, gradient, out=total)
-        self.count += 1
+        self._workers.append(worker)
 
-    def take(self) -> tuple[list[np.ndarray], int]:
-        """The sums and how many gradients they hold; the accumulator starts over. The sums are
-        valid until the next `add` (the buffers are reused): apply them before."""
-        count, self.count = self.count, 0
-        sums = self._first if count == 1 else self._buffers
+    def take(self) -> tuple[list[np.ndarray], tuple[int, ...]]:
+        """The sums and the workers whose gradients they hold; the accumulator starts over. The
+        sums are valid until the next `add` (the buffers are reused): apply them before."""
+        workers, self._workers = tuple(self._workers), []
+        sums = self._first if len(workers) == 1 else self._buffers
         self._first = None
-        return sums, count
+        return sums, workers

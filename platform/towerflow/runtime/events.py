@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 from towerflow.runtime.hooks import StepEvent
@@ -10,6 +11,7 @@ from towerflow.runtime.protocol import Verdict
 from towerflow.runtime.worker_messages import StepRecord
 
 PHASES = ("data", "pull", "compute", "push", "apply")
+log = logging.getLogger(__name__)
 
 
 class StepAggregator:
@@ -19,8 +21,9 @@ class StepAggregator:
     out once every step before it has and all the gradients it needs have been heard of. A worker
     records its step only when its push returns, so step 25's record can arrive a drain before
     step 24's; waiting for the gap to fill keeps every step in the hooks' view. How many gradients
-    a step needs is what its shard aggregated (fewer once workers retire). A step still incomplete
-    after `grace_s` (its worker was lost between push and record) goes out as it is.
+    a step needs is who its shard aggregated (fewer once workers retire). A worker lost between its
+    push and its record never sends the record: the controller writes it off (`write_off`), and the
+    step goes out without it. A step still incomplete after `grace_s` goes out as it is.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class StepAggregator:
         self.replicas_per_step = replicas_per_step
         self._pending: dict[int, list[StepRecord]] = collections.defaultdict(list)
         self._first_heard: dict[int, float] = {}
+        self._awaited: dict[int, set[int]] = {}  # step -> the workers whose records it waits for
         self._grace_s = grace_s
         self._dropped = 0
         self._last_emitted = first_step - 1
@@ -45,6 +49,7 @@ class StepAggregator:
         self.examples_after_first = 0
         self.dropped_total = 0
         self.rejected_total = 0
+        self.overdue_total = 0  # steps that went out after the grace, records missing
         self.staleness: list[int] = []
         self.last_event: StepEvent | None = None
 
@@ -59,6 +64,8 @@ class StepAggregator:
             elif record.step > 0:
                 self._pending[record.step].append(record)
                 self._first_heard.setdefault(record.step, time.monotonic())
+                if record.workers:
+                    self._awaited.setdefault(record.step, set(record.workers))
             elif record.verdict == Verdict.STALE:
                 self._dropped += 1
                 self.dropped_total += 1
@@ -66,27 +73,63 @@ class StepAggregator:
                 self.rejected_total += 1
         return self._emit(final=False) + nonfinite
 
+    def write_off(self, lost: set[int], step_workers: dict[int, tuple[int, ...]]) -> None:
+        """`lost` workers' records will not come: the steps their gradients went into (`step_workers`,
+        from the lead shard) wait only for the others' from the next `add` on. A step that only
+        lost workers made goes by unreported."""
+        for step, workers in step_workers.items():
+            if step > self._last_emitted and lost.intersection(workers):
+                self._awaited[step] = self._awaited.get(step, set(workers)) - lost
+
+    @property
+    def last_emitted(self) -> int:
+        """The newest step reported (the one before the first, before any)."""
+        return self._last_emitted
+
     def flush(self) -> list[StepEvent]:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> list[StepEvent]:
         events = []
         now = time.monotonic()
-        for step in sorted(self._pending):
-            records = self._pending[step]
+        for step in sorted(self._pending.keys() | self._awaited.keys()):
+            records = self._pending.get(step, [])
             if step > self._last_emitted and not final:
-                needed = records[0].replicas or self.replicas_per_step  # fewer once workers retire
-                in_order = step == self._last_emitted + 1 and len(records) >= needed
-                overdue = now - self._first_heard[step] > self._grace_s
+                in_order = step == self._last_emitted + 1 and self._complete(step, records)
+                overdue = step in self._first_heard and now - self._first_heard[step] > self._grace_s
                 if not (in_order or overdue):
                     break
-            del self._pending[step]
-            del self._first_heard[step]
+                if not in_order:
+                    self._report_overdue(step, records)
+            self._pending.pop(step, None)
+            self._first_heard.pop(step, None)
+            self._awaited.pop(step, None)
             if step <= self._last_emitted:
                 continue  # a late gradient of a step already reported
-            events.append(self._event(step, records))
+            if records:
+                events.append(self._event(step, records))
             self._last_emitted = step
         return events
+
+    def _report_overdue(self, step: int, records: list[StepRecord]) -> None:
+        """A record lost and not written off held this step's report, and every later one's."""
+        self.overdue_total += 1
+        awaited, heard = self._awaited.get(step), {record.worker for record in records}
+        if step > self._last_emitted + 1:
+            missing = f"steps {self._last_emitted + 1}..{step - 1}, never heard of"
+        elif awaited is not None:
+            missing = f"the record of worker(s) {sorted(awaited - heard)}"
+        else:
+            missing = "a record"
+        log.warning("step %d reported %.0f s late, without %s", step, self._grace_s, missing)
+
+    def _complete(self, step: int, records: list[StepRecord]) -> bool:
+        """Every record the step waits for is here: those of the workers it aggregated (but the
+        written-off), or as many as a step takes where who is not known."""
+        awaited = self._awaited.get(step)
+        if awaited is None:
+            return len(records) >= self.replicas_per_step
+        return awaited <= {record.worker for record in records}
 
     def _event(self, step: int, records: list[StepRecord]) -> StepEvent:
         n = len(records)

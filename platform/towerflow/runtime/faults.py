@@ -1,5 +1,5 @@
-"""Faults a test or a benchmark injects into workers: slowness, a late start, non-finite losses, and
-a call to the shards that fails in transit.
+"""Faults a test or a benchmark injects into workers: slowness, a late start, non-finite losses, a
+call to the shards that fails in transit, and a worker killed between a push and its record.
 
 Production types carry no test knobs: a caller passes one `FaultInjector` (`towerflow.train(...,
 faults=...)`) and every worker asks it. Faults that need no help from the code under test (a
@@ -8,6 +8,8 @@ process killed, a node stopped, a process paused) are injected from outside, for
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass, field
 
 import ray
@@ -25,6 +27,9 @@ class FaultInjector:
     # worker id -> seconds each of its runs waits before it begins (a run that starts late: its
     # actor's calls run on threads, so a stop sent after it may come first)
     run_start_delay_s: dict[int, float] = field(default_factory=dict)
+    # worker id -> global steps [first, stop): at the first of them, once its pushes are applied, its
+    # process is SIGKILLed before it records the step (the record, and any not yet drained, is lost)
+    killed_before_record: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def delay(self, worker: int) -> float:
         return self.step_delay_s.get(worker, 0.0)
@@ -38,6 +43,11 @@ class FaultInjector:
             return loss
         first, stop = window
         return float("nan") if first <= global_step and (stop is None or global_step < stop) else loss
+
+    def check_record(self, worker: int, global_step: int) -> None:
+        first, stop = self.killed_before_record.get(worker, (0, 0))
+        if first <= global_step < stop:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def check_shard_call(self, worker: int, global_step: int) -> None:
         if self.shard_call_lost.get(worker) == global_step:

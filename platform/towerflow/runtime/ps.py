@@ -56,10 +56,12 @@ class PushReply:
     staleness: int
     apply_s: float  # time of the apply this gradient went into
     next: ParamsReply  # the parameters to compute the next step with
-    replicas: int = 0  # gradients the step aggregated (fewer than asked once workers retire)
+    # The workers whose gradients the step applied (fewer than asked once workers retire); set in
+    # the reply to a worker's last bucket, whose step is the one its record names.
+    workers: tuple[int, ...] = ()
 
 
-_REPLICA_COUNTS_KEPT = 256  # recent steps whose replica count a woken sync push may still ask for
+_STEP_WORKERS_KEPT = 256  # recent steps whose workers a woken sync push or the driver may still ask for
 
 
 class ParameterShard(ShardCheckpoints):
@@ -154,7 +156,7 @@ class ParameterShard(ShardCheckpoints):
         self._publications = 0
         self._reset_snapshots(snapshot_every)
         self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
-        self._step_replicas: dict[int, int] = {}
+        self._step_workers: dict[int, tuple[int, ...]] = {}  # the last bucket's versions
         return True
 
     # -- the protocol's verbs ------------------------------------------------------------------
@@ -196,14 +198,14 @@ class ParameterShard(ShardCheckpoints):
             and decision.count == 1
             and not accumulator.count
         ):
-            step, verdict = self._apply(bucket, list(gradients), 1), Verdict.APPLIED  # async, or one replica
+            step, verdict = self._apply(bucket, list(gradients), (worker,)), Verdict.APPLIED  # async, or one
         elif decision.verdict is Verdict.APPLY:
             if gradients is not None:
-                accumulator.add(gradients)
+                accumulator.add(gradients, worker)
             step, verdict = self._apply_held(bucket), Verdict.APPLIED
         elif decision.verdict is Verdict.HELD:
             if gradients is not None:
-                accumulator.add(gradients)
+                accumulator.add(gradients, worker)
             await self._wait_for(lambda: self._bucket_versions[bucket] > version_read or self._done)
             applied = self._bucket_versions[bucket] > version_read
             step, verdict = (version_read + 1, Verdict.APPLIED) if applied else (-1, Verdict.DONE)
@@ -221,7 +223,7 @@ class ParameterShard(ShardCheckpoints):
             decision.staleness,
             self._last_apply_s,
             params,
-            replicas=self._step_replicas.get(step, 0),
+            workers=self._step_workers.get(step, ()) if bucket == self._last_bucket else (),
         )
 
     async def retire(self, worker: int) -> None:
@@ -273,6 +275,11 @@ class ParameterShard(ShardCheckpoints):
     def ping(self) -> int:
         return self._version
 
+    def step_workers(self, after: int) -> dict[int, tuple[int, ...]]:
+        """The recent steps after `after` and the workers whose gradients each applied: where a
+        lost worker's gradient went in, its record will not come (the driver stops waiting for it)."""
+        return {step: workers for step, workers in self._step_workers.items() if step > after}
+
     def pid(self) -> int:
         """This shard's process (fault benchmarks and tests kill it for real)."""
         import os
@@ -289,12 +296,13 @@ class ParameterShard(ShardCheckpoints):
         accumulator = self._accumulators[bucket]
         if accumulator.count:
             return self._apply(bucket, *accumulator.take())
-        return self._apply(bucket, None, 0)
+        return self._apply(bucket, None, ())
 
-    def _apply(self, bucket: int, gradients: list[Any] | None, count: int) -> int:
-        """Apply `gradients` (a sum of `count` of them: from two on the accumulator's buffers,
-        averaged here in place) to the bucket's pieces; returns the bucket's new version. None: no
-        update, the version moves on."""
+    def _apply(self, bucket: int, gradients: list[Any] | None, workers: tuple[int, ...]) -> int:
+        """Apply `gradients` (the sum of `workers`' gradients: from two on the accumulator's
+        buffers, averaged here in place) to the bucket's pieces; returns the bucket's new version.
+        None: no update, the version moves on."""
+        count = len(workers)
         start = time.perf_counter()
         tf = self._tf
         version = self._bucket_versions[bucket]
@@ -314,6 +322,9 @@ class ParameterShard(ShardCheckpoints):
                 tf.constant(version + 1, tf.float32),
             )
         self._bucket_versions[bucket] = version + 1
+        if bucket == self._last_bucket:  # the step a worker's record names (see PushReply.workers)
+            self._step_workers[version + 1] = workers
+            self._step_workers.pop(version + 1 - _STEP_WORKERS_KEPT, None)
         self._version_apply_s += time.perf_counter() - start
         if min(self._bucket_versions.values()) > self._version:
             self._complete_version(count)
@@ -325,8 +336,6 @@ class ParameterShard(ShardCheckpoints):
         reply that needs it publishes it)."""
         start = time.perf_counter()
         self._version += 1
-        self._step_replicas[self._version] = replicas
-        self._step_replicas.pop(self._version - _REPLICA_COUNTS_KEPT, None)
         self._counts["applied"] += 1
         self._counts["gradients"] += replicas
         if self._max_steps is not None and self._version >= self._max_steps:

@@ -135,13 +135,18 @@ class RecoveryActions:
         self.state = State.RUNNING
 
     def _retire(self, worker_ids: list[int]) -> None:
-        """Every shard stops waiting for these workers' gradients (sync steps aggregate without them).
-        A shard lost meanwhile (with them, on their node) is not waited for: the workers' calls to
-        it fail, and the next turn rolls the shards back."""
+        """Every shard stops waiting for these (lost) workers' gradients: sync steps aggregate without
+        them. The steps their gradients went into stop waiting for their records, which will not
+        come (lost between a push and its record, they would hold every later step's report, hooks
+        and checkpoints for the aggregator's grace). A shard lost meanwhile (with them, on their
+        node) is not waited for: the workers' calls to it fail, and the next turn rolls back."""
         refs = [shard.retire.remote(worker_id) for shard in self.shards for worker_id in worker_ids]
         for ref in refs:
             with contextlib.suppress(*ACTOR_GONE):
                 ray.get(ref)
+        with contextlib.suppress(*ACTOR_GONE):  # the lead shard, whose replies name the steps
+            step_workers = ray.get(self.shards[0].step_workers.remote(self.aggregator.last_emitted))
+            self.aggregator.write_off(set(worker_ids), step_workers)
 
     def _close_data(self, wait_s: float = 0.0, *, release: bool = False) -> None:
         """End the workers' streams; wait up to `wait_s` for their reading to stop. `release`: the

@@ -242,6 +242,7 @@ class StepLoop:
         every = ray.get([ref for _, _, ref in step.sent])
         waited = time.perf_counter() - began
         replies = self._completing_replies(step, every)
+        self._faults.check_record(worker, step.global_step)
         if step.nonfinite:  # skipped: counted in its step, no gradient
             self._records.append(StepRecord.nonfinite(worker, step.versions[0], computed.loss, step.examples))
         else:

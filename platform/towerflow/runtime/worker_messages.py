@@ -33,7 +33,7 @@ class StepRecord:
     staleness: int
     time_split: dict[str, float] = field(default_factory=dict)  # data, pull, compute, push, apply
     finished_at: float = 0.0
-    replicas: int = 0  # gradients the step aggregated, as the lead shard applied it (0: unknown)
+    workers: tuple[int, ...] = ()  # whose gradients the step applied, as the lead shard did (): unknown
 
     @classmethod
     def of_step(
@@ -62,7 +62,7 @@ class StepRecord:
             staleness=max(r.staleness for r in every),
             time_split={**split, "apply": max(r.apply_s for r in completing)},
             finished_at=time.time(),
-            replicas=lead.replicas,
+            workers=lead.workers,
         )
 
     @classmethod
