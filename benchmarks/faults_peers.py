@@ -110,7 +110,7 @@ def run_case(case: Case, round_: int, args: argparse.Namespace) -> Run:
     # The user's restart: the same command again at once (the kill is done: kill.json says so),
     # resuming from the newest checkpoint; both processes log their batches to one progress.log.
     failed = failure_of(run, args.out)
-    again = launch(tag=f"-{case.fault}", log_name=f"{run.folder.name}-restarted")
+    again = launch(tag=f"-{case.fault}", log_name=f"{run.folder.name}-restarted", fresh=False)
     again.wall_s += run.wall_s
     again.report["restarted_after"] = failed
     return again

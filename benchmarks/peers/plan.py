@@ -14,6 +14,7 @@ more run of theirs that does.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -187,15 +188,20 @@ def make_run(
     extra: Sequence[str] = (),
     tag: str = "",
     log_name: str | None = None,
+    fresh: bool = True,
 ) -> Run:
-    """One run in a fresh process; `steps` other than the workload's, `extra` arguments (a fault),
-    a `tag` for its folder's name and another name for its log (a run started again in the same
-    folder) are for benchmarks/faults_peers.py."""
+    """One run in a fresh process, in a folder emptied first: an earlier invocation's checkpoints
+    would be resumed from, its kill record would disarm the kill, and its progress log would be
+    appended to. `steps` other than the workload's, `extra` arguments (a fault), a `tag` for its
+    folder's name, another name for its log and `fresh` False (a run started again, going on in
+    the folder its first process left) are for benchmarks/faults_peers.py."""
     config = turn.config
     system, steps = SYSTEMS[config.system], steps or STEPS[config.workload]
     kind = "" if turn.timed else "-snapshots"
     folder = out / f"r{round_}-{config.key.replace('/', '-')}{kind}{tag}"
     log_file = out / f"{log_name or folder.name}.log"
+    if fresh and folder.exists():
+        shutil.rmtree(folder)
     every = steps.snapshot_every if turn.snapshots else 0
     command = [sys.executable, str(PEERS / f"peer_{system.runner}.py"), f"--workload={config.workload}"]
     command += [f"--workers={config.workers}", f"--data={data}", f"--warmup={steps.warmup}"]
