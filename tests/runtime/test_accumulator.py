@@ -21,9 +21,8 @@ def test_sums_gradients_as_they_come_and_starts_over_after_each_take():
     np.testing.assert_allclose(sums[1], [[7.0, -7.0], [0.0, 3.0]])
     np.testing.assert_allclose(pushed[0][0], [1.0] * 3)  # the pushed arrays are never written
 
-    accumulator.add(
-        [_read_only([5.0] * 3), _read_only([[1, 1], [1, 1]])], 2
-    )  # the next step replaces the sum
+    # The next step replaces the sum.
+    accumulator.add([_read_only([5.0] * 3), _read_only([[1, 1], [1, 1]])], 2)
     sums, workers = accumulator.take()
     assert workers == (2,)
     np.testing.assert_allclose(sums[0], [5.0] * 3)
