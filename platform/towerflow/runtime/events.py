@@ -20,8 +20,8 @@ class StepAggregator:
     Steps are dense (each shard version is one step), so they are reported in order: a step goes
     out once every step before it has and all the gradients it needs have been heard of. A worker
     records its step only when its push returns, so step 25's record can arrive a drain before
-    step 24's; waiting for the gap to fill keeps every step in the hooks' view. How many gradients
-    a step needs is who its shard aggregated (fewer once workers retire). A worker lost between its
+    step 24's; waiting for the gap to fill keeps every step in the hooks' view. A step waits for the
+    records of the workers its shard aggregated (fewer once workers retire). A worker lost between its
     push and its record never sends the record: the controller writes it off (`write_off`), and the
     step goes out without it. A step still incomplete after `grace_s` goes out as it is.
     """
@@ -64,8 +64,8 @@ class StepAggregator:
             elif record.step > 0:
                 self._pending[record.step].append(record)
                 self._first_heard.setdefault(record.step, time.monotonic())
-                if record.workers:
-                    self._awaited.setdefault(record.step, set(record.workers))
+                if record.workers and record.step not in self._awaited:  # every record names the same
+                    self._awaited[record.step] = set(record.workers)
             elif record.verdict == Verdict.STALE:
                 self._dropped += 1
                 self.dropped_total += 1
