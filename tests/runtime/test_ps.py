@@ -41,9 +41,9 @@ def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_ap
     late_b = ray.get(shard.push.remote([grad[1][0]], 0, 1, 1))
     assert late_b.verdict == "stale"
     # The last bucket's replies name whose gradients the step applied (what records wait for).
-    assert [r.workers for r in replies[3:]] == [(2, 0), (2, 0)] and replies[0].workers == ()
+    assert [r.workers for r in replies[3:]] == [(0, 2), (0, 2)] and replies[0].workers == ()
     assert (
-        ray.get(shard.step_workers.remote(0)) == {1: (2, 0)} and ray.get(shard.step_workers.remote(1)) == {}
+        ray.get(shard.step_workers.remote(0)) == {1: (0, 2)} and ray.get(shard.step_workers.remote(1)) == {}
     )
 
     a, b = ray.get(ray.get(shard.pull.remote(1)).params)

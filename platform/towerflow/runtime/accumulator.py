@@ -24,7 +24,7 @@ class GradientAccumulator:
     def __init__(self) -> None:
         self._first: list[np.ndarray] | None = None  # the step's first gradient, as it came
         self._buffers: list[np.ndarray] | None = None  # the running sum from the second on; reused
-        self._workers: list[int] = []  # whose gradients the sum holds, in the order they came
+        self._workers: list[int] = []  # whose gradients the sum holds
 
     @property
     def count(self) -> int:
@@ -46,9 +46,10 @@ class GradientAccumulator:
         self._workers.append(worker)
 
     def take(self) -> tuple[list[np.ndarray], tuple[int, ...]]:
-        """The sums and the workers whose gradients they hold; the accumulator starts over. The
-        sums are valid until the next `add` (the buffers are reused): apply them before."""
-        workers, self._workers = tuple(self._workers), []
+        """The sums and the workers whose gradients they hold, in worker order (pushes race, so
+        arrival order means nothing); the accumulator starts over. The sums are valid until the
+        next `add` (the buffers are reused): apply them before."""
+        workers, self._workers = tuple(sorted(self._workers)), []
         sums = self._first if len(workers) == 1 else self._buffers
         self._first = None
         return sums, workers
