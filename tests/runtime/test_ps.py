@@ -6,7 +6,8 @@ import numpy as np
 import ray
 
 from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol
-from towerflow.runtime.ps import parameter_values, shard_actor
+from towerflow.runtime.ps import shard_actor
+from towerflow.runtime.shard_replies import parameter_values
 
 
 def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_applied(ray_cluster):

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from towerflow.runtime.worker_group import WorkerGroup, first_line
+from towerflow.runtime.actors import first_line
+from towerflow.runtime.worker_group import WorkerGroup
 from towerflow.runtime.worker_messages import WorkerReport
 
 pytestmark = pytest.mark.timeout(120)

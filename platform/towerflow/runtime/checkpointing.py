@@ -18,9 +18,9 @@ import ray
 
 from towerflow.checkpoint.stores import StoreUnavailable
 from towerflow.errors import TrainingError
+from towerflow.runtime.actors import ACTOR_GONE
 from towerflow.runtime.hooks import SavedCheckpoint
 from towerflow.runtime.recovery import State
-from towerflow.runtime.worker_group import ACTOR_GONE
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Any
 import ray
 
 from towerflow.errors import DataError, TrainingError
+from towerflow.runtime.actors import ACTOR_GONE
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, LossKind
 from towerflow.runtime.hooks import FaultEvent
-from towerflow.runtime.worker_group import ACTOR_GONE
 from towerflow.runtime.worker_messages import Rejoin
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import numpy as np
 import ray
 
 from towerflow.errors import DataError
+from towerflow.runtime.actors import kill_quietly
 from towerflow.runtime.result import TrainResult, staleness_summary
-from towerflow.runtime.worker_group import kill_quietly
 from towerflow.shared_types import join_pieces
 
 

@@ -12,13 +12,13 @@ import ray
 
 from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
+from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
 from towerflow.runtime.shard_parts import PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
-from towerflow.runtime.worker_group import ACTOR_GONE, first_line, kill_quietly
 
 log = logging.getLogger(__name__)
 

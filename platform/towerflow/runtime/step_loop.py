@@ -19,16 +19,16 @@ from typing import Any
 import numpy as np
 import ray
 
+from towerflow.runtime.actors import ACTOR_GONE
 from towerflow.runtime.batches import BatchAdapter
 from towerflow.runtime.faults import FaultInjector
-from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import PushPlan, StepPushes
+from towerflow.runtime.shard_replies import parameter_values
 from towerflow.runtime.shared_buffers import assign_pulled
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.towers import TowerStep, signature_of
 from towerflow.runtime.user_errors import misfit_error
 from towerflow.runtime.worker_config import WorkerConfig
-from towerflow.runtime.worker_group import ACTOR_GONE
 from towerflow.runtime.worker_messages import StepRecord, WarmUp, WorkerReport
 
 

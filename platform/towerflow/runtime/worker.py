@@ -20,8 +20,8 @@ import ray
 from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
 from towerflow.runtime.model_state import load_model_state, model_state_of
-from towerflow.runtime.ps import parameter_values
 from towerflow.runtime.pushes import Placement, PushPlan
+from towerflow.runtime.shard_replies import parameter_values
 from towerflow.runtime.shared_buffers import assign_pulled
 from towerflow.runtime.step_loop import StepLoop
 from towerflow.runtime.step_profiler import StepWindowProfiler

@@ -1,0 +1,29 @@
+"""Small helpers about Ray actors, for the driver's groups and the workers alike: the errors of an
+actor that is gone, killing one that may be gone already, and an error's first line for a log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import ray
+
+# Ray's errors for an actor that is gone (its process, or its node), as opposed to one its code raised.
+ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+
+
+def kill_quietly(actor: Any) -> None:
+    """Kill an actor; one already dead (or Ray already gone) is fine."""
+    with contextlib.suppress(Exception):
+        ray.kill(actor)
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An error's first line (Ray's messages run to many), for a log line or a loss's cause; one
+    longer than `limit` is cut at a word's end, marked with an ellipsis."""
+    text = str(exc).strip().splitlines()
+    if not text:
+        return type(exc).__name__
+    line = text[0]
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."

@@ -1,0 +1,106 @@
+"""The run's actors (mixed into the Driver): creating the shards and workers, loading the shards,
+and each worker's configuration, a replacement's or a spare's too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from towerflow.runtime.worker import worker_actor
+from towerflow.runtime.worker_config import WorkerConfig, worker_config
+
+
+class RunActors:
+    """For the Driver, which provides the spec, the session, the placement, the shard and worker
+    groups, the elastic policy and the protocol these read."""
+
+    def _create_actors(self, count: int) -> None:
+        session = self.session
+        self.actor_placement.reserve()  # every shard and worker placed at once, as cluster.placement asks
+        self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
+        self.group.start(list(range(count)))
+        # The shards start (import TensorFlow) while worker 0 builds the model; they get their
+        # pieces once its variables are known.
+        self.shard_group.start()
+        infos, values = ray.get(self.workers[0].describe.remote())
+        self.shard_group.lay_out(infos, self._push_bucket_bytes())
+        group = self.shard_group
+        session.variables, session.pieces, session.shard_assignment = (
+            group.variables,
+            group.pieces,
+            group.assignment,
+        )
+        if self.initial_state is None:
+            group.initial_values = values  # a rollback with no checkpoint yet starts over from these
+        self._load_shards(self.initial_state, session.start_step)
+        # Wait until every actor has started (TensorFlow imported, model built, pieces loaded)
+        # before the clock runs.
+        ray.get([w.devices_used.remote() for w in self.workers])
+        if self.initial_state is not None and self.initial_state.model_state:
+            ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
+        for _ in range(self.elastic.target - count):  # Ray starts them as room appears
+            self.group.request_spare()
+        if self.elastic.elastic:
+            session.log_metrics({"workers": float(count)}, session.start_step)
+
+    def _load_shards(self, state: Any, version: int, *, rollback: bool = False) -> None:
+        session, workers = self.session, len(self.group.slots)
+        self.shard_group.load(
+            state,
+            version,
+            final_step=session.final_step,
+            snapshot_every=session.snapshot_every,
+            workers=workers,
+            replicas=self.elastic.replicas_to_aggregate(workers),
+            rollback=rollback,
+        )
+
+    @property
+    def shards(self) -> list[Any]:
+        """The shard actors, by index."""
+        return self.shard_group.actors
+
+    def _push_bucket_bytes(self) -> int | None:
+        """Push gradients in buckets during backprop only where it pays: sync mode, where every
+        worker waits for the update, and no clipping, whose norm needs the whole gradient first."""
+        training = self.spec.training
+        if not self.protocol.lockstep or training.optimizer.clip_global_norm is not None:
+            return None
+        return self.spec.cluster.push_bucket_bytes
+
+    def _apply_threads(self) -> int | None:
+        """Sync workers wait while the shards apply: lend the shards their cores meanwhile."""
+        cluster = self.spec.cluster
+        if not self.protocol.lockstep:
+            return None
+        return max(1, int(cluster.workers * cluster.cpus_per_worker // cluster.ps))
+
+    def _worker_config(self, worker_id: int) -> WorkerConfig:
+        return worker_config(
+            self.spec,
+            worker_id,
+            feature_scales=self.feature_scales,
+            start_step=self.session.start_step,
+            faults=self.faults,
+            push_in_buckets=bool(self._push_bucket_bytes()),
+        )
+
+    def _new_worker(self, worker_id: int, spare: bool = False) -> Any:
+        """A worker actor (a replacement too: its GlobalStepWaiter step has passed, it starts at once).
+        A spare, as it starts, readies its node for the read tasks of the pipeline it will join."""
+        cluster = self.spec.cluster
+        config = self._worker_config(worker_id)
+        if spare:
+            config.ready_node_for_reading = self._ready_node_for_reading
+        actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
+        return actor.options(**self.actor_placement.worker_options(worker_id)).remote(config)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The live worker actors, by worker id."""
+        return self.group.actors
+
+    def _placement(self) -> list[list[tuple[int, int, int, bool]]]:
+        return self.shard_group.placement()
