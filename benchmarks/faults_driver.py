@@ -157,7 +157,8 @@ def seconds_after(record: Any, since_ms: int) -> float:
 def wait_for_checkpoint(client, run_id: str, driver: Driver) -> int:
     """The step of the run's newest complete checkpoint, once there is one: a driver killed before
     its first checkpoint leaves `--resume auto` nothing to go on from (it starts a new run)."""
-    from towerflow.checkpoint.stores import MlflowCheckpointStore, latest_step
+    from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
+    from towerflow.checkpoint.stores import latest_step
 
     deadline = time.monotonic() + STEP_TIMEOUT_S
     while time.monotonic() < deadline:

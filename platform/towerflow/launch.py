@@ -47,7 +47,8 @@ def train(
     and shards' tensors, which never pass through it), and then with every GPU hidden from it
     (tf_import.py): import TensorFlow before calling this to keep this process's GPUs.
     """
-    from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
+    from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
+    from towerflow.checkpoint.stores import LocalCheckpointStore
     from towerflow.data.ingest import build_training_data
     from towerflow.data.reader_warmup import warm_reader_process
     from towerflow.runtime.cluster import (

@@ -32,8 +32,9 @@ from towerflow.checkpoint.files import (
     shard_part_name,
     write_part,
 )
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.checkpoint.retention import checkpoints_to_delete
-from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore, latest_step
+from towerflow.checkpoint.stores import LocalCheckpointStore, latest_step
 from towerflow.runtime.shard_parts import ShardSnapshot
 from towerflow.runtime.sharding import GreedyBytes, cut_variables, shard_variables
 from towerflow.shared_types import VariableInfo

@@ -17,7 +17,7 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from support import ONE_OF_EACH, blob_spec, sqlite_store, takes_ctrl_c
 
-from towerflow.checkpoint.stores import MlflowCheckpointStore
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH, machine_cores
 from towerflow.runtime.worker_cpus import auto_worker_cpus
 from towerflow.spec import validate_spec

@@ -25,7 +25,7 @@ from multinode import RAY_CLI, LocalCluster
 from support import sqlite_store
 from tracking_server import tracking_server_fixture  # noqa: F401
 
-from towerflow.checkpoint.stores import MlflowCheckpointStore
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.data.synth import synth_mnist, synth_tabular
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -9,8 +9,8 @@ from mlflow.tracking import MlflowClient
 from support import blobs, mlflow_uri, ray_actors, tracked_spec
 
 from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.checkpoint.state import TrainingState
-from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.launch import train
 from towerflow.runtime.model_state import average_model_states, load_model_state, model_state_of
 

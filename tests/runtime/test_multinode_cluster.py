@@ -34,7 +34,7 @@ from multinode import (  # noqa: F401
 )
 from multinode_clients import CLAIMS_CLIENT, PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
 
-from towerflow.checkpoint.stores import MlflowCheckpointStore
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

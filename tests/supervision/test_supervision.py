@@ -14,7 +14,8 @@ from sample_hooks import RecordingHook, StopAtStepHook
 from support import ONE_OF_EACH, blob_spec, mlflow_uri, sqlite_store
 
 from towerflow.checkpoint.files import checkpoint_name
-from towerflow.checkpoint.stores import LocalCheckpointStore, MlflowCheckpointStore
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
+from towerflow.checkpoint.stores import LocalCheckpointStore
 from towerflow.errors import DataError, SpecError, TrainingError
 from towerflow.launch import train
 from towerflow.runtime.faults import FaultInjector

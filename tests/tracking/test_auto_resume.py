@@ -7,8 +7,8 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 from support import blob_spec, sqlite_store
 
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.checkpoint.state import TrainingState
-from towerflow.checkpoint.stores import MlflowCheckpointStore
 from towerflow.spec import validate_spec
 from towerflow.tracking.auto_resume import resumable_run
 

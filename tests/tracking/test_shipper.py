@@ -24,7 +24,7 @@ from support import ONE_OF_EACH, blob_spec
 from tracking_server import process_tree, tracking_server_fixture  # noqa: F401
 
 from towerflow.checkpoint.files import checkpoint_name
-from towerflow.checkpoint.stores import MlflowCheckpointStore
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.tracking.shipper import MetricShipper
 
 FAST = {"backoff_s": (0.01, 0.05)}

@@ -4,8 +4,9 @@ State is gathered per variable, not per shard, so a checkpoint restores onto any
 """
 
 from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
+from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.checkpoint.state import TrainingState, assemble_state, split_for_shards
-from towerflow.checkpoint.stores import CheckpointStore, LocalCheckpointStore, MlflowCheckpointStore
+from towerflow.checkpoint.stores import CheckpointStore, LocalCheckpointStore
 
 __all__ = [
     "CheckpointStore",

@@ -7,10 +7,9 @@ from towerflow.spec.schema import (
     FeatureSpec,
     JobSpec,
     ModelSpec,
-    OptimizerSpec,
     SourceSpec,
-    TrainingSpec,
 )
+from towerflow.spec.training_schema import OptimizerSpec, TrainingSpec
 
 __all__ = [
     "ClusterSpec",

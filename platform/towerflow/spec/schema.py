@@ -8,22 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, PositiveFloat, Tag, model_validator
+from pydantic import Field, model_validator
 
 from towerflow.spec.strict import StrictModel
 from towerflow.spec.supervision_schema import SupervisionSpec
-
-OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "rmsprop"]
-
-# Which optional optimizer fields mean something for which optimizer; anything else is a user mistake.
-_OPTIMIZER_FIELDS: dict[str, set[str]] = {
-    "sgd": set(),
-    "momentum": {"momentum", "nesterov"},
-    "adam": {"beta_1", "beta_2", "epsilon"},
-    "adagrad": {"initial_accumulator_value", "epsilon"},
-    "rmsprop": {"rho", "momentum", "epsilon", "centered"},
-}
-
+from towerflow.spec.training_schema import TrainingSpec
 
 FunctionRef = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # module.path:function
 
@@ -223,109 +212,6 @@ class ClusterSpec(StrictModel):
         if self.min_workers is not None and self.min_workers > self.workers:
             raise ValueError(f"workers: min {self.min_workers} exceeds max {self.workers}")
         return self
-
-
-class LearningRateSchedule(StrictModel):
-    schedule: Literal["constant", "exponential_decay"]
-    initial_learning_rate: float = Field(gt=0)
-    decay_steps: int | None = Field(None, gt=0)
-    decay_rate: float | None = Field(None, gt=0)
-    staircase: bool = False
-
-    @model_validator(mode="after")
-    def _decay_needs_rate(self) -> LearningRateSchedule:
-        if self.schedule == "exponential_decay" and (self.decay_steps is None or self.decay_rate is None):
-            raise ValueError("exponential_decay needs decay_steps and decay_rate")
-        return self
-
-
-def _rate_kind(value: Any) -> str:
-    return "tag:schedule" if isinstance(value, dict | LearningRateSchedule) else "tag:constant"
-
-
-# A number or a schedule. The discriminator makes an error show the branch the value meant,
-# rather than both branches' complaints.
-LearningRate = Annotated[
-    Annotated[PositiveFloat, Tag("tag:constant")] | Annotated[LearningRateSchedule, Tag("tag:schedule")],
-    Discriminator(_rate_kind),
-]
-
-
-class OptimizerSpec(StrictModel):
-    name: OptimizerName = "sgd"
-    learning_rate: LearningRate = 0.01
-    clip_global_norm: float | None = Field(None, gt=0, description="Clip each replica's whole gradient.")
-    momentum: float | None = Field(None, ge=0)
-    nesterov: bool | None = None
-    beta_1: float | None = Field(None, gt=0, lt=1)
-    beta_2: float | None = Field(None, gt=0, lt=1)
-    epsilon: float | None = Field(None, gt=0)
-    rho: float | None = Field(None, gt=0, lt=1)
-    centered: bool | None = None
-    initial_accumulator_value: float | None = Field(None, ge=0)
-
-    @model_validator(mode="after")
-    def _fields_fit_optimizer(self) -> OptimizerSpec:
-        allowed = _OPTIMIZER_FIELDS[self.name]
-        for field in set().union(*_OPTIMIZER_FIELDS.values()) - allowed:
-            if getattr(self, field) is not None:
-                options = ", ".join(sorted(allowed)) or "none"
-                raise ValueError(f"{field} does not apply to {self.name} (its options: {options})")
-        if self.name == "momentum" and self.momentum is None:
-            self.momentum = 0.9
-        return self
-
-    def hyperparameters(self) -> dict[str, Any]:
-        """The optimizer-specific settings that were given (Keras defaults fill the rest)."""
-        return {
-            k: getattr(self, k) for k in sorted(_OPTIMIZER_FIELDS[self.name]) if getattr(self, k) is not None
-        }
-
-
-class FailureSpec(StrictModel):
-    """What a run survives (runtime/failure.py): lost workers are replaced, a lost parameter server
-    rolls every shard back to the newest checkpoint; past a budget the run fails."""
-
-    max_worker_failures: int = Field(3, ge=0, description="Workers lost (died or hung) a run survives.")
-    max_ps_failures: int = Field(3, ge=0, description="Parameter servers lost a run survives.")
-    worker_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="A worker with no step (and no answer) for this long is hung: killed, replaced.",
-    )
-    start_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="A replacement worker that has not started by then (no node with room for it) "
-        "counts as one more worker lost; a run whose workers all wait this long for a batch fails.",
-    )
-
-
-class TrainingSpec(StrictModel):
-    mode: Literal["sync", "async"] = "sync"
-    max_steps: int | None = Field(None, gt=0, description="Global steps (applied updates).")
-    replicas_to_aggregate: int | None = Field(None, ge=1)
-    total_num_replicas: int | None = Field(None, ge=1)
-    max_staleness: int | None = Field(None, ge=0)
-    fetch_every: int = Field(
-        1,
-        ge=1,
-        description="Async only (Downpour's n_fetch): a worker takes new parameters every this many of "
-        "its steps and computes on the ones it has in between; a shard publishes only the versions "
-        "taken. Less traffic and shard work per step, staler gradients (by up to about fetch_every x "
-        "workers updates).",
-    )
-    overlap_push: bool = Field(
-        False,
-        description="Async only (Downpour's asynchronous push): a worker computes its next step while "
-        "its last push is on its way and reads the push's reply after that step, so the round trip "
-        "no longer stalls it; its gradients are one of its own steps staler. Pays where the round "
-        "trip is long against the compute (small models, GPU workers); null gain where the CPU is "
-        "the bound.",
-    )
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    seed: int = 0
-    failure: FailureSpec = Field(default_factory=FailureSpec)
 
 
 class TrackingSpec(StrictModel):

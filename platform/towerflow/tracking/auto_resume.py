@@ -22,7 +22,8 @@ def resumable_run(spec: Any, tracking_uri: str) -> str | None:
     """The id of the newest run of `spec`'s job when it is unfinished and has a checkpoint; else None."""
     from mlflow.tracking import MlflowClient
 
-    from towerflow.checkpoint.stores import MlflowCheckpointStore, latest_step
+    from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
+    from towerflow.checkpoint.stores import latest_step
 
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment = client.get_experiment_by_name(spec.experiment)

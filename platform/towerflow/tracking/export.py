@@ -279,8 +279,8 @@ def export_run(run_id: str, tracking_uri: str | None = None) -> ExportedModel:
     Where this process has not imported TensorFlow yet, it is imported with every GPU hidden."""
     from mlflow.tracking import MlflowClient
 
+    from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
     from towerflow.checkpoint.resume import latest_checkpoint
-    from towerflow.checkpoint.stores import MlflowCheckpointStore
     from towerflow.tracking.store import default_tracking_uri
 
     uri = default_tracking_uri(tracking_uri)

@@ -74,8 +74,8 @@ class MLflowTracker(Hook):
     def restore_state(self):
         """The latest checkpoint of the run being resumed (a StoredCheckpoint: its parts are read
         by the shards)."""
+        from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
         from towerflow.checkpoint.resume import latest_checkpoint
-        from towerflow.checkpoint.stores import MlflowCheckpointStore
 
         run = self._resumable_run()
         return latest_checkpoint(
