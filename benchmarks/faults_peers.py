@@ -69,7 +69,9 @@ CASES = [
     Case("towerflow_async", "worker"),
     Case("towerflow_async", "ps"),
     Case("psstrategy", None),
-    Case("psstrategy", "worker"),
+    # A PSStrategy run that a fault fails is started again, as its user would; it is reported as
+    # failed and restarted, never as survived (a worker's loss it survives on its own, as a rule).
+    Case("psstrategy", "worker", restart=True),
     Case("psstrategy", "ps", restart=True),
 ]
 LABELS = {
