@@ -1,5 +1,6 @@
-"""The worker group's bounds on waiting (runtime/worker_group.py), on real Ray actors standing in
-for workers: a replacement Ray cannot place, and a worker that does not stop when asked."""
+"""The worker group's bounds on waiting (runtime/worker_group.py, its watchdogs in worker_watch.py),
+on real Ray actors standing in for workers: a replacement Ray cannot place, and a worker that does
+not stop when asked."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import time
 
 import pytest
 
-from towerflow.runtime.actors import first_line
 from towerflow.runtime.worker_group import WorkerGroup
 from towerflow.runtime.worker_messages import WorkerReport
 
@@ -140,12 +140,3 @@ def test_one_worker_still_fed_is_no_stall(ray_cluster, caplog):
         assert group.poll(0.2).stalled is None
     assert not [r for r in caplog.records if "no batch has reached" in r.getMessage()]
     group.kill()
-
-
-def test_a_long_error_line_is_cut_at_a_word_and_marked():
-    long = RuntimeError("The actor is unavailable: " + "connection refused " * 30 + "\ntraceback ...")
-    cut = first_line(long, limit=80)
-    assert cut.endswith(" ...") and len(cut) <= 84
-    assert cut[: -len(" ...")].endswith("refused") or cut[: -len(" ...")].endswith("connection")
-    assert first_line(RuntimeError("short\nsecond line")) == "short"
-    assert first_line(RuntimeError("")) == "RuntimeError"
