@@ -146,7 +146,9 @@ def _nodes_of_run(cluster: LocalCluster, name: str) -> dict[str, list[str]]:
             found[actor["class_name"]].append(actor["node_id"])
             jobs.add(actor["job_id"])
     tasks = cluster.state_api("/api/v0/tasks?limit=10000&detail=true")["data"]["result"]["result"]
-    found["reads"] = [t["node_id"] for t in tasks if t["job_id"] in jobs and "read_files" in t["name"]]
+    # Where the reads ran: a read task the run's end cancelled before Ray placed it has no node.
+    reads = [t for t in tasks if t["job_id"] in jobs and "read_files" in t["name"]]
+    found["reads"] = [t["node_id"] for t in reads if t["node_id"] is not None]
     return found
 
 
