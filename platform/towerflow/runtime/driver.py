@@ -210,7 +210,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                 for loss in hung:
                     self._fault(loss, LET_GO.format(LAST_STEP_TAKEN))
                 if hung:  # lost all the same (workers_lost); past the budget's reach, the run being done
-                    self.failure_policy.history.extend(hung)
+                    self.failure_policy.record(hung)
                     self._log_losses()
                 running = self.group.running
             if running and not released and self._all_waiting_to_start(running):

@@ -91,15 +91,15 @@ class FailurePolicy:
             return Decision.FAIL
         if not status.losses:
             return Decision.CONTINUE
-        self.history.extend(status.losses)
-        if self._count(LossKind.WORKER) > self.max_worker_failures:
+        self.record(status.losses)
+        if self.lost(LossKind.WORKER) > self.max_worker_failures:
             return Decision.FAIL
-        if self._count(LossKind.SHARD) > self.max_ps_failures:
+        if self.lost(LossKind.SHARD) > self.max_ps_failures:
             return Decision.FAIL
         return Decision.ROLLBACK_SHARDS if status.lost_shards else Decision.REPLACE_WORKERS
 
     def failure_message(self) -> str:
-        workers, shards = self._count(LossKind.WORKER), self._count(LossKind.SHARD)
+        workers, shards = self.lost(LossKind.WORKER), self.lost(LossKind.SHARD)
         budget = (
             f"training.failure allows {self.max_worker_failures} worker and {self.max_ps_failures} "
             f"parameter-server failure(s) a run; this run had {workers} and {shards}"
@@ -107,5 +107,10 @@ class FailurePolicy:
         events = "; ".join(loss.describe() for loss in self.history)
         return f"too many training actors lost ({budget}): {events}"
 
-    def _count(self, kind: LossKind) -> int:
+    def record(self, losses: list[ActorLoss]) -> None:
+        """Losses the run met that no decision is left to make on (a worker let go at the end)."""
+        self.history.extend(losses)
+
+    def lost(self, kind: LossKind) -> int:
+        """Actors of `kind` lost so far."""
         return sum(1 for loss in self.history if loss.kind is kind)

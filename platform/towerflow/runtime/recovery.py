@@ -160,7 +160,7 @@ class RecoveryActions:
                 split.shut_down()
 
     def _log_losses(self) -> None:
-        lost = sum(1 for loss in self.failure_policy.history if loss.kind is LossKind.WORKER)
+        lost = self.failure_policy.lost(LossKind.WORKER)
         replaced = self.group.replacements
         self.session.log_metrics(
             {"workers_lost": float(lost), "workers_replaced": float(replaced)}, self._global_step()

@@ -180,9 +180,8 @@ class WorkerGroup(WorkerWatchdogs):
     def poll(self, wait_s: float, answer_s: float = 1.0) -> ClusterStatus:
         """Wait up to `wait_s` (less when every run ends), then drain every worker, giving each up
         to `answer_s` to answer: one that does not keeps its question open and counts as silent
-        from then on. (A replacement still starting holds each turn for `answer_s`: not waiting
-        for it made the driver hear of steps 0.9 s sooner during a replacement's start, but cost
-        sync 0.5 s of training per loss in faults_peers.py, 3 interleaved pairs, cause not found.)"""
+        from then on. A replacement still starting holds each turn for `answer_s` too: not waiting
+        for it hears of steps sooner but measured slower training (docs/reliability.md)."""
         status = ClusterStatus()
         runs = [
             s.run_ref for s in self.slots.values() if s.run_ref is not None and not s.finished and not s.lost
