@@ -5,7 +5,9 @@ Each fault run is paired with a clean run of the same configuration, interleaved
 local Ray instance (the training run in this process):
 - worker killed: SIGKILL of worker 1's process at step `--at`;
 - worker hung: SIGSTOP of worker 1 (alive, silent) with training.failure.worker_timeout_s 10;
-- parameter server killed: SIGKILL of shard 1 (checkpoints every `--every` steps);
+- parameter server killed: SIGKILL of shard 1 (checkpoints every `--every` steps); again with a
+  warm spare shard (`cluster.spare_shards=1`) against a clean run with one, and that clean run
+  against one without, for what the idle spare costs;
 - straggler 3x (sync only): 3 workers, replicas_to_aggregate 2 (one backup worker), worker 2 three
   times slower than the step (a sleep of 2 x `--step-s` on top of its LeNet step), against the same
   run with no slow worker. Not meaningful on 2 cores: three LeNet workers oversubscribe them, and a
@@ -23,8 +25,8 @@ when that node is lost.
 
 For each: survived (the run ends FINISHED at max_steps), steps redone, seconds lost (wall time
 against the clean run, median of the rounds), the replacement's start or the recovery (loss noticed
-to the replacement's first step; for the cluster rows see faults_cluster.py) and throughput against
-the clean run. Figures go to docs/reliability.md.
+to the replacement's first step; a lost parameter server's rollback, loss found to the workers
+training again; for the cluster rows see faults_cluster.py) and throughput against the clean run. Figures go to docs/reliability.md.
 
     python benchmarks/faults.py                    # 1 round: 13 min of single-instance cases, ~20 of cluster ones
     python benchmarks/faults.py --rounds 3
@@ -58,6 +60,7 @@ log = make_log("faults")
 SIM_MODEL = "benchmarks.tiny_model:build"
 SIM_BASELINE = "no straggler, simulated compute (sync, 1 backup)"
 SIM_STRAGGLER = "straggler 3x, simulated compute (sync, 1 backup)"
+SPARE = ["cluster.spare_shards=1"]
 
 
 class Inject(Hook):
@@ -120,7 +123,7 @@ def run_once(case: dict, args: argparse.Namespace, tmp: Path) -> dict:
         "survived": survived,
         "examples_per_sec": rate,
         "steps_redone": hook.metrics.get("steps_redone", 0.0),
-        "recovery_s": hook.metrics.get("worker_recovery_s"),
+        "recovery_s": hook.metrics.get("worker_recovery_s", hook.metrics.get("ps_rollback_s")),
         "notes": hook.faults,
     }
 
@@ -136,6 +139,22 @@ def cases(args: argparse.Namespace) -> list[dict]:
         ]
         for case in listed[-3:]:
             case["baseline"] = f"clean {mode}"
+        listed += [
+            {
+                "name": f"parameter server killed, warm spare ({mode})",
+                "mode": mode,
+                "target": "ps",
+                "overrides": SPARE,
+                "baseline": f"clean {mode}, warm spare",
+            },
+            # the idle spare's own cost: its start beside the others', its process while training
+            {
+                "name": f"clean {mode}, warm spare",
+                "mode": mode,
+                "overrides": SPARE,
+                "baseline": f"clean {mode}",
+            },
+        ]
     straggler = ["cluster.workers=3", "training.replicas_to_aggregate=2", "training.total_num_replicas=3"]
     simulated = [*straggler, f"model.ref={SIM_MODEL}", f"data.batch_size={args.sim_batch}"]
     d = args.sim_step_s

@@ -286,21 +286,31 @@ class KillShardAt(FaultAt):
     def after_run(self, context, event):
         self.events.append(event)
         self.data_steps.append(context.session.data_steps)  # where the data ends, as planned then
+        group = context.session.runtime.shard_group
         if not self.killed_at and event.global_step >= self.step:
             shard = context.session.runtime.shards[self.worker]
             self.version_at_kill = ray.get(shard.ping.remote())
+            self.spare_pids = [ray.get(actor.pid.remote()) for actor, _ in group.spares]
             os.kill(ray.get(shard.pid.remote()), signal.SIGKILL)
             self.killed_at.append(event.global_step)
+            self.killed.append(shard)
+        elif self.killed_at and group.actors[self.worker] is not self.killed[0]:  # once replaced
+            self.after_kill = {
+                "shard_pid": ray.get(group.actors[self.worker].pid.remote()),
+                "spare_pids": [ray.get(actor.pid.remote()) for actor, _ in group.spares],
+            }
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# Sync without a spare shard (a new shard is started), async with one (the spare takes the place).
+@pytest.mark.parametrize(("mode", "spares"), [("sync", 0), ("async", 1)])
 def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
-    ray_cluster, blob_data, tmp_path, mode
+    ray_cluster, blob_data, tmp_path, mode, spares
 ):
     raw = blob_spec(
         blob_data,
         data={"batch_size": BATCH, "epochs": None},
-        cluster={"workers": 2, "ps": 2, "min_slice_bytes": 64},  # every variable on both shards
+        # every variable on both shards
+        cluster={"workers": 2, "ps": 2, "min_slice_bytes": 64, "spare_shards": spares},
         training={"mode": mode, "max_steps": 80, "optimizer": {"name": "adam", "learning_rate": 0.01}},
         supervision={"checkpoint": {"every_steps": 10}},
     )
@@ -317,6 +327,14 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
     (fault,) = hook.faults
     assert "parameter server 1 lost" in fault.what and "rolled back to step 20" in fault.action
     assert hook.metrics["ps_rollbacks"] == 1
+    assert hook.metrics["ps_rollback_s"] > 0
+    if spares:  # the spare took shard 1's place, and a new spare started in the lost one's bundle
+        assert fault.action.endswith("a warm spare in its place")
+        assert hook.after_kill["shard_pid"] == hook.spare_pids[0]
+        (new_spare,) = hook.after_kill["spare_pids"]
+        assert new_spare not in hook.spare_pids
+    else:
+        assert "spare" not in fault.action
     # Lost: the steps since the checkpoint at 20, up to where the shards were when one died (the
     # checkpoint at 30 may not exist yet: the chief had heard of step 25 only). Slack: a step applied
     # between the ping and the kill; async: the survivor may lead by a push per worker, and takes

@@ -41,7 +41,7 @@ def budget_for(cluster, workers: int | None = None) -> ResourceBudget:
     workers = cluster.workers if workers is None else workers
     return ResourceBudget(
         worker_cpus=workers * cluster.cpus_per_worker,
-        ps_cpus=cluster.ps * cluster.cpus_per_ps,
+        ps_cpus=cluster.shard_processes * cluster.cpus_per_ps,
         data_cpus=cluster.data_cpus,
         gpus=workers * cluster.gpus_per_worker,
     )
@@ -223,7 +223,7 @@ def check_capacity(budget: ResourceBudget, resources: dict[str, float]) -> None:
         raise ClusterError(
             f"the Ray cluster has {have_cpu:g} CPUs but the job needs {budget.cpus:g}: "
             f"{budget.worker_cpus:g} for workers (cluster.workers x cluster.cpus_per_worker), "
-            f"{budget.ps_cpus:g} for parameter servers (cluster.ps x cluster.cpus_per_ps) and "
+            f"{budget.ps_cpus:g} for parameter servers ((cluster.ps + spare_shards) x cluster.cpus_per_ps) and "
             f"{budget.data_cpus:g} for Ray Data (cluster.data_cpus). Lower those or add nodes."
         )
     if have_gpu + 1e-9 < budget.gpus:

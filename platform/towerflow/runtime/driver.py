@@ -230,6 +230,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         """One poll of the cluster and what the failure policy decides about it; returns the step
         records heard of. Raises only to end the run (a user's error, or more losses than allowed)."""
         recovered = len(self.group.recoveries_s)
+        self.shard_group.refill_spares()  # a spare in each bundle a lost shard left, once Ray frees it
         status = self.group.poll(self.poll_s)
         self._summaries.update(status.finished)
         for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost

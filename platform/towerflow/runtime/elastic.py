@@ -67,7 +67,7 @@ class ElasticPolicy:
 
 def workers_that_fit(cluster: Any, available: dict[str, float]) -> int:
     """How many workers the free resources hold once the shards and Ray Data have theirs."""
-    cpus = available.get("CPU", 0.0) - cluster.ps * cluster.cpus_per_ps - cluster.data_cpus
+    cpus = available.get("CPU", 0.0) - cluster.shard_processes * cluster.cpus_per_ps - cluster.data_cpus
     return workers_of_size(cluster, cpus, available.get("GPU", 0.0), cluster.cpus_per_worker)
 
 

@@ -6,7 +6,9 @@ The group reserves every bundle at once, so a run starts only when all its actor
 starting some and waiting for the rest. A replacement takes its predecessor's bundle (Ray moves a
 lost node's bundles to live nodes). An elastic run reserves its shards only: a placement group
 cannot grow or shrink, so its workers, which come and go with the cluster, are spread by Ray's SPREAD
-scheduling strategy (or packed by its default one) instead.
+scheduling strategy (or packed by its default one) instead. Warm spare shards have bundles of their
+own, after the workers'; a spare that takes a lost shard's place keeps its bundle, and the next
+spare takes the lost one's (runtime/shard_group.py).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class ActorPlacement:
             "CPU": cluster.cpus_per_worker,
             **({"GPU": cluster.gpus_per_worker} if cluster.gpus_per_worker else {}),
         }
-        self.bundles = [{"CPU": cluster.cpus_per_ps}] * self.shards + [worker] * self.grouped_workers
+        self.spare_shards = cluster.spare_shards
+        shard = {"CPU": cluster.cpus_per_ps}
+        self.bundles = [shard] * self.shards + [worker] * self.grouped_workers + [shard] * self.spare_shards
         self.group: Any = None
 
     def reserve(self) -> None:
@@ -71,10 +75,22 @@ class ActorPlacement:
         parts = [f"{self.shards} shard(s) of {self.cluster.cpus_per_ps:g} CPU"]
         if worker:
             parts.append(f"{self.grouped_workers} worker(s) of {_resources(worker)}")
+        if self.spare_shards:
+            parts.append(f"{self.spare_shards} spare shard(s)")
         return f"{' and '.join(parts)} with placement {self.cluster.placement} ({self.strategy})"
 
-    def shard_options(self, index: int) -> dict[str, Any]:
-        return self._bundle(index)
+    def shard_bundles(self) -> list[int]:
+        """The bundles of the shards, by index, as the run starts."""
+        return list(range(self.shards))
+
+    def spare_bundles(self) -> list[int]:
+        """The bundles of the warm spare shards, as the run starts."""
+        first = self.shards + self.grouped_workers
+        return list(range(first, first + self.spare_shards))
+
+    def bundle_options(self, bundle: int) -> dict[str, Any]:
+        """Scheduling options that place an actor in this bundle (none without a group)."""
+        return self._bundle(bundle)
 
     def worker_options(self, worker_id: int) -> dict[str, Any]:
         """A worker of the starting set (and its replacements) takes its bundle; others (an elastic
@@ -95,16 +111,15 @@ class ActorPlacement:
         replacement placed there would die with it. After it, Ray moves the bundle to a live node."""
         if self.group is None:
             return
-        from ray._private.state import actors
-
-        actor_id = actor._actor_id.hex()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if actors(actor_id=actor_id).get("State") == "DEAD":
+            if declared_dead(actor):
                 return
             time.sleep(0.5)
         log.warning(
-            "Ray has not declared actor %s dead after %.0f s; replacing it anyway", actor_id, timeout_s
+            "Ray has not declared actor %s dead after %.0f s; replacing it anyway",
+            actor._actor_id.hex(),
+            timeout_s,
         )
 
     def release(self) -> None:
@@ -124,6 +139,13 @@ class ActorPlacement:
                 placement_group=self.group, placement_group_bundle_index=index
             )
         }
+
+
+def declared_dead(actor: Any) -> bool:
+    """Whether Ray has declared this actor dead (its bundle, if it had one, free to take)."""
+    from ray._private.state import actors
+
+    return actors(actor_id=actor._actor_id.hex()).get("State") == "DEAD"
 
 
 def _resources(bundle: dict[str, float]) -> str:

@@ -44,7 +44,8 @@ class ParameterShard(ShardCheckpoints):
     start-ups instead of their sum.
     """
 
-    def __init__(self, shard_id: int, cpus: float = 0.5, *, apply_threads: int | None = None) -> None:
+    def __init__(self, shard_id: int | None, cpus: float = 0.5, *, apply_threads: int | None = None) -> None:
+        """`shard_id` None: a warm spare, whose place `load` gives it."""
         # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
         configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0), keras=False))
         import tensorflow as tf
@@ -68,12 +69,16 @@ class ParameterShard(ShardCheckpoints):
         initial_version: int = 0,
         snapshot_every: int | None = None,
         buckets: list[int] | None = None,
+        shard_id: int | None = None,
     ) -> bool:
         """Take this shard's pieces, their optimizer and update protocol; publish the first version.
         Called once, before any worker pulls or pushes. Pieces given as a checkpoint part are read
-        here, from the store; False (nothing loaded) where this node cannot reach it."""
+        here, from the store; False (nothing loaded) where this node cannot reach it. `shard_id`:
+        the place this shard takes, where it is not the one it started in (a spare's)."""
         from towerflow.runtime.optimizers import build_optimizer
 
+        if shard_id is not None:
+            self.shard_id = shard_id
         initial_values, initial_slots = self._starting_state(
             names, initial_values, initial_slots, initial_version
         )

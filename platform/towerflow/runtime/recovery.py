@@ -200,6 +200,7 @@ class RecoveryActions:
         versions), a new shard takes each lost one's place, and the workers train on from there,
         on the data from that checkpoint's position. Workers and the other shards are not restarted,
         but for `lost_workers` (lost with the shard, on its node most often), which are replaced."""
+        started = time.monotonic()
         heard = max(self.group.global_step, self._global_step())
         self._close_data()
         for shard in self.shards:  # release every worker waiting on a live shard; each run ends
@@ -209,7 +210,7 @@ class RecoveryActions:
         state = self.latest_checkpoint() if self.latest_checkpoint is not None else None
         state = state or self.initial_state
         version = state.global_step if state is not None else 0
-        self.shard_group.replace([loss.index for loss in losses])
+        by_spare = self.shard_group.replace([loss.index for loss in losses])
         self._load_shards(state, version, rollback=True)
         seen = state.examples_seen if state is not None else 0
         members = sorted(self.group.slots)
@@ -231,11 +232,16 @@ class RecoveryActions:
             )
         self._rollbacks += 1
         self._steps_redone += max(0, heard - version)
-        self.session.log_metrics(
-            {"ps_rollbacks": float(self._rollbacks), "steps_redone": float(self._steps_redone)}, version
-        )
+        metrics = {
+            "ps_rollbacks": float(self._rollbacks),
+            "steps_redone": float(self._steps_redone),
+            "ps_rollback_s": time.monotonic() - started,  # the loss found to the workers training again
+        }
+        self.session.log_metrics(metrics, version)
         for loss in losses:
-            self._fault(loss, f"rolled back to step {version}, {max(0, heard - version)} step(s) to redo")
+            taken = ", a warm spare in its place" if loss.index in by_spare else ""
+            redo = max(0, heard - version)
+            self._fault(loss, f"rolled back to step {version}, {redo} step(s) to redo{taken}")
         for loss in lost_workers:
             self._fault(loss, "replaced, in the rollback")
         if lost_workers:

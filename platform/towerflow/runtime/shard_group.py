@@ -1,6 +1,7 @@
 """The parameter-server shards as one group: start them, lay the model's variables out over them,
 load them (from the model's initial values or a checkpoint, all at one version), find the lost
-ones and put new ones in their places."""
+ones and put others in their places: a warm spare where one is ready (`cluster.spare_shards`), else
+a new shard."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
+from towerflow.runtime.placement import declared_dead
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
@@ -34,10 +36,16 @@ class ShardGroup:
         self.assignment: list[list[int]] = []  # piece indices per shard
         self.buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self.initial_values: list[Any] | None = None  # the model's, for a rollback with no checkpoint
+        self._bundles: list[int] = []  # per shard, its bundle in the run's placement group
+        self.spares: list[tuple[Any, int]] = []  # warm spare shards: (actor, bundle)
+        # (lost actor, its bundle): a spare starts there once Ray has declared the lost one dead
+        self._freed: list[tuple[Any, int]] = []
 
     def start(self) -> None:
-        """Start every shard (each imports TensorFlow); they get their pieces with `load`."""
-        self.actors = [self._new(index) for index in range(self.spec.cluster.ps)]
+        """Start every shard and spare (each imports TensorFlow); shards get their pieces with `load`."""
+        self._bundles = self.actor_placement.shard_bundles()
+        self.actors = [self._new(index, bundle) for index, bundle in enumerate(self._bundles)]
+        self.spares = [(self._new(None, bundle), bundle) for bundle in self.actor_placement.spare_bundles()]
 
     def lay_out(self, variables: list[Any], push_bucket_bytes: int | None) -> None:
         """Cut the variables into pieces, place them on the shards, and bucket their gradients."""
@@ -89,6 +97,7 @@ class ShardGroup:
                 initial_version=version,
                 snapshot_every=snapshot_every,
                 buckets=self.buckets[shard],
+                shard_id=shard,
             )
 
         loaded = ray.get([load(shard, values, slots) for shard, (values, slots) in enumerate(initial)])
@@ -171,21 +180,63 @@ class ShardGroup:
                 found.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
         return found
 
-    def replace(self, indices: list[int], attempts: int = 3) -> None:
-        """New shards in the places of shards `indices`, started (load them before use).
+    def replace(self, indices: list[int], attempts: int = 3) -> list[int]:
+        """Other shards in the places of shards `indices`, started (load them before use): a warm
+        spare where one answers, else a new shard. Returns the indices a spare took.
 
         Killing a lost one makes Ray declare it dead at once, also where its node is dying but not
         yet declared dead; its bundle then still points at that node, and a shard placed there dies
-        unstarted once the node is declared dead, after which Ray moves the bundle: hence attempts."""
+        unstarted once the node is declared dead, after which Ray moves the bundle: hence attempts.
+        A spare keeps its own bundle, so it need not wait for that; a new spare takes the lost
+        one's bundle later (`refill_spares`)."""
         for index in indices:
             kill_quietly(self.actors[index])
+        by_spare = []
+        for index in indices:
+            spare = self._ready_spare()
+            if spare is None:
+                break
+            self._freed.append((self.actors[index], self._bundles[index]))
+            self.actors[index], self._bundles[index] = spare
+            by_spare.append(index)
+            log.info("a warm spare takes shard %d's place", index)
+        indices = [index for index in indices if index not in by_spare]
+        for index in indices:
             self.actor_placement.await_declared_dead(self.actors[index])
         for attempt in range(attempts):
-            for index in indices:
-                self.actors[index] = self._new(index)
-            indices = self._died_starting(indices, last_attempt=attempt == attempts - 1)
             if not indices:
-                return
+                break
+            for index in indices:
+                self.actors[index] = self._new(index, self._bundles[index])
+            indices = self._died_starting(indices, last_attempt=attempt == attempts - 1)
+        self.refill_spares()
+        return by_spare
+
+    def refill_spares(self) -> None:
+        """A new spare in each bundle freed by a lost shard (or a lost spare) that Ray has declared
+        dead by now; the others wait for a later call (the driver's every turn)."""
+        waiting = []
+        for lost, bundle in self._freed:
+            if declared_dead(lost):
+                self.spares.append((self._new(None, bundle), bundle))
+            else:
+                waiting.append((lost, bundle))
+        self._freed = waiting
+
+    def _ready_spare(self, timeout_s: float = 15.0) -> tuple[Any, int] | None:
+        """The first spare that answers within `timeout_s` (one still starting is waited for: it is
+        further on than a new one), taken out of the spares; None when none does. A spare that does not
+        answer is let go, and its bundle gets a new spare."""
+        while self.spares:
+            actor, bundle = self.spares.pop(0)
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+                return actor, bundle
+            except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
+                log.info("a spare shard did not answer (%s): a new one takes its bundle", first_line(exc))
+                kill_quietly(actor)
+                self._freed.append((actor, bundle))
+        return None
 
     def _died_starting(self, indices: list[int], *, last_attempt: bool) -> list[int]:
         """Of the new shards `indices`, those that died as they started (raised on the last attempt)."""
@@ -208,11 +259,12 @@ class ShardGroup:
         return [shard.finish.remote() for shard in self.actors]
 
     def kill(self) -> None:
-        for shard in self.actors:
+        for shard in [*self.actors, *(actor for actor, _ in self.spares)]:
             kill_quietly(shard)
-        self.actors = []
+        self.actors, self.spares, self._freed = [], [], []
 
-    def _new(self, index: int) -> Any:
+    def _new(self, index: int | None, bundle: int) -> Any:
+        """A shard actor in this bundle; `index` None: a spare."""
         cpus = self.spec.cluster.cpus_per_ps
-        actor = shard_actor(cpus).options(**self.actor_placement.shard_options(index))
+        actor = shard_actor(cpus).options(**self.actor_placement.bundle_options(bundle))
         return actor.remote(index, cpus, apply_threads=self.apply_threads)

@@ -20,15 +20,10 @@ from towerflow.runtime.elastic import workers_of_size
 log = logging.getLogger(__name__)
 
 
-def _counted_shards(cluster: Any) -> int:
-    """The shards to leave room for: with `ps: auto` (not counted yet), one."""
-    return 1 if cluster.ps == "auto" else cluster.ps
-
-
 def auto_worker_cpus(cluster: Any, cores: int) -> int:
     """Each worker's whole share of `cores`, after the shards' and Ray Data's CPUs; at least 1.
     `cluster` is the ClusterSpec."""
-    left = cores - _counted_shards(cluster) * cluster.cpus_per_ps - cluster.data_cpus
+    left = cores - cluster.shard_processes * cluster.cpus_per_ps - cluster.data_cpus
     return max(1, math.floor(left / cluster.workers + 1e-9))
 
 
@@ -36,7 +31,7 @@ def joined_worker_cpus(cluster: Any, nodes: list[dict[str, float]], free_cpus: f
     """The most whole CPUs per worker with which the job's workers (as many as it may grow to) fit on
     `nodes` (each node's total resources, as Ray counts them) beside the shards and Ray Data, and the
     whole job within `free_cpus` (the cluster's CPUs free now); at least 1."""
-    workers, shards = cluster.workers, _counted_shards(cluster)
+    workers, shards = cluster.workers, cluster.shard_processes
     biggest = max((node.get("CPU", 0.0) for node in nodes), default=0.0)
     for cpus in range(math.floor(biggest + 1e-9), 1, -1):
         asked = workers * cpus + shards * cluster.cpus_per_ps + cluster.data_cpus

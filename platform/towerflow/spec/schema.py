@@ -144,6 +144,16 @@ class ClusterSpec(StrictModel):
         ),
     )
     cpus_per_ps: float = Field(0.5, gt=0)
+    spare_shards: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Warm spare shards: started with the run (TensorFlow imported) and idle, each holding "
+            "cpus_per_ps in the run's placement group. A lost shard's place is taken by a spare, not by a "
+            "new process, which takes the process's start off the rollback; a new spare starts in the "
+            "lost one's place. 0 (default): a new shard is started."
+        ),
+    )
     data_cpus: float = Field(1.0, gt=0, description="Logical CPUs kept free for Ray Data's read tasks.")
     placement: Literal["spread", "pack", "strict_spread", "strict_pack"] = Field(
         "spread",
@@ -194,6 +204,12 @@ class ClusterSpec(StrictModel):
     @property
     def elastic(self) -> bool:
         return self.fewest_workers < self.workers
+
+    @property
+    def shard_processes(self) -> int:
+        """The shards' and spare shards' processes, each holding `cpus_per_ps` (`ps: auto` counted as 1,
+        until it is resolved)."""
+        return (1 if self.ps == "auto" else self.ps) + self.spare_shards
 
     @property
     def towers_per_worker(self) -> int:

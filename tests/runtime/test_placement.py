@@ -1,0 +1,28 @@
+"""The run's placement group as laid out (runtime/placement.py): which bundle holds which actor.
+Reserving it on a real cluster is tested in test_multinode_cluster.py."""
+
+import pytest
+
+from towerflow.runtime.placement import ActorPlacement
+from towerflow.spec.schema import ClusterSpec
+
+
+@pytest.mark.parametrize(
+    ("cluster", "shards", "spares", "bundles"),
+    [
+        ({"workers": 2, "ps": 2}, [0, 1], [], 4),
+        # spares come after the workers, so a worker's bundle stays shards + its id
+        ({"workers": 2, "ps": 2, "spare_shards": 1}, [0, 1], [4], 5),
+        # an elastic run's workers are outside the group: the spares follow the shards
+        ({"workers": {"min": 1, "max": 3}, "ps": 1, "spare_shards": 2}, [0], [1, 2], 3),
+    ],
+)
+def test_spare_shards_have_bundles_of_their_own_after_the_workers(cluster, shards, spares, bundles):
+    placement = ActorPlacement(ClusterSpec(cpus_per_worker=1, cpus_per_ps=0.25, **cluster), "probe")
+    assert placement.shard_bundles() == shards
+    assert placement.spare_bundles() == spares
+    assert len(placement.bundles) == bundles
+    assert all(placement.bundles[b] == {"CPU": 0.25} for b in shards + spares)
+    if spares:
+        assert placement.describe().startswith(f"{len(shards)} shard(s) of 0.25 CPU")
+        assert f"{len(spares)} spare shard(s)" in placement.describe()

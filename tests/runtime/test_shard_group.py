@@ -1,0 +1,65 @@
+"""The shards as a group (runtime/shard_group.py) with warm spares, on the session's Ray: which
+process takes a lost shard's place, and how the spares are made good again. A whole run with a spare
+is in test_faults.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+from support import blob_spec
+
+from towerflow.runtime.placement import ActorPlacement
+from towerflow.runtime.shard_group import ShardGroup
+from towerflow.spec import validate_spec
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _kill(actor) -> int:
+    pid = ray.get(actor.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def _refilled(group: ShardGroup, spares: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(group.spares) < spares and time.monotonic() < deadline:
+        group.refill_spares()  # the driver's every turn
+        time.sleep(0.2)
+    assert len(group.spares) == spares
+
+
+def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_cluster, tmp_path):
+    spec = validate_spec(
+        blob_spec(tmp_path, cluster={"workers": 1, "ps": 1, "spare_shards": 1, "cpus_per_worker": 0.5})
+    )
+    placement = ActorPlacement(spec.cluster, "test-shard-group")
+    placement.reserve()
+    group = ShardGroup(spec, None, placement)
+    try:
+        group.start()
+        (spare, spare_bundle), shard = group.spares[0], group.actors[0]
+        assert spare_bundle == 2  # after the shard's and the worker's
+        spare_pid = ray.get(spare.pid.remote())
+
+        lost_pid = _kill(shard)
+        assert group.replace([0]) == [0]  # the spare took the place, in its own bundle
+        assert ray.get(group.actors[0].pid.remote()) == spare_pid
+        _refilled(group, 1)  # a new spare, in the lost shard's bundle once Ray freed it
+        new_spare, bundle = group.spares[0]
+        assert bundle == 0
+        assert ray.get(new_spare.pid.remote()) not in (spare_pid, lost_pid)
+
+        dead_spare_pid = _kill(new_spare)  # a spare lost while it waits: found dead when needed
+        lost_pid = _kill(group.actors[0])
+        assert group.replace([0]) == []  # a new shard instead
+        assert ray.get(group.actors[0].pid.remote()) not in (dead_spare_pid, lost_pid)
+        _refilled(group, 1)  # the dead spare's bundle gets a spare again
+    finally:
+        group.kill()
+        placement.release()
+    assert group.spares == [] and group.actors == []
