@@ -51,7 +51,7 @@ def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_clu
         assert ray.get(group.actors[0].pid.remote()) == spare_pid
         _refilled(group, 1)  # a new spare, in the lost shard's bundle once Ray freed it
         new_spare, bundle = group.spares[0]
-        assert bundle == 0
+        assert bundle == 0  # (one node: the roles keep the bundle order)
         assert ray.get(new_spare.pid.remote()) not in (spare_pid, lost_pid)
 
         dead_spare_pid = _kill(new_spare)  # a spare lost while it waits: found dead when needed

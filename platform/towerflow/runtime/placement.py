@@ -8,13 +8,17 @@ lost node's bundles to live nodes). An elastic run reserves its shards only: a p
 cannot grow or shrink, so its workers, which come and go with the cluster, are spread by Ray's SPREAD
 scheduling strategy (or packed by its default one) instead. Warm spare shards have bundles of their
 own, after the workers'; a spare that takes a lost shard's place keeps its bundle, and the next
-spare takes the lost one's (runtime/shard_group.py).
+spare takes the lost one's (runtime/shard_group.py). Shard-sized bundles are alike, so which are
+shards and which spares is chosen once Ray has placed them: shards on as many nodes as they can,
+spares first where fewest shards are, so that a node's loss takes a shard's spare with it as
+seldom as the layout allows.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import ray
@@ -79,14 +83,17 @@ class ActorPlacement:
             parts.append(f"{self.spare_shards} spare shard(s)")
         return f"{' and '.join(parts)} with placement {self.cluster.placement} ({self.strategy})"
 
-    def shard_bundles(self) -> list[int]:
-        """The bundles of the shards, by index, as the run starts."""
-        return list(range(self.shards))
+    def shard_roles(self) -> tuple[list[int], list[int]]:
+        """The bundles of the shards (by index) and of the warm spares (the one to take first
+        first), as the run starts; see the module's docstring."""
+        first_spare = self.shards + self.grouped_workers
+        bundles = [*range(self.shards), *range(first_spare, first_spare + self.spare_shards)]
+        if not self.spare_shards or self.group is None:
+            return bundles[: self.shards], bundles[self.shards :]
+        from ray.util import placement_group_table
 
-    def spare_bundles(self) -> list[int]:
-        """The bundles of the warm spare shards, as the run starts."""
-        first = self.shards + self.grouped_workers
-        return list(range(first, first + self.spare_shards))
+        nodes = placement_group_table(self.group).get("bundles_to_node_id", {})
+        return split_shard_roles({b: nodes.get(b) for b in bundles}, self.shards)
 
     def bundle_options(self, bundle: int) -> dict[str, Any]:
         """Scheduling options that place an actor in this bundle (none without a group)."""
@@ -139,6 +146,21 @@ class ActorPlacement:
                 placement_group=self.group, placement_group_bundle_index=index
             )
         }
+
+
+def split_shard_roles(node_of: dict[int, Any], shards: int) -> tuple[list[int], list[int]]:
+    """Of the shard-sized bundles `node_of` (bundle -> its node), `shards` for the shards, each taken
+    where the fewest shards are so far (ties: the lowest bundle), and the rest for spares, those on
+    nodes with fewest shards first."""
+    on_node: Counter[Any] = Counter()
+    left = sorted(node_of)
+    chosen = []
+    for _ in range(shards):
+        bundle = min(left, key=lambda b: (on_node[node_of[b]], b))
+        chosen.append(bundle)
+        on_node[node_of[bundle]] += 1
+        left.remove(bundle)
+    return chosen, sorted(left, key=lambda b: (on_node[node_of[b]], b))
 
 
 def declared_dead(actor: Any) -> bool:

@@ -43,9 +43,9 @@ class ShardGroup:
 
     def start(self) -> None:
         """Start every shard and spare (each imports TensorFlow); shards get their pieces with `load`."""
-        self._bundles = self.actor_placement.shard_bundles()
+        self._bundles, spare_bundles = self.actor_placement.shard_roles()
         self.actors = [self._new(index, bundle) for index, bundle in enumerate(self._bundles)]
-        self.spares = [(self._new(None, bundle), bundle) for bundle in self.actor_placement.spare_bundles()]
+        self.spares = [(self._new(None, bundle), bundle) for bundle in spare_bundles]
 
     def lay_out(self, variables: list[Any], push_bucket_bytes: int | None) -> None:
         """Cut the variables into pieces, place them on the shards, and bucket their gradients."""
