@@ -5,9 +5,10 @@ Each fault run is paired with a clean run of the same configuration, interleaved
 local Ray instance (the training run in this process):
 - worker killed: SIGKILL of worker 1's process at step `--at`;
 - worker hung: SIGSTOP of worker 1 (alive, silent) with training.failure.worker_timeout_s 10;
-- parameter server killed: SIGKILL of shard 1 (checkpoints every `--every` steps); again with a
-  warm spare shard (`cluster.spare_shards=1`) against a clean run with one, and that clean run
-  against one without, for what the idle spare costs;
+- parameter server killed: SIGKILL of shard 1 (checkpoints every `--every` steps);
+- worker and parameter server killed again with a warm spare (`cluster.spare_workers=1`,
+  `cluster.spare_shards=1`), each against a clean run with that spare, and that clean run against
+  one without, for what the idle spare costs;
 - straggler 3x (sync only): 3 workers, replicas_to_aggregate 2 (one backup worker), worker 2 three
   times slower than the step (a sleep of 2 x `--step-s` on top of its LeNet step), against the same
   run with no slow worker. Not meaningful on 2 cores: three LeNet workers oversubscribe them, and a
@@ -60,7 +61,10 @@ log = make_log("faults")
 SIM_MODEL = "benchmarks.tiny_model:build"
 SIM_BASELINE = "no straggler, simulated compute (sync, 1 backup)"
 SIM_STRAGGLER = "straggler 3x, simulated compute (sync, 1 backup)"
-SPARE = ["cluster.spare_shards=1"]
+SPARE = {  # per target: the fault's name, the spare's kind, the override that keeps one
+    "worker": {"fault": "worker killed", "kind": "worker", "overrides": ["cluster.spare_workers=1"]},
+    "ps": {"fault": "parameter server killed", "kind": "shard", "overrides": ["cluster.spare_shards=1"]},
+}
 
 
 class Inject(Hook):
@@ -139,22 +143,19 @@ def cases(args: argparse.Namespace) -> list[dict]:
         ]
         for case in listed[-3:]:
             case["baseline"] = f"clean {mode}"
-        listed += [
-            {
-                "name": f"parameter server killed, warm spare ({mode})",
-                "mode": mode,
-                "target": "ps",
-                "overrides": SPARE,
-                "baseline": f"clean {mode}, warm spare",
-            },
-            # the idle spare's own cost: its start beside the others', its process while training
-            {
-                "name": f"clean {mode}, warm spare",
-                "mode": mode,
-                "overrides": SPARE,
-                "baseline": f"clean {mode}",
-            },
-        ]
+        for target, spare in SPARE.items():
+            clean = f"clean {mode}, a warm spare {spare['kind']}"
+            listed += [
+                {
+                    "name": f"{spare['fault']}, warm spare ({mode})",
+                    "mode": mode,
+                    "target": target,
+                    "overrides": spare["overrides"],
+                    "baseline": clean,
+                },
+                # the idle spare's own cost: its start beside the others', its process while training
+                {"name": clean, "mode": mode, "overrides": spare["overrides"], "baseline": f"clean {mode}"},
+            ]
     straggler = ["cluster.workers=3", "training.replicas_to_aggregate=2", "training.total_num_replicas=3"]
     simulated = [*straggler, f"model.ref={SIM_MODEL}", f"data.batch_size={args.sim_batch}"]
     d = args.sim_step_s

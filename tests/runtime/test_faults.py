@@ -108,14 +108,46 @@ def test_a_call_to_a_live_shard_lost_in_transit_costs_the_worker_not_its_data(
     assert [e.global_step for e in hook.events] == list(range(1, result.global_step + 1))
 
 
-def test_async_worker_killed_is_replaced_and_the_run_ends_at_max_steps(ray_cluster, blob_data, tmp_path):
-    spec = _spec(blob_data, mode="async", max_steps=400, epochs=None)
-    hook = FaultAt(step=20)
+class KillWorkerBesideSpares(FaultAt):
+    """FaultAt that notes the run's warm spare workers (their actor ids) at the kill, and which
+    actor holds the lost worker's id and which spares wait once it is replaced."""
+
+    def after_run(self, context, event):
+        runtime = context.session.runtime
+        if not self.killed_at and event.global_step >= self.step:
+            self.spares_at_kill = [actor._actor_id for actor, _ in runtime.worker_spares.spares]
+        super().after_run(context, event)
+        holder = runtime.group.slots[self.worker].actor
+        if self.killed and holder is not self.killed[0]:
+            self.after_kill = (
+                holder._actor_id,
+                [actor._actor_id for actor, _ in runtime.worker_spares.spares],
+            )
+
+
+# Sync without a spare worker (a new actor is started: the test above), async with one.
+def test_async_worker_killed_is_replaced_by_a_warm_spare_and_the_run_ends_at_max_steps(
+    ray_cluster, blob_data, tmp_path
+):
+    raw = blob_spec(
+        blob_data,
+        data={"batch_size": BATCH, "epochs": None},
+        cluster={"workers": 2, "ps": 1, "spare_workers": 1},
+        training={"mode": "async", "max_steps": 400, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
+        supervision={"checkpoint": {"every_steps": 5}},
+    )
+    hook = KillWorkerBesideSpares(step=20)
     # 0.1 s a step: worker 0 alone does not reach max_steps before the replacement has started.
     slow = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
-    result = train(spec, hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
+    result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert result.global_step == 400
-    assert [f.action for f in hook.faults] == ["replaced"]
+    assert [f.action for f in hook.faults] == ["replaced by a warm spare"]
+    holder, spares_after = hook.after_kill
+    assert [holder] == hook.spares_at_kill  # the spare took worker 1's id
+    assert len(spares_after) == 1 and spares_after[0] != holder  # a new spare in the lost one's bundle
+    assert hook.metrics["workers_replaced"] == 1
+    assert 0 < hook.metrics["worker_recovery_s"] < 120
+    # The spare trained under worker 1's id.
     assert any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 5)
     assert _falls([e.loss for e in hook.events])
 
@@ -290,14 +322,14 @@ class KillShardAt(FaultAt):
         if not self.killed_at and event.global_step >= self.step:
             shard = context.session.runtime.shards[self.worker]
             self.version_at_kill = ray.get(shard.ping.remote())
-            self.spare_pids = [ray.get(actor.pid.remote()) for actor, _ in group.spares]
+            self.spare_pids = [ray.get(actor.pid.remote()) for actor, _ in group.spares.spares]
             os.kill(ray.get(shard.pid.remote()), signal.SIGKILL)
             self.killed_at.append(event.global_step)
             self.killed.append(shard)
         elif self.killed_at and group.actors[self.worker] is not self.killed[0]:  # once replaced
             self.after_kill = {
                 "shard_pid": ray.get(group.actors[self.worker].pid.remote()),
-                "spare_pids": [ray.get(actor.pid.remote()) for actor, _ in group.spares],
+                "spare_pids": [ray.get(actor.pid.remote()) for actor, _ in group.spares.spares],
             }
 
 

@@ -25,6 +25,8 @@ def test_spare_shards_have_bundles_of_their_own_after_the_workers(cluster, shard
     if spares:
         assert placement.describe().startswith(f"{len(shards)} shard(s) of 0.25 CPU")
         assert f"{len(spares)} spare shard(s)" in placement.describe()
+    if not ClusterSpec(**cluster).elastic:
+        assert "2 worker(s) of 1 CPU" in placement.describe()
 
 
 @pytest.mark.parametrize(
@@ -42,3 +44,15 @@ def test_spare_shards_have_bundles_of_their_own_after_the_workers(cluster, shard
 )
 def test_shards_spread_first_and_spares_go_where_fewest_shards_are(node_of, shards, roles):
     assert split_shard_roles(node_of, shards) == roles
+
+
+def test_a_spare_worker_that_takes_a_workers_id_brings_its_bundle():
+    cluster = ClusterSpec(
+        workers=2, ps=2, spare_shards=1, spare_workers=1, cpus_per_worker=1, cpus_per_ps=0.25
+    )
+    placement = ActorPlacement(cluster, "probe")
+    assert placement.spare_worker_bundles() == [5]  # after the spare shard's
+    assert placement.bundles[5] == {"CPU": 1}
+    assert "1 spare worker(s)" in placement.describe()
+    assert placement.move_worker(1, 5) == 3  # worker 1 left shards + 1 for the spare's
+    assert placement.move_worker(1, 3) == 5  # and the next spare, started in 3, takes it back

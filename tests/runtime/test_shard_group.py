@@ -27,10 +27,10 @@ def _kill(actor) -> int:
 
 def _refilled(group: ShardGroup, spares: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(group.spares) < spares and time.monotonic() < deadline:
-        group.refill_spares()  # the driver's every turn
+    while len(group.spares.spares) < spares and time.monotonic() < deadline:
+        group.spares.refill()  # the driver's every turn
         time.sleep(0.2)
-    assert len(group.spares) == spares
+    assert len(group.spares.spares) == spares
 
 
 def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_cluster, tmp_path):
@@ -42,7 +42,7 @@ def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_clu
     group = ShardGroup(spec, None, placement)
     try:
         group.start()
-        (spare, spare_bundle), shard = group.spares[0], group.actors[0]
+        (spare, spare_bundle), shard = group.spares.spares[0], group.actors[0]
         assert spare_bundle == 2  # after the shard's and the worker's
         spare_pid = ray.get(spare.pid.remote())
 
@@ -50,7 +50,7 @@ def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_clu
         assert group.replace([0]) == [0]  # the spare took the place, in its own bundle
         assert ray.get(group.actors[0].pid.remote()) == spare_pid
         _refilled(group, 1)  # a new spare, in the lost shard's bundle once Ray freed it
-        new_spare, bundle = group.spares[0]
+        new_spare, bundle = group.spares.spares[0]
         assert bundle == 0  # (one node: the roles keep the bundle order)
         assert ray.get(new_spare.pid.remote()) not in (spare_pid, lost_pid)
 
@@ -62,4 +62,4 @@ def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_clu
     finally:
         group.kill()
         placement.release()
-    assert group.spares == [] and group.actors == []
+    assert group.spares.spares == [] and group.actors == []

@@ -24,6 +24,7 @@ def test_auto_is_the_default():
         (16, {"workers": 2, "ps": 2}, 7),  # 16 - 2 x 0.5 - 1 = 14 over 2 workers
         (16, {"workers": 2, "ps": "auto"}, 7),  # a shard count not yet resolved counts as one
         (16, {"workers": 2, "ps": 2, "spare_shards": 2}, 6),  # spares hold theirs: 16 - 4 x 0.5 - 1
+        (16, {"workers": 2, "ps": 2, "spare_workers": 1}, 4),  # 14 over 2 workers and the spare
         (16, {"workers": 3, "ps": 1, "cpus_per_ps": 2, "data_cpus": 2}, 4),  # 12 over 3
         (64, {"workers": {"min": 2, "max": 8}, "ps": 4}, 7),  # elastic: shared by the most it grows to
         (2, {"workers": 2, "ps": 2}, 1),  # this machine: never under one

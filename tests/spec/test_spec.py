@@ -200,3 +200,5 @@ def test_workers_take_an_elastic_range_which_is_checked():
     assert "min 5 exceeds max 4" in _error(raw)
     raw["cluster"]["workers"] = {"min": 1}
     assert "max is missing" in _error(raw)
+    raw["cluster"]["workers"], raw["cluster"]["spare_workers"] = {"min": 1, "max": 4}, 1
+    assert "spare_workers: 1 is for a fixed worker count" in _error(raw)

@@ -37,8 +37,9 @@ class ResourceBudget:
 
 
 def budget_for(cluster, workers: int | None = None) -> ResourceBudget:
-    """`cluster` is the spec's ClusterSpec; `workers` (default cluster.workers) the workers to count."""
-    workers = cluster.workers if workers is None else workers
+    """`cluster` is the spec's ClusterSpec; `workers` (default cluster.workers) the workers to count,
+    besides the spare workers."""
+    workers = (cluster.workers if workers is None else workers) + cluster.spare_workers
     return ResourceBudget(
         worker_cpus=workers * cluster.cpus_per_worker,
         ps_cpus=cluster.shard_processes * cluster.cpus_per_ps,
@@ -222,12 +223,12 @@ def check_capacity(budget: ResourceBudget, resources: dict[str, float]) -> None:
     if have_cpu + 1e-9 < budget.cpus:
         raise ClusterError(
             f"the Ray cluster has {have_cpu:g} CPUs but the job needs {budget.cpus:g}: "
-            f"{budget.worker_cpus:g} for workers (cluster.workers x cluster.cpus_per_worker), "
+            f"{budget.worker_cpus:g} for workers ((cluster.workers + spare_workers) x cluster.cpus_per_worker), "
             f"{budget.ps_cpus:g} for parameter servers ((cluster.ps + spare_shards) x cluster.cpus_per_ps) and "
             f"{budget.data_cpus:g} for Ray Data (cluster.data_cpus). Lower those or add nodes."
         )
     if have_gpu + 1e-9 < budget.gpus:
         raise ClusterError(
             f"the Ray cluster has {have_gpu:g} GPUs but the job asks for {budget.gpus:g} "
-            "(cluster.workers x cluster.gpus_per_worker); set cluster.gpus_per_worker: 0 to train on CPUs."
+            "((cluster.workers + spare_workers) x cluster.gpus_per_worker); set cluster.gpus_per_worker: 0 to train on CPUs."
         )

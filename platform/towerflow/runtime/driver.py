@@ -36,6 +36,7 @@ from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.run_end import RunEnd
 from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.signals import StopRequested, StopSignals
+from towerflow.runtime.spares import SparePool
 from towerflow.runtime.user_errors import as_user_error, check_model
 from towerflow.runtime.worker_group import WorkerGroup
 from towerflow.shared_types import DataFeed, StepShape
@@ -73,6 +74,8 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self.protocol = protocol_for(spec.training.mode)  # asked what differs between sync and async
         self.actor_placement = ActorPlacement(spec.cluster, f"towerflow-{spec.name}-{uuid.uuid4().hex[:8]}")
         self.shard_group = ShardGroup(spec, self._apply_threads(), self.actor_placement)
+        # cluster.spare_workers; a worker's start also builds the model (and, on a GPU, sets it up)
+        self.worker_spares = SparePool(self._new_spare_worker, "worker", answer_timeout_s=30.0)
         self.elastic = ElasticPolicy.for_spec(spec)
         self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
         self._warm_up_info: Any = None  # a member's batch signature, for spares to trace ahead
@@ -230,7 +233,9 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         """One poll of the cluster and what the failure policy decides about it; returns the step
         records heard of. Raises only to end the run (a user's error, or more losses than allowed)."""
         recovered = len(self.group.recoveries_s)
-        self.shard_group.refill_spares()  # a spare in each bundle a lost shard left, once Ray frees it
+        self.shard_group.spares.refill()  # a spare in each bundle a lost actor left, once Ray frees it
+        self.worker_spares.refill()
+        self.worker_spares.warm(self._warm_up_spare)  # traces its step ahead, once members have batches
         status = self.group.poll(self.poll_s)
         self._summaries.update(status.finished)
         for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost

@@ -7,8 +7,8 @@ starting some and waiting for the rest. A replacement takes its predecessor's bu
 lost node's bundles to live nodes). An elastic run reserves its shards only: a placement group
 cannot grow or shrink, so its workers, which come and go with the cluster, are spread by Ray's SPREAD
 scheduling strategy (or packed by its default one) instead. Warm spare shards have bundles of their
-own, after the workers'; a spare that takes a lost shard's place keeps its bundle, and the next
-spare takes the lost one's (runtime/shard_group.py). Shard-sized bundles are alike, so which are
+own, after the workers', and warm spare workers after them; a spare that takes a lost actor's place
+keeps its bundle, and the next spare takes the lost one's (runtime/spares.py). Shard-sized bundles are alike, so which are
 shards and which spares is chosen once Ray has placed them: shards on as many nodes as they can,
 spares first where fewest shards are, so that a node's loss takes a shard's spare with it as
 seldom as the layout allows.
@@ -49,9 +49,16 @@ class ActorPlacement:
             "CPU": cluster.cpus_per_worker,
             **({"GPU": cluster.gpus_per_worker} if cluster.gpus_per_worker else {}),
         }
-        self.spare_shards = cluster.spare_shards
+        self.spare_shards, self.spare_workers = cluster.spare_shards, cluster.spare_workers
         shard = {"CPU": cluster.cpus_per_ps}
-        self.bundles = [shard] * self.shards + [worker] * self.grouped_workers + [shard] * self.spare_shards
+        self.bundles = (
+            [shard] * self.shards
+            + [worker] * self.grouped_workers
+            + [shard] * self.spare_shards
+            + [worker] * self.spare_workers
+        )
+        # worker id -> its bundle; a spare that takes a worker's place brings its own
+        self._worker_bundles = {i: self.shards + i for i in range(self.grouped_workers)}
         self.group: Any = None
 
     def reserve(self) -> None:
@@ -75,12 +82,14 @@ class ActorPlacement:
             log.info("waiting for Ray to place the run's %s (%.0f s so far)", self.describe(), waited)
 
     def describe(self) -> str:
-        worker = self.bundles[-1] if self.grouped_workers else None
+        worker = self.bundles[self.shards] if self.grouped_workers else None
         parts = [f"{self.shards} shard(s) of {self.cluster.cpus_per_ps:g} CPU"]
         if worker:
             parts.append(f"{self.grouped_workers} worker(s) of {_resources(worker)}")
         if self.spare_shards:
             parts.append(f"{self.spare_shards} spare shard(s)")
+        if self.spare_workers:
+            parts.append(f"{self.spare_workers} spare worker(s)")
         return f"{' and '.join(parts)} with placement {self.cluster.placement} ({self.strategy})"
 
     def shard_roles(self) -> tuple[list[int], list[int]]:
@@ -95,6 +104,16 @@ class ActorPlacement:
         nodes = placement_group_table(self.group).get("bundles_to_node_id", {})
         return split_shard_roles({b: nodes.get(b) for b in bundles}, self.shards)
 
+    def spare_worker_bundles(self) -> list[int]:
+        """The bundles of the warm spare workers, as the run starts."""
+        first = self.shards + self.grouped_workers + self.spare_shards
+        return list(range(first, first + self.spare_workers))
+
+    def move_worker(self, worker_id: int, bundle: int) -> int:
+        """Worker `worker_id` (a spare taking its place) is in `bundle` now; returns the one it left."""
+        left, self._worker_bundles[worker_id] = self._worker_bundles[worker_id], bundle
+        return left
+
     def bundle_options(self, bundle: int) -> dict[str, Any]:
         """Scheduling options that place an actor in this bundle (none without a group)."""
         return self._bundle(bundle)
@@ -103,12 +122,12 @@ class ActorPlacement:
         """A worker of the starting set (and its replacements) takes its bundle; others (an elastic
         run's) are spread, or packed, by Ray's scheduler."""
         if self.holds_worker(worker_id):
-            return self._bundle(self.shards + worker_id)
+            return self._bundle(self._worker_bundles[worker_id])
         return {"scheduling_strategy": "SPREAD"} if "SPREAD" in self.strategy else {}
 
     def holds_worker(self, worker_id: int) -> bool:
         """Whether this worker id (and its replacements) has a bundle of its own."""
-        return self.group is not None and worker_id < self.grouped_workers
+        return self.group is not None and worker_id in self._worker_bundles
 
     def await_declared_dead(self, actor: Any, timeout_s: float = 120.0) -> None:
         """Wait until Ray has declared a lost actor dead, before its replacement takes the bundle.

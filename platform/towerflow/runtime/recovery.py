@@ -182,7 +182,8 @@ class RecoveryActions:
             leftover = split.leftover(used) if hasattr(split, "leftover") else []
             handed_over = used + sum(piece.rows for piece in leftover)
             rest = split.taken_over(handed_over) if hasattr(split, "taken_over") else split
-            if self.actor_placement.holds_worker(loss.index):  # the replacement takes its bundle
+            spare = self._take_spare_worker(loss.index)  # in a bundle of its own: no wait for Ray
+            if spare is None and self.actor_placement.holds_worker(loss.index):  # it takes the bundle
                 self.actor_placement.await_declared_dead(self.group.slots[loss.index].actor)
             self.group.replace(
                 loss.index,
@@ -191,8 +192,9 @@ class RecoveryActions:
                 self.shard_group.buckets,
                 rest,
                 Rejoin(leftover, model_state),
+                actor=spare,
             )
-            self._fault(loss, "replaced")
+            self._fault(loss, "replaced by a warm spare" if spare is not None else "replaced")
         self._log_losses()
 
     def _roll_back(self, losses: list[ActorLoss], lost_workers: Sequence[ActorLoss] = ()) -> None:

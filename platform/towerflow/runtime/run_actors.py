@@ -4,12 +4,16 @@ and each worker's configuration, a replacement's or a spare's too.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
 
+from towerflow.runtime.actors import ACTOR_GONE
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
+
+log = logging.getLogger(__name__)
 
 
 class RunActors:
@@ -21,6 +25,7 @@ class RunActors:
         self.actor_placement.reserve()  # every shard and worker placed at once, as cluster.placement asks
         self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
         self.group.start(list(range(count)))
+        self.worker_spares.start(self.actor_placement.spare_worker_bundles())  # beside the workers
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
         self.shard_group.start()
@@ -96,6 +101,30 @@ class RunActors:
             config.ready_node_for_reading = self._ready_node_for_reading
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
         return actor.options(**self.actor_placement.worker_options(worker_id)).remote(config)
+
+    def _new_spare_worker(self, bundle: int) -> Any:
+        """A warm spare worker in this bundle, with no id yet: it takes a lost one's (`assume`)."""
+        cluster = self.spec.cluster
+        config = self._worker_config(0)
+        config.worker_id, config.start_at_step, config.profile_steps = -1, 0, None
+        actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
+        return actor.options(**self.actor_placement.bundle_options(bundle)).remote(config)
+
+    def _take_spare_worker(self, worker_id: int) -> Any:
+        """A warm spare that has taken worker `worker_id`'s id and bundle (the lost one's bundle
+        gets the next spare), or None when no spare answers."""
+        while (spare := self.worker_spares.take()) is not None:
+            actor, bundle = spare
+            try:
+                ray.get(actor.assume.remote(self._worker_config(worker_id)))
+            except ACTOR_GONE:  # lost since it answered: the next spare, or a new actor
+                self.worker_spares.free(actor, bundle)
+                continue
+            left = self.actor_placement.move_worker(worker_id, bundle)
+            self.worker_spares.free(self.group.slots[worker_id].actor, left)
+            log.info("a warm spare takes worker %d's place", worker_id)
+            return actor
+        return None
 
     @property
     def workers(self) -> list[Any]:

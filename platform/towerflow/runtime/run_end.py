@@ -72,6 +72,7 @@ class RunEnd:
             with contextlib.suppress(Exception):
                 self.control.close()
         self.group.kill()
+        self.worker_spares.kill()
         self.shard_group.kill()
         # The reads' claim on the cluster's cores goes now, not minutes after (data/splits.py).
         with contextlib.suppress(Exception):

@@ -15,12 +15,12 @@ from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
-from towerflow.runtime.placement import declared_dead
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
 from towerflow.runtime.shard_parts import PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
+from towerflow.runtime.spares import SparePool
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,14 @@ class ShardGroup:
         self.buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self.initial_values: list[Any] | None = None  # the model's, for a rollback with no checkpoint
         self._bundles: list[int] = []  # per shard, its bundle in the run's placement group
-        self.spares: list[tuple[Any, int]] = []  # warm spare shards: (actor, bundle)
-        # (lost actor, its bundle): a spare starts there once Ray has declared the lost one dead
-        self._freed: list[tuple[Any, int]] = []
+        # cluster.spare_shards; a shard's start is a TensorFlow import: 15 s is a loaded node's
+        self.spares = SparePool(lambda bundle: self._new(None, bundle), "shard", answer_timeout_s=15.0)
 
     def start(self) -> None:
         """Start every shard and spare (each imports TensorFlow); shards get their pieces with `load`."""
         self._bundles, spare_bundles = self.actor_placement.shard_roles()
         self.actors = [self._new(index, bundle) for index, bundle in enumerate(self._bundles)]
-        self.spares = [(self._new(None, bundle), bundle) for bundle in spare_bundles]
+        self.spares.start(spare_bundles)
 
     def lay_out(self, variables: list[Any], push_bucket_bytes: int | None) -> None:
         """Cut the variables into pieces, place them on the shards, and bucket their gradients."""
@@ -187,16 +186,15 @@ class ShardGroup:
         Killing a lost one makes Ray declare it dead at once, also where its node is dying but not
         yet declared dead; its bundle then still points at that node, and a shard placed there dies
         unstarted once the node is declared dead, after which Ray moves the bundle: hence attempts.
-        A spare keeps its own bundle, so it need not wait for that; a new spare takes the lost
-        one's bundle later (`refill_spares`)."""
+        A spare keeps its own bundle, so it need not wait for that (runtime/spares.py)."""
         for index in indices:
             kill_quietly(self.actors[index])
         by_spare = []
         for index in indices:
-            spare = self._ready_spare()
+            spare = self.spares.take()
             if spare is None:
                 break
-            self._freed.append((self.actors[index], self._bundles[index]))
+            self.spares.free(self.actors[index], self._bundles[index])
             self.actors[index], self._bundles[index] = spare
             by_spare.append(index)
             log.info("a warm spare takes shard %d's place", index)
@@ -209,34 +207,8 @@ class ShardGroup:
             for index in indices:
                 self.actors[index] = self._new(index, self._bundles[index])
             indices = self._died_starting(indices, last_attempt=attempt == attempts - 1)
-        self.refill_spares()
+        self.spares.refill()
         return by_spare
-
-    def refill_spares(self) -> None:
-        """A new spare in each bundle freed by a lost shard (or a lost spare) that Ray has declared
-        dead by now; the others wait for a later call (the driver's every turn)."""
-        waiting = []
-        for lost, bundle in self._freed:
-            if declared_dead(lost):
-                self.spares.append((self._new(None, bundle), bundle))
-            else:
-                waiting.append((lost, bundle))
-        self._freed = waiting
-
-    def _ready_spare(self, timeout_s: float = 15.0) -> tuple[Any, int] | None:
-        """The first spare that answers within `timeout_s` (one still starting is waited for: it is
-        further on than a new one), taken out of the spares; None when none does. A spare that does not
-        answer is let go, and its bundle gets a new spare."""
-        while self.spares:
-            actor, bundle = self.spares.pop(0)
-            try:
-                ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-                return actor, bundle
-            except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
-                log.info("a spare shard did not answer (%s): a new one takes its bundle", first_line(exc))
-                kill_quietly(actor)
-                self._freed.append((actor, bundle))
-        return None
 
     def _died_starting(self, indices: list[int], *, last_attempt: bool) -> list[int]:
         """Of the new shards `indices`, those that died as they started (raised on the last attempt)."""
@@ -259,9 +231,10 @@ class ShardGroup:
         return [shard.finish.remote() for shard in self.actors]
 
     def kill(self) -> None:
-        for shard in [*self.actors, *(actor for actor, _ in self.spares)]:
+        for shard in self.actors:
             kill_quietly(shard)
-        self.actors, self.spares, self._freed = [], [], []
+        self.actors = []
+        self.spares.kill()
 
     def _new(self, index: int | None, bundle: int) -> Any:
         """A shard actor in this bundle; `index` None: a spare."""

@@ -24,14 +24,14 @@ def auto_worker_cpus(cluster: Any, cores: int) -> int:
     """Each worker's whole share of `cores`, after the shards' and Ray Data's CPUs; at least 1.
     `cluster` is the ClusterSpec."""
     left = cores - cluster.shard_processes * cluster.cpus_per_ps - cluster.data_cpus
-    return max(1, math.floor(left / cluster.workers + 1e-9))
+    return max(1, math.floor(left / cluster.worker_processes + 1e-9))
 
 
 def joined_worker_cpus(cluster: Any, nodes: list[dict[str, float]], free_cpus: float) -> int:
     """The most whole CPUs per worker with which the job's workers (as many as it may grow to) fit on
     `nodes` (each node's total resources, as Ray counts them) beside the shards and Ray Data, and the
     whole job within `free_cpus` (the cluster's CPUs free now); at least 1."""
-    workers, shards = cluster.workers, cluster.shard_processes
+    workers, shards = cluster.worker_processes, cluster.shard_processes
     biggest = max((node.get("CPU", 0.0) for node in nodes), default=0.0)
     for cpus in range(math.floor(biggest + 1e-9), 1, -1):
         asked = workers * cpus + shards * cluster.cpus_per_ps + cluster.data_cpus
@@ -55,7 +55,7 @@ def _workers_held(cluster: Any, nodes: list[dict[str, float]], cpus: int, shards
     if pack:
         return max(held)
     if grouped and cluster.placement == "strict_spread":
-        return sum(min(1, count) for count in held) if len(hosts) >= cluster.workers + shards else 0
+        return sum(min(1, count) for count in held) if len(hosts) >= cluster.worker_processes + shards else 0
     return sum(held)
 
 
@@ -74,7 +74,7 @@ def resolve_worker_cpus(spec: Any, embedded: bool | None = None) -> Any:
             "over %d workers)",
             cpus,
             cores,
-            cluster.workers,
+            cluster.worker_processes,
         )
     else:
         import ray
@@ -88,7 +88,7 @@ def resolve_worker_cpus(spec: Any, embedded: bool | None = None) -> Any:
             cpus,
             _describe_nodes(nodes),
             free,
-            cluster.workers,
+            cluster.worker_processes,
         )
     return spec.model_copy(update={"cluster": cluster.model_copy(update={"cpus_per_worker": float(cpus)})})
 

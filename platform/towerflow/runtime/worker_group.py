@@ -167,10 +167,12 @@ class WorkerGroup(WorkerWatchdogs):
                 slot.stopped_run = slot.runs
                 slot.actor.request_stop.remote(slot.runs)
 
-    def replace(self, worker_id: int, *run_args: Any) -> None:
-        """A new actor under a lost worker's id, running with `run_args` (its split taken over)."""
+    def replace(self, worker_id: int, *run_args: Any, actor: Any = None) -> None:
+        """A new actor (or `actor`, a warm spare that took the id) under a lost worker's id, running
+        with `run_args` (its split taken over)."""
         lost = self.slots[worker_id]
-        slot = WorkerSlot(worker_id, self._make_actor(worker_id), used_rows=lost.used_rows)
+        actor = actor if actor is not None else self._make_actor(worker_id)
+        slot = WorkerSlot(worker_id, actor, used_rows=lost.used_rows)
         self._next_id = max(self._next_id, worker_id + 1)
         slot.replaced_at = time.monotonic()
         self.replacements += 1

@@ -144,6 +144,16 @@ class ClusterSpec(StrictModel):
         ),
     )
     cpus_per_ps: float = Field(0.5, gt=0)
+    spare_workers: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Warm spare workers (not with an elastic run, whose pending workers are its spares): started "
+            "with the run (TensorFlow imported, model built) and idle, each holding a worker's CPUs and GPUs "
+            "in the run's placement group. A lost worker's place is taken by a spare, not by a new process; "
+            "a new spare starts in the lost one's place. 0 (default): a new worker is started."
+        ),
+    )
     spare_shards: int = Field(
         0,
         ge=0,
@@ -206,6 +216,11 @@ class ClusterSpec(StrictModel):
         return self.fewest_workers < self.workers
 
     @property
+    def worker_processes(self) -> int:
+        """The workers' and spare workers' processes, each holding a worker's CPUs and GPUs."""
+        return self.workers + self.spare_workers
+
+    @property
     def shard_processes(self) -> int:
         """The shards' and spare shards' processes, each holding `cpus_per_ps` (`ps: auto` counted as 1,
         until it is resolved)."""
@@ -227,6 +242,11 @@ class ClusterSpec(StrictModel):
             raise ValueError(f"gpus_per_worker: {gpus} must be a whole number when above 1")
         if self.min_workers is not None and self.min_workers > self.workers:
             raise ValueError(f"workers: min {self.min_workers} exceeds max {self.workers}")
+        if self.spare_workers and self.elastic:
+            raise ValueError(
+                f"spare_workers: {self.spare_workers} is for a fixed worker count; an elastic run "
+                "(workers: {min, max}) keeps pending workers as its spares: set spare_workers: 0"
+            )
         return self
 
 
