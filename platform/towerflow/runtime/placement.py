@@ -6,12 +6,13 @@ The group reserves every bundle at once, so a run starts only when all its actor
 starting some and waiting for the rest. A replacement takes its predecessor's bundle (Ray moves a
 lost node's bundles to live nodes). An elastic run reserves its shards only: a placement group
 cannot grow or shrink, so its workers, which come and go with the cluster, are spread by Ray's SPREAD
-scheduling strategy (or packed by its default one) instead. Warm spare shards have bundles of their
-own, after the workers', and warm spare workers after them; a spare that takes a lost actor's place
-keeps its bundle, and the next spare takes the lost one's (runtime/spares.py). Shard-sized bundles are alike, so which are
-shards and which spares is chosen once Ray has placed them: shards on as many nodes as they can,
-spares first where fewest shards are, so that a node's loss takes a shard's spare with it as
-seldom as the layout allows.
+scheduling strategy (or packed by its default one) instead.
+
+Warm spare shards have bundles of their own, after the workers', and warm spare workers after
+them; a spare that takes a lost actor's place keeps its bundle, and the next spare takes the lost
+one's (runtime/spares.py). Shard-sized bundles are alike, so which are shards and which spares is
+chosen once Ray has placed them: shards on as many nodes as they can, spares first where fewest
+shards are, so that a node's loss takes a shard's spare with it as seldom as the layout allows.
 """
 
 from __future__ import annotations
