@@ -167,8 +167,9 @@ class RecoveryActions:
         )
 
     def _replace_workers(self, losses: list[ActorLoss]) -> None:
-        """Each lost worker's steps go on without it at once (the shards retire it); a new actor
-        takes its id, its split and its unused rows, and joins the steps when it has started."""
+        """Each lost worker's steps go on without it at once (the shards retire it); a warm spare
+        (`cluster.spare_workers`) or a new actor takes its id, its split and its unused rows, and
+        joins the steps when it has started."""
         self._retire([loss.index for loss in losses])
         model_state = self.model_state()
         # The chief hears of steps a poll late; the shard counted every gradient the worker sent.
@@ -199,9 +200,10 @@ class RecoveryActions:
 
     def _roll_back(self, losses: list[ActorLoss], lost_workers: Sequence[ActorLoss] = ()) -> None:
         """A shard is lost: every shard goes back to the newest checkpoint together (never a mix of
-        versions), a new shard takes each lost one's place, and the workers train on from there,
-        on the data from that checkpoint's position. Workers and the other shards are not restarted,
-        but for `lost_workers` (lost with the shard, on its node most often), which are replaced."""
+        versions), a warm spare or a new shard takes each lost one's place, and the workers train
+        on from there, on the data from that checkpoint's position. Workers and the other shards
+        are not restarted, but for `lost_workers` (lost with the shard, on its node most often),
+        which are replaced by new actors."""
         started = time.monotonic()
         heard = max(self.group.global_step, self._global_step())
         self._close_data()
