@@ -67,8 +67,7 @@ class HookQueries:
         if evaluator is None and self.state is State.FINISHED and self.workers:
             evaluator = self.workers[0]
         if evaluator is None:
-            config = self._worker_config(0)
-            config.worker_id, config.start_at_step, config.profile_steps = -1, 0, None
+            config = self._idless_worker_config()
             config.tf = TFProcessConfig(cpus=1.0)
             # No CPU reservation: evaluations are short and occasional, and must not wait for a slot.
             evaluator = self._evaluator = worker_actor(0, 0).remote(config)

@@ -234,8 +234,9 @@ class RecoveryActions:
             self.group.rerun(
                 worker_id, self.shards, self._placement(), self.shard_group.buckets, split, rejoin
             )
+        redo = max(0, heard - version)
         self._rollbacks += 1
-        self._steps_redone += max(0, heard - version)
+        self._steps_redone += redo
         metrics = {
             "ps_rollbacks": float(self._rollbacks),
             "steps_redone": float(self._steps_redone),
@@ -244,7 +245,6 @@ class RecoveryActions:
         self.session.log_metrics(metrics, version)
         for loss in losses:
             taken = ", a warm spare in its place" if loss.index in by_spare else ""
-            redo = max(0, heard - version)
             self._fault(loss, f"rolled back to step {version}, {redo} step(s) to redo{taken}")
         for loss in lost_workers:
             self._fault(loss, "replaced, in the rollback")

@@ -92,6 +92,13 @@ class RunActors:
             push_in_buckets=bool(self._push_bucket_bytes()),
         )
 
+    def _idless_worker_config(self) -> WorkerConfig:
+        """A worker's config under no worker id (-1): no start delay, no profile (a warm spare's, which
+        `assume` replaces; the evaluator's)."""
+        config = self._worker_config(0)
+        config.worker_id, config.start_at_step, config.profile_steps = -1, 0, None
+        return config
+
     def _new_worker(self, worker_id: int, spare: bool = False) -> Any:
         """A worker actor (a replacement too: its GlobalStepWaiter step has passed, it starts at once).
         A spare, as it starts, readies its node for the read tasks of the pipeline it will join."""
@@ -105,10 +112,10 @@ class RunActors:
     def _new_spare_worker(self, bundle: int) -> Any:
         """A warm spare worker in this bundle, with no id yet: it takes a lost one's (`assume`)."""
         cluster = self.spec.cluster
-        config = self._worker_config(0)
-        config.worker_id, config.start_at_step, config.profile_steps = -1, 0, None
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
-        return actor.options(**self.actor_placement.bundle_options(bundle)).remote(config)
+        return actor.options(**self.actor_placement.bundle_options(bundle)).remote(
+            self._idless_worker_config()
+        )
 
     def _take_spare_worker(self, worker_id: int) -> Any:
         """A warm spare that has taken worker `worker_id`'s id and bundle (the lost one's bundle

@@ -65,7 +65,7 @@ class SparePool:
                     "a spare %s did not answer (%s): a new one takes its bundle", self.kind, first_line(exc)
                 )
                 kill_quietly(actor)
-                self._freed.append((actor, bundle))
+                self.free(actor, bundle)
         return None
 
     def free(self, lost: Any, bundle: int) -> None:
