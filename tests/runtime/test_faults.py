@@ -312,28 +312,41 @@ def test_nan_guard_skip_drops_nonfinite_gradients_and_trains_on(ray_cluster, blo
 
 
 class KillShardAt(FaultAt):
-    """SIGKILLs shard `worker`'s process when the chief hears of `step`; keeps the version the shard
-    had reached then (the chief hears of steps late, async most: the shards may be well past it)."""
+    """SIGKILLs shard `worker`'s process when the chief hears of `step` (and worker `with_worker`'s
+    right after it: a node's loss); keeps the version the shard had reached then (the chief hears
+    of steps late, async most: the shards may be well past it)."""
+
+    def __init__(self, step: int, worker: int, with_worker: int | None = None) -> None:
+        super().__init__(step, worker)
+        self.with_worker = with_worker
 
     def after_run(self, context, event):
         self.events.append(event)
         self.data_steps.append(context.session.data_steps)  # where the data ends, as planned then
-        group = context.session.runtime.shard_group
+        runtime = context.session.runtime
+        group = runtime.shard_group
         if not self.killed_at and event.global_step >= self.step:
-            shard = context.session.runtime.shards[self.worker]
+            shard = runtime.shards[self.worker]
             self.version_at_kill = ray.get(shard.ping.remote())
             self.spare_pids = [ray.get(actor.pid.remote()) for actor, _ in group.spares.spares]
+            self.spare_workers = [actor._actor_id for actor, _ in runtime.worker_spares.spares]
             os.kill(ray.get(shard.pid.remote()), signal.SIGKILL)
+            if self.with_worker is not None:
+                os.kill(ray.get(runtime.group.slots[self.with_worker].actor.pid.remote()), signal.SIGKILL)
             self.killed_at.append(event.global_step)
             self.killed.append(shard)
         elif self.killed_at and group.actors[self.worker] is not self.killed[0]:  # once replaced
             self.after_kill = {
                 "shard_pid": ray.get(group.actors[self.worker].pid.remote()),
                 "spare_pids": [ray.get(actor.pid.remote()) for actor, _ in group.spares.spares],
+                "spare_workers": [actor._actor_id for actor, _ in runtime.worker_spares.spares],
             }
+            if self.with_worker is not None:
+                self.after_kill["worker_holder"] = runtime.group.slots[self.with_worker].actor._actor_id
 
 
-# Sync without a spare shard (a new shard is started), async with one (the spare takes the place).
+# Sync without spares (a new shard is started); async with a spare shard and a spare worker, and
+# worker 1 lost with shard 1, as on a node's loss (the spares take both places in the rollback).
 @pytest.mark.parametrize(("mode", "spares"), [("sync", 0), ("async", 1)])
 def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
     ray_cluster, blob_data, tmp_path, mode, spares
@@ -342,11 +355,17 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
         blob_data,
         data={"batch_size": BATCH, "epochs": None},
         # every variable on both shards
-        cluster={"workers": 2, "ps": 2, "min_slice_bytes": 64, "spare_shards": spares},
+        cluster={
+            "workers": 2,
+            "ps": 2,
+            "min_slice_bytes": 64,
+            "spare_shards": spares,
+            "spare_workers": spares,
+        },
         training={"mode": mode, "max_steps": 80, "optimizer": {"name": "adam", "learning_rate": 0.01}},
         supervision={"checkpoint": {"every_steps": 10}},
     )
-    hook = KillShardAt(step=25, worker=1)  # shard 1
+    hook = KillShardAt(step=25, worker=1, with_worker=1 if spares else None)  # shard 1 (and worker 1)
     # 0.04 s a step: the 55 steps after the kill's step (async: two workers' versions) outlast the
     # chief's lag and the checkpoint at 20.
     slow = FaultInjector(step_delay_s={0: 0.04, 1: 0.04})
@@ -356,17 +375,22 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
     assert {s["version"] for s in result.shards} == {80}  # one version on every shard, never a mix
     # The survivor reloaded its own copy of the checkpoint it wrote; the new shard read the store.
     assert [s["loaded_from"] for s in result.shards] == ["its own copy of step 20", "shard-00001 of step 20"]
-    (fault,) = hook.faults
+    fault = hook.faults[0]
     assert "parameter server 1 lost" in fault.what and "rolled back to step 20" in fault.action
     assert hook.metrics["ps_rollbacks"] == 1
     assert hook.metrics["ps_rollback_s"] > 0
-    if spares:  # the spare took shard 1's place, and a new spare started in the lost one's bundle
+    if spares:  # the spares took shard 1's and worker 1's places; new spares started in their bundles
         assert fault.action.endswith("a warm spare in its place")
         assert hook.after_kill["shard_pid"] == hook.spare_pids[0]
         (new_spare,) = hook.after_kill["spare_pids"]
         assert new_spare not in hook.spare_pids
+        assert [(f.what.split(" lost")[0], f.action) for f in hook.faults[1:]] == [
+            ("worker 1", "replaced by a warm spare, in the rollback")
+        ], hook.faults
+        assert hook.after_kill["worker_holder"] == hook.spare_workers[0]
+        assert hook.metrics["workers_lost"] == 1 and hook.metrics["workers_replaced"] == 1
     else:
-        assert "spare" not in fault.action
+        assert len(hook.faults) == 1 and "spare" not in fault.action
     # Lost: the steps since the checkpoint at 20, up to where the shards were when one died (the
     # checkpoint at 30 may not exist yet: the chief had heard of step 25 only). Slack: a step applied
     # between the ping and the kill; async: the survivor may lead by a push per worker, and takes

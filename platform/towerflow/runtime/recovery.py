@@ -203,7 +203,7 @@ class RecoveryActions:
         versions), a warm spare or a new shard takes each lost one's place, and the workers train
         on from there, on the data from that checkpoint's position. Workers and the other shards
         are not restarted, but for `lost_workers` (lost with the shard, on its node most often),
-        which are replaced by new actors."""
+        which warm spares (`cluster.spare_workers`) or new actors replace."""
         started = time.monotonic()
         heard = max(self.group.global_step, self._global_step())
         self._close_data()
@@ -226,13 +226,23 @@ class RecoveryActions:
         )
         self.aggregator.start()
         model_state = state.model_state if state is not None else {}
-        for loss in lost_workers:  # the replacement takes its bundle once Ray has moved it
-            if self.actor_placement.holds_worker(loss.index):
+        by_spare_worker = {}
+        for loss in lost_workers:  # a warm spare, in a bundle of its own, or a new actor in the lost
+            spare = self._take_spare_worker(loss.index)  # one's bundle once Ray has moved it
+            if spare is not None:
+                by_spare_worker[loss.index] = spare
+            elif self.actor_placement.holds_worker(loss.index):
                 self.actor_placement.await_declared_dead(self.group.slots[loss.index].actor)
         for worker_id, split in self.data_splits.items():
             rejoin = Rejoin([], model_state)
             self.group.rerun(
-                worker_id, self.shards, self._placement(), self.shard_group.buckets, split, rejoin
+                worker_id,
+                self.shards,
+                self._placement(),
+                self.shard_group.buckets,
+                split,
+                rejoin,
+                actor=by_spare_worker.get(worker_id),
             )
         redo = max(0, heard - version)
         self._rollbacks += 1
@@ -247,7 +257,8 @@ class RecoveryActions:
             taken = ", a warm spare in its place" if loss.index in by_spare else ""
             self._fault(loss, f"rolled back to step {version}, {redo} step(s) to redo{taken}")
         for loss in lost_workers:
-            self._fault(loss, "replaced, in the rollback")
+            how = "replaced by a warm spare" if loss.index in by_spare_worker else "replaced"
+            self._fault(loss, f"{how}, in the rollback")
         if lost_workers:
             self._log_losses()
 

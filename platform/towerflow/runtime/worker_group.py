@@ -226,12 +226,13 @@ class WorkerGroup(WorkerWatchdogs):
             kill_quietly(slot.actor)
             slot.lost = True
 
-    def rerun(self, worker_id: int, *run_args: Any) -> None:
-        """Run worker `worker_id` again from a fresh data split (a rollback); a lost one is replaced."""
+    def rerun(self, worker_id: int, *run_args: Any, actor: Any = None) -> None:
+        """Run worker `worker_id` again from a fresh data split (a rollback); a lost one is replaced
+        (by `actor`, a warm spare that took its id, when given)."""
         slot = self.slots[worker_id]
         slot.used_rows = 0
         if slot.lost:
-            self.replace(worker_id, *run_args)
+            self.replace(worker_id, *run_args, actor=actor)
             return
         slot.finished, slot.drain_ref, slot.shard_error = False, None, None
         self.run(worker_id, *run_args)
