@@ -87,8 +87,9 @@ print(json.dumps({"warmed": warmed, "read_pid": int(read["pid"]), "tensorflow": 
 """
 
 
-# A run's placement group under each strict strategy (runtime/placement.py), reserved and released:
-# the node of each bundle. 2 shards and 2 workers of small reservations fit on one 2-CPU node.
+# A run's placement groups under spread and each strict strategy (runtime/placement.py), reserved
+# and released: the node of each bundle (shards first). 2 shards and 2 workers of small reservations
+# fit on one 2-CPU node.
 PLACEMENT_CLIENT = """
 import json
 
@@ -99,11 +100,11 @@ from towerflow.spec.schema import ClusterSpec
 
 ray.init(logging_level="ERROR", log_to_driver=False)
 nodes = {}
-for strategy, workers in (("strict_pack", 2), ("strict_spread", 1)):
+for strategy, workers in (("spread", 2), ("strict_pack", 2), ("strict_spread", 1)):
     cluster = ClusterSpec(workers=workers, ps=2, cpus_per_worker=0.5, cpus_per_ps=0.25, placement=strategy)
     placement = ActorPlacement(cluster, f"probe-{strategy}")
     placement.reserve()
-    nodes[strategy] = list(ray.util.placement_group_table(placement.group)["bundles_to_node_id"].values())
-    ray.util.remove_placement_group(placement.group)
+    nodes[strategy] = [node for _, node in sorted(placement.node_of().items())]
+    placement.release()
 print(json.dumps(nodes))
 """

@@ -134,15 +134,15 @@ def _train_on(cluster: LocalCluster, blob_data: Path, tmp_path: Path, name: str,
 
 
 def _nodes_of_run(cluster: LocalCluster, name: str) -> dict[str, list[str]]:
-    """Node ids of the run's shards, workers and read tasks: the actors of its placement group, the
+    """Node ids of the run's shards, workers and read tasks: the actors of its placement groups, the
     tasks of their job that read files (state API)."""
     groups = cluster.state_api("/api/v0/placement_groups?limit=1000&detail=true")["data"]["result"]["result"]
-    (group,) = [g for g in groups if g["name"].startswith(f"towerflow-{name}-")]
+    group_ids = {g["placement_group_id"] for g in groups if g["name"].startswith(f"towerflow-{name}-")}
     actors = cluster.state_api("/api/v0/actors?limit=1000&detail=true")["data"]["result"]["result"]
     found: dict[str, list[str]] = {"ParameterShard": [], "TowerWorker": [], "reads": []}
     jobs = set()
     for actor in actors:
-        if actor.get("placement_group_id") == group["placement_group_id"] and actor["class_name"] in found:
+        if actor.get("placement_group_id") in group_ids and actor["class_name"] in found:
             found[actor["class_name"]].append(actor["node_id"])
             jobs.add(actor["job_id"])
     tasks = cluster.state_api("/api/v0/tasks?limit=10000&detail=true")["data"]["result"]["result"]
@@ -154,6 +154,8 @@ def _nodes_of_run(cluster: LocalCluster, name: str) -> dict[str, list[str]]:
 
 def test_strict_placements_pack_onto_one_node_and_spread_over_all(multinode_cluster: LocalCluster):
     nodes = _client_report(multinode_cluster, PLACEMENT_CLIENT)
+    # spread: the shards on two nodes (in one group with the workers, Ray stacked them on one)
+    assert len(nodes["spread"]) == 4 and len(set(nodes["spread"][:2])) == 2, nodes
     assert len(nodes["strict_pack"]) == 4 and len(set(nodes["strict_pack"])) == 1, nodes
     assert sorted(set(nodes["strict_spread"])) == sorted(multinode_cluster.alive_nodes()), nodes
 

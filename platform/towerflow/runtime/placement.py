@@ -1,18 +1,27 @@
-"""Where the run's actors go: one placement group for the shards and the workers, its strategy
+"""Where the run's actors go: placement groups for the shards and the workers, their strategy
 chosen by `cluster.placement` (SPREAD by default: over as many nodes as Ray can, so that losing a
 node costs as few actors as it can; PACK to keep traffic within nodes; STRICT_ variants to insist).
 
-The group reserves every bundle at once, so a run starts only when all its actors can, instead of
+Ray's SPREAD places a group's biggest bundles first, each on a node of its own while any is left,
+and stacks the rest on the node with most room: in one group with the workers, every shard landed on
+one node (every node a worker's, the shards on the last). Under SPREAD the shard-sized bundles are a
+group of their own, reserved first, so the shards spread over nodes among themselves (a node's loss
+costs one shard, and each shard's traffic has a node's network to itself); the other strategies keep
+one group, since they state a rule for all the run's actors together.
+
+The groups reserve every bundle at once, so a run starts only when all its actors can, instead of
 starting some and waiting for the rest. A replacement takes its predecessor's bundle (Ray moves a
 lost node's bundles to live nodes). An elastic run reserves its shards only: a placement group
 cannot grow or shrink, so its workers, which come and go with the cluster, are spread by Ray's SPREAD
 scheduling strategy (or packed by its default one) instead.
 
-Warm spare shards have bundles of their own, after the workers', and warm spare workers after
-them; a spare that takes a lost actor's place keeps its bundle, and the next spare takes the lost
-one's (runtime/spares.py). Shard-sized bundles are alike, so which are shards and which spares is
-chosen once Ray has placed them: shards on as many nodes as they can, spares first where fewest
-shards are, so that a node's loss takes a shard's spare with it as seldom as the layout allows.
+Bundles are numbered across the groups: shards, workers, spare shards, spare workers. Warm spares
+have bundles of their own; a spare that takes a lost actor's place keeps its bundle, and the next
+spare takes the lost one's (runtime/spares.py). Bundles of one size are alike, so which are shards
+and which spares is chosen once Ray has placed them (and likewise workers and theirs): shards on as
+many nodes as they can, workers where fewest shards and workers are, spares first where fewest of
+the actors they stand in for are, so that a node's loss takes a spare with what it stands in for as
+seldom as the layout allows (a warning says when it would every time).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ _PROGRESS_EVERY_S = 30.0
 
 
 class ActorPlacement:
-    """The run's placement group, and the scheduling options of each shard and worker."""
+    """The run's placement groups, and the scheduling options of each shard and worker."""
 
     def __init__(self, cluster: Any, name: str) -> None:
         self.cluster = cluster  # the ClusterSpec
@@ -58,29 +67,73 @@ class ActorPlacement:
             + [shard] * self.spare_shards
             + [worker] * self.spare_workers
         )
+        # The roles in bundle order until Ray has placed the group (`reserve` chooses them then):
+        first_spare_shard = self.shards + self.grouped_workers
+        self._shard_bundles = list(range(self.shards))
+        self._spare_shard_bundles = list(range(first_spare_shard, first_spare_shard + self.spare_shards))
         # worker id -> its bundle; a spare that takes a worker's place brings its own
         self._worker_bundles = {i: self.shards + i for i in range(self.grouped_workers)}
-        self.group: Any = None
+        first_spare_worker = first_spare_shard + self.spare_shards
+        self._spare_worker_bundles = list(range(first_spare_worker, first_spare_worker + self.spare_workers))
+        shard_sized = self._shard_bundles + self._spare_shard_bundles
+        worker_sized = sorted(self._worker_bundles.values()) + self._spare_worker_bundles
+        # The bundles (by number) of each placement group, in its order, and its name.
+        if self.strategy == "SPREAD" and worker_sized:
+            self._parts = {f"{name}-shards": shard_sized, f"{name}-workers": worker_sized}
+        else:
+            self._parts = {name: list(range(len(self.bundles)))}
+        self._where = {b: (g, i) for g, part in enumerate(self._parts.values()) for i, b in enumerate(part)}
+        self.groups: list[Any] = []
 
     def reserve(self) -> None:
-        """Create the placement group and wait until Ray has placed every bundle (a clear error after
+        """Create the placement groups and wait until Ray has placed every bundle (a clear error after
         `cluster.placement_timeout_s`, naming what was asked)."""
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
 
-        self.group = placement_group(self.bundles, strategy=self.strategy, name=self.name)
+        self.groups = [  # the shards' first, when apart: their pick of nodes
+            placement_group([self.bundles[b] for b in part], strategy=self.strategy, name=group_name)
+            for group_name, part in self._parts.items()
+        ]
         started = time.monotonic()
         timeout = self.cluster.placement_timeout_s
-        while not ray.wait([self.group.ready()], timeout=min(_PROGRESS_EVERY_S, timeout))[0]:
+        readies = [group.ready() for group in self.groups]
+        while len(
+            ray.wait(readies, num_returns=len(readies), timeout=min(_PROGRESS_EVERY_S, timeout))[0]
+        ) < len(readies):
             waited = time.monotonic() - started
             if waited >= timeout:
-                remove_placement_group(self.group)
-                self.group = None
+                self.release()
                 raise ClusterError(
                     f"the Ray cluster could not place the run's {self.describe()} within "
                     f"{timeout:g} s (cluster.placement_timeout_s): add nodes, lower cluster.cpus_per_worker "
                     "/ cpus_per_ps, or choose another cluster.placement"
                 )
             log.info("waiting for Ray to place the run's %s (%.0f s so far)", self.describe(), waited)
+        if self.spare_shards or self.spare_workers:
+            self.choose_roles(self.node_of())
+
+    def node_of(self) -> dict[int, Any]:
+        """Each bundle's node (by bundle number), as Ray has placed them."""
+        from ray.util import placement_group_table
+
+        nodes = [placement_group_table(group).get("bundles_to_node_id", {}) for group in self.groups]
+        return {b: nodes[g].get(i) for b, (g, i) in self._where.items()} if self.groups else {}
+
+    def choose_roles(self, node_of: dict[int, Any]) -> None:
+        """Which bundles hold shards, workers and the spares of each, from where Ray placed them
+        (`node_of`: bundle -> its node); see the module's docstring."""
+        shards = self._shard_bundles + self._spare_shard_bundles
+        self._shard_bundles, self._spare_shard_bundles = split_roles(
+            {b: node_of.get(b) for b in shards}, self.shards
+        )
+        beside = Counter(node_of.get(b) for b in self._shard_bundles)
+        workers = sorted(self._worker_bundles.values()) + self._spare_worker_bundles
+        members, self._spare_worker_bundles = split_roles(
+            {b: node_of.get(b) for b in workers}, self.grouped_workers, beside
+        )
+        self._worker_bundles = dict(enumerate(members))
+        _warn_of_spares_beside(node_of, self._shard_bundles, self._spare_shard_bundles, "shard")
+        _warn_of_spares_beside(node_of, members, self._spare_worker_bundles, "worker")
 
     def describe(self) -> str:
         worker = self.bundles[self.shards] if self.grouped_workers else None
@@ -94,21 +147,13 @@ class ActorPlacement:
         return f"{' and '.join(parts)} with placement {self.cluster.placement} ({self.strategy})"
 
     def shard_roles(self) -> tuple[list[int], list[int]]:
-        """The bundles of the shards (by index) and of the warm spares (the one to take first
-        first), as the run starts; see the module's docstring."""
-        first_spare = self.shards + self.grouped_workers
-        bundles = [*range(self.shards), *range(first_spare, first_spare + self.spare_shards)]
-        if not self.spare_shards or self.group is None:
-            return bundles[: self.shards], bundles[self.shards :]
-        from ray.util import placement_group_table
-
-        nodes = placement_group_table(self.group).get("bundles_to_node_id", {})
-        return split_shard_roles({b: nodes.get(b) for b in bundles}, self.shards)
+        """The bundles of the shards (by index) and of the warm spare shards (the one to take first
+        first), as the run starts."""
+        return list(self._shard_bundles), list(self._spare_shard_bundles)
 
     def spare_worker_bundles(self) -> list[int]:
-        """The bundles of the warm spare workers, as the run starts."""
-        first = self.shards + self.grouped_workers + self.spare_shards
-        return list(range(first, first + self.spare_workers))
+        """The bundles of the warm spare workers (the one to take first first), as the run starts."""
+        return list(self._spare_worker_bundles)
 
     def move_worker(self, worker_id: int, bundle: int) -> int:
         """Worker `worker_id` (a spare taking its place) is in `bundle` now; returns the one it left."""
@@ -128,7 +173,7 @@ class ActorPlacement:
 
     def holds_worker(self, worker_id: int) -> bool:
         """Whether this worker id (and its replacements) has a bundle of its own."""
-        return self.group is not None and worker_id in self._worker_bundles
+        return bool(self.groups) and worker_id in self._worker_bundles
 
     def await_declared_dead(self, actor: Any, timeout_s: float = 120.0) -> None:
         """Wait until Ray has declared a lost actor dead, before its replacement takes the bundle.
@@ -136,7 +181,7 @@ class ActorPlacement:
         Ray declares a killed process dead at once, but an actor whose node died only once the
         node's health checks have failed; until then the bundle still points at that node, and a
         replacement placed there would die with it. After it, Ray moves the bundle to a live node."""
-        if self.group is None:
+        if not self.groups:
             return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -150,37 +195,55 @@ class ActorPlacement:
         )
 
     def release(self) -> None:
-        if self.group is not None:
-            from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.group)
-            self.group = None
+        for group in self.groups:
+            remove_placement_group(group)
+        self.groups = []
 
     def _bundle(self, index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if self.group is None:
+        if not self.groups:
             return {}
+        group, local = self._where[index]
         return {
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.group, placement_group_bundle_index=index
+                placement_group=self.groups[group], placement_group_bundle_index=local
             )
         }
 
 
-def split_shard_roles(node_of: dict[int, Any], shards: int) -> tuple[list[int], list[int]]:
-    """Of the shard-sized bundles `node_of` (bundle -> its node), `shards` for the shards, each taken
-    where the fewest shards are so far (ties: the lowest bundle), and the rest for spares, those on
-    nodes with fewest shards first."""
-    on_node: Counter[Any] = Counter()
+def split_roles(
+    node_of: dict[int, Any], members: int, beside: Counter[Any] | None = None
+) -> tuple[list[int], list[int]]:
+    """Of the alike bundles `node_of` (bundle -> its node), `members` for the members, each taken
+    where the fewest actors are so far (`beside`: other actors per node, counted too; ties: the
+    lowest bundle), and the rest for spares, those on nodes with fewest actors first."""
+    on_node: Counter[Any] = Counter(beside or {})
     left = sorted(node_of)
     chosen = []
-    for _ in range(shards):
+    for _ in range(members):
         bundle = min(left, key=lambda b: (on_node[node_of[b]], b))
         chosen.append(bundle)
         on_node[node_of[bundle]] += 1
         left.remove(bundle)
     return chosen, sorted(left, key=lambda b: (on_node[node_of[b]], b))
+
+
+def _warn_of_spares_beside(node_of: dict[int, Any], members: list[int], spares: list[int], kind: str) -> None:
+    """Spares on the one node every member is on stand in for none of them when a node is lost
+    (the node takes them all): said where the group spans nodes, so that some other layout could."""
+    if not spares or len(set(node_of.values())) < 2:
+        return
+    if len({node_of.get(b) for b in members + spares}) == 1:
+        log.warning(
+            "Ray placed every %s and spare %s on one node of the several the run spans: that node's "
+            "loss takes the spares too, and new actors start instead (cluster.placement "
+            "strict_spread, with a node for every bundle, keeps them apart)",
+            kind,
+            kind,
+        )
 
 
 def declared_dead(actor: Any) -> bool:

@@ -36,7 +36,7 @@ class ShardGroup:
         self.assignment: list[list[int]] = []  # piece indices per shard
         self.buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self.initial_values: list[Any] | None = None  # the model's, for a rollback with no checkpoint
-        self._bundles: list[int] = []  # per shard, its bundle in the run's placement group
+        self._bundles: list[int] = []  # per shard, its bundle (numbered across the run's placement groups)
         # cluster.spare_shards; a shard's start is a TensorFlow import: 15 s is a loaded node's
         self.spares = SparePool(lambda bundle: self._new(None, bundle), "shard", answer_timeout_s=15.0)
 

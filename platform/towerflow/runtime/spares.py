@@ -1,5 +1,5 @@
 """Warm spares of one kind (shards or workers): actors started with the run, idle, each in a bundle
-of the run's placement group, that take a lost actor's place instead of a new process.
+of the run's placement groups, that take a lost actor's place instead of a new process.
 
 A spare keeps its own bundle when it takes a place; the bundle the lost actor held gets the next
 spare once Ray has declared the lost one dead (before that the bundle may still point at a dying

@@ -150,7 +150,7 @@ class ClusterSpec(StrictModel):
         description=(
             "Warm spare workers (not with an elastic run, whose pending workers are its spares): started "
             "with the run (TensorFlow imported, model built) and idle, each holding a worker's CPUs and GPUs "
-            "in the run's placement group. A lost worker's place is taken by a spare, not by a new process; "
+            "in the run's placement groups. A lost worker's place is taken by a spare, not by a new process; "
             "a new spare starts in the lost one's place. 0 (default): a new worker is started."
         ),
     )
@@ -159,7 +159,7 @@ class ClusterSpec(StrictModel):
         ge=0,
         description=(
             "Warm spare shards: started with the run (TensorFlow imported) and idle, each holding "
-            "cpus_per_ps in the run's placement group. A lost shard's place is taken by a spare, not by a "
+            "cpus_per_ps in the run's placement groups. A lost shard's place is taken by a spare, not by a "
             "new process, which takes the process's start off the rollback; a new spare starts in the "
             "lost one's place. 0 (default): a new shard is started."
         ),
@@ -168,8 +168,9 @@ class ClusterSpec(StrictModel):
     placement: Literal["spread", "pack", "strict_spread", "strict_pack"] = Field(
         "spread",
         description=(
-            "How the shards and workers are laid over the nodes (a Ray placement group of that strategy): "
-            "spread (default) over as many nodes as it can, pack onto as few; strict_ insists."
+            "How the shards and workers are laid over the nodes (Ray placement groups of that strategy): "
+            "spread (default) over as many nodes as it can, the shards apart from each other first; pack "
+            "onto as few; strict_ insists."
         ),
     )
     placement_timeout_s: float = Field(
