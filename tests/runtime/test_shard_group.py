@@ -33,6 +33,17 @@ def _refilled(group: ShardGroup, spares: int, timeout_s: float = 60.0) -> None:
     assert len(group.spares.spares) == spares
 
 
+def _made_good(group: ShardGroup, lost_spare, timeout_s: float = 60.0) -> None:
+    """Until another spare stands in `lost_spare`'s place (refill asks each spare whether it lives)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        group.spares.refill()  # the driver's every turn
+        if [a for a, _ in group.spares.spares if a is not lost_spare]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no spare in the lost one's place: {group.spares.spares}")
+
+
 def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_cluster, tmp_path):
     spec = validate_spec(
         blob_spec(tmp_path, cluster={"workers": 1, "ps": 1, "spare_shards": 1, "cpus_per_worker": 0.5})
@@ -54,7 +65,12 @@ def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_clu
         assert bundle == 0  # (one node: the roles keep the bundle order)
         assert ray.get(new_spare.pid.remote()) not in (spare_pid, lost_pid)
 
-        dead_spare_pid = _kill(new_spare)  # a spare lost while it waits: found dead when needed
+        dead_spare_pid = _kill(new_spare)  # a spare lost while it waits: found by the pool's calls
+        _made_good(group, new_spare)
+        ((made_good, bundle),) = group.spares.spares
+        assert bundle == 0 and ray.get(made_good.pid.remote()) != dead_spare_pid
+
+        dead_spare_pid = _kill(made_good)  # lost right before it is needed: found dead then
         lost_pid = _kill(group.actors[0])
         assert group.replace([0]) == []  # a new shard instead
         assert ray.get(group.actors[0].pid.remote()) not in (dead_spare_pid, lost_pid)

@@ -3,12 +3,15 @@ of the run's placement groups, that take a lost actor's place instead of a new p
 
 A spare keeps its own bundle when it takes a place; the bundle the lost actor held gets the next
 spare once Ray has declared the lost one dead (before that the bundle may still point at a dying
-node, and a process placed there would die with it).
+node, and a process placed there would die with it). A spare lost while it waits (its node, most
+often) is found by a call every few seconds and made good the same way, so that a run that loses
+a node keeps its spares for the next loss.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +21,8 @@ from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.placement import declared_dead
 
 log = logging.getLogger(__name__)
+
+PROBE_EVERY_S = 5.0  # how often an idle spare is asked whether it lives
 
 
 class SparePool:
@@ -31,6 +36,8 @@ class SparePool:
         self._freed: list[tuple[Any, int]] = []  # (lost actor, its bundle), awaiting Ray's word
         self._started: dict[Any, Any] = {}  # actor id -> the ref of its start
         self._warming: dict[Any, Any] = {}  # actor id -> the ref of its warm-up, once asked
+        self._probes: dict[Any, Any] = {}  # actor id -> the ref of the call that asks if it lives
+        self._next_probe: dict[Any, float] = {}  # actor id -> when to ask next
 
     def start(self, bundles: list[int]) -> None:
         for bundle in bundles:
@@ -53,8 +60,8 @@ class SparePool:
         spare."""
         while self.spares:
             actor, bundle = self.spares.pop(0)
-            self._started.pop(actor._actor_id)
-            warming = self._warming.pop(actor._actor_id, None)
+            warming = self._warming.get(actor._actor_id)
+            self._forget(actor)
             try:  # a call now, not its start's: it may have died since
                 ray.get(actor.__ray_ready__.remote(), timeout=self.answer_timeout_s)
                 if warming is not None:  # not half-way through it as it takes the place
@@ -75,7 +82,9 @@ class SparePool:
 
     def refill(self) -> None:
         """A new spare in each freed bundle whose lost actor Ray has declared dead by now; the
-        others wait for a later call (the driver's every turn)."""
+        others wait for a later call (the driver's every turn). Spares found lost while they wait
+        free their bundles first."""
+        self._find_lost()
         waiting = []
         for lost, bundle in self._freed:
             if declared_dead(lost):
@@ -87,7 +96,40 @@ class SparePool:
     def kill(self) -> None:
         for actor, _ in self.spares:
             kill_quietly(actor)
-        self.spares, self._freed, self._started, self._warming = [], [], {}, {}
+            self._forget(actor)
+        self.spares, self._freed = [], []
+
+    def _find_lost(self) -> None:
+        """Ask each idle spare whether it lives, every PROBE_EVERY_S, without waiting for the answer:
+        one whose call failed is let go and its bundle freed."""
+        now = time.monotonic()
+        for actor, bundle in list(self.spares):
+            key = actor._actor_id
+            probe = self._probes.get(key)
+            if probe is None:
+                if now >= self._next_probe.get(key, 0.0):
+                    self._probes[key] = actor.__ray_ready__.remote()
+                continue
+            if not ray.wait([probe], timeout=0)[0]:
+                continue  # still starting, or busy warming up: asked again once it answers
+            del self._probes[key]
+            try:
+                ray.get(probe)
+                self._next_probe[key] = now + PROBE_EVERY_S
+            except ACTOR_GONE as exc:
+                log.info(
+                    "a spare %s was lost while it waited (%s): a new one takes its bundle",
+                    self.kind,
+                    first_line(exc),
+                )
+                self.spares.remove((actor, bundle))
+                self._forget(actor)
+                kill_quietly(actor)
+                self.free(actor, bundle)
+
+    def _forget(self, actor: Any) -> None:
+        for calls in (self._started, self._warming, self._probes, self._next_probe):
+            calls.pop(actor._actor_id, None)
 
     def _add(self, bundle: int) -> None:
         actor = self._make(bundle)
