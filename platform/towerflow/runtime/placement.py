@@ -5,9 +5,11 @@ node costs as few actors as it can; PACK to keep traffic within nodes; STRICT_ v
 Ray's SPREAD places a group's biggest bundles first, each on a node of its own while any is left,
 and stacks the rest on the node with most room: in one group with the workers, every shard landed on
 one node (every node a worker's, the shards on the last). Under SPREAD the shard-sized bundles are a
-group of their own, reserved first, so the shards spread over nodes among themselves (a node's loss
-costs one shard, and each shard's traffic has a node's network to itself); the other strategies keep
-one group, since they state a rule for all the run's actors together.
+group of their own, reserved after the workers' (as Ray's own order would: the big bundles, a GPU
+worker's most of all, take their nodes first, and no shard can take room a worker needs), so the
+shards spread over the nodes left with room among themselves (a node's loss costs one shard, and
+each shard's traffic has a node's network to itself); the other strategies keep one group, since
+they state a rule for all the run's actors together.
 
 The groups reserve every bundle at once, so a run starts only when all its actors can, instead of
 starting some and waiting for the rest. A replacement takes its predecessor's bundle (Ray moves a
@@ -79,7 +81,7 @@ class ActorPlacement:
         worker_sized = sorted(self._worker_bundles.values()) + self._spare_worker_bundles
         # The bundles (by number) of each placement group, in its order, and its name.
         if self.strategy == "SPREAD" and worker_sized:
-            self._parts = {f"{name}-shards": shard_sized, f"{name}-workers": worker_sized}
+            self._parts = {f"{name}-workers": worker_sized, f"{name}-shards": shard_sized}
         else:
             self._parts = {name: list(range(len(self.bundles)))}
         self._where = {b: (g, i) for g, part in enumerate(self._parts.values()) for i, b in enumerate(part)}
@@ -90,7 +92,7 @@ class ActorPlacement:
         `cluster.placement_timeout_s`, naming what was asked)."""
         from ray.util.placement_group import placement_group
 
-        self.groups = [  # the shards' first, when apart: their pick of nodes
+        self.groups = [  # created in order: Ray places them so, each with the room the ones before left
             placement_group([self.bundles[b] for b in part], strategy=self.strategy, name=group_name)
             for group_name, part in self._parts.items()
         ]
