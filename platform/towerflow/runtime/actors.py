@@ -27,3 +27,10 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
         return type(exc).__name__
     line = text[0]
     return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def last_line(exc: BaseException) -> str:
+    """An error's last line: for an actor that died as it started, the error its constructor raised
+    (Ray's message ends with that error's traceback)."""
+    text = str(exc).strip().splitlines()
+    return text[-1].strip() if text else type(exc).__name__

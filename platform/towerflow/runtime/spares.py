@@ -17,12 +17,15 @@ from typing import Any
 
 import ray
 
-from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
+from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly, last_line
 from towerflow.runtime.placement import declared_dead
 
 log = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 5.0  # how often an idle spare is asked whether it lives
+# Spares that die before they ever answer (a node that cannot start one, say) after which no more
+# are started in their place: a pool that only ever loses spares would start processes for nothing.
+MAX_FAILED_STARTS = 3
 
 
 class SparePool:
@@ -37,7 +40,8 @@ class SparePool:
         self._started: dict[Any, Any] = {}  # actor id -> the ref of its start
         self._warming: dict[Any, Any] = {}  # actor id -> the ref of its warm-up, once asked
         self._probes: dict[Any, Any] = {}  # actor id -> the ref of the call that asks if it lives
-        self._next_probe: dict[Any, float] = {}  # actor id -> when to ask next
+        self._next_probe: dict[Any, float] = {}  # actor id -> when to ask next (once it has answered)
+        self._failed_starts = 0
 
     def start(self, bundles: list[int]) -> None:
         for bundle in bundles:
@@ -117,14 +121,23 @@ class SparePool:
                 ray.get(probe)
                 self._next_probe[key] = now + PROBE_EVERY_S
             except ACTOR_GONE as exc:
+                self._failed_starts += key not in self._next_probe  # never answered: lost as it started
+                self.spares.remove((actor, bundle))
+                self._forget(actor)
+                kill_quietly(actor)
+                if self._failed_starts >= MAX_FAILED_STARTS:
+                    log.warning(
+                        "%d spare %ss died before they started (the last: %s): no more are started",
+                        self._failed_starts,
+                        self.kind,
+                        last_line(exc),
+                    )
+                    continue
                 log.info(
                     "a spare %s was lost while it waited (%s): a new one takes its bundle",
                     self.kind,
                     first_line(exc),
                 )
-                self.spares.remove((actor, bundle))
-                self._forget(actor)
-                kill_quietly(actor)
                 self.free(actor, bundle)
 
     def _forget(self, actor: Any) -> None:
