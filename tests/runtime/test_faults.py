@@ -109,12 +109,16 @@ def test_a_call_to_a_live_shard_lost_in_transit_costs_the_worker_not_its_data(
 
 
 class KillWorkerBesideSpares(FaultAt):
-    """FaultAt that notes the run's warm spare workers (their actor ids) at the kill, and which
-    actor holds the lost worker's id and which spares wait once it is replaced."""
+    """FaultAt that kills once `step` is heard of and the spare has traced its step ahead; notes the
+    run's warm spare workers (their actor ids) at the kill, and which actor holds the lost worker's
+    id and which spares wait once it is replaced."""
 
     def after_run(self, context, event):
         runtime = context.session.runtime
         if not self.killed_at and event.global_step >= self.step:
+            if not runtime.worker_spares.warmed():
+                self.events.append(event)
+                return  # the next event's turn may find it warmed
             self.spares_at_kill = [actor._actor_id for actor, _ in runtime.worker_spares.spares]
         super().after_run(context, event)
         holder = runtime.group.slots[self.worker].actor
@@ -147,8 +151,9 @@ def test_async_worker_killed_is_replaced_by_a_warm_spare_and_the_run_ends_at_max
     assert len(spares_after) == 1 and spares_after[0] != holder  # a new spare in the lost one's bundle
     assert hook.metrics["workers_replaced"] == 1
     assert 0 < hook.metrics["worker_recovery_s"] < 120
-    # The spare trained under worker 1's id.
+    # The spare trained under worker 1's id, on the step it traced ahead (no trace in its run).
     assert any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 5)
+    assert {w["worker"]: w["traces"] for w in result.workers}[1] == 0, result.workers
     assert _falls([e.loss for e in hook.events])
 
 

@@ -58,6 +58,11 @@ class SparePool:
             if ref is not None:
                 self._warming[key] = ref
 
+    def warmed(self) -> int:
+        """How many spares in the pool have finished getting ready ahead (`warm`)."""
+        refs = [self._warming[a._actor_id] for a, _ in self.spares if a._actor_id in self._warming]
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
+
     def take(self) -> tuple[Any, int] | None:
         """The first spare that has started or starts within `answer_timeout_s`, out of the pool,
         with its bundle; None when none does. One that does not is let go, and its bundle gets a new

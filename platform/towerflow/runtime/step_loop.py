@@ -64,6 +64,13 @@ class StepLoop:
         self._busy_since: float | None = None  # when the current step's own work began (monotonic)
         self._waiting_since: float | None = None  # when it began waiting for the batch in hand
 
+    def assume(self, config: WorkerConfig, profiler: StepWindowProfiler) -> None:
+        """Run under a lost worker's `config` from now on (a warm spare taking its place). The loop
+        stays, and with it the push hook its towers traced the step with: a new loop's hook would
+        have them trace it again."""
+        self.config, self._profiler = config, profiler
+        self._faults = config.faults or FaultInjector()
+
     def attach(self, plan: PushPlan) -> None:
         """Push with `plan` from now on: the towers call this loop's hook for each of its buckets."""
         self._plan = plan

@@ -79,13 +79,13 @@ class TowerWorker:
     # -- called by the driver --------------------------------------------------------------------
     def assume(self, config: WorkerConfig) -> None:
         """A warm spare takes a lost worker's place: its id, seed, start step, faults and profile
-        from `config`. The model, the towers and what they traced stay: the spare's own start."""
+        from `config`. The model, the towers, its step loop and what they traced stay: the spare's own start."""
         import keras
 
         keras.utils.set_random_seed(config.seed + max(config.worker_id, 0))
         self.config = config
         self._profiler = StepWindowProfiler(config.profile_steps)
-        self._loop = StepLoop(config, self.model, self.towers, self.adapter, self._profiler)
+        self._loop.assume(config, self._profiler)
 
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
         """The trainable variables (in model order) and their initial values."""
