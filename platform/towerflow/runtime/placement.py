@@ -77,11 +77,12 @@ class ActorPlacement:
         self._worker_bundles = {i: self.shards + i for i in range(self.grouped_workers)}
         first_spare_worker = first_spare_shard + self.spare_shards
         self._spare_worker_bundles = list(range(first_spare_worker, first_spare_worker + self.spare_workers))
-        shard_sized = self._shard_bundles + self._spare_shard_bundles
-        worker_sized = sorted(self._worker_bundles.values()) + self._spare_worker_bundles
+        # the bundles of each size, whose roles `choose_roles` may swap among them
+        self._shard_sized = self._shard_bundles + self._spare_shard_bundles
+        self._worker_sized = sorted(self._worker_bundles.values()) + self._spare_worker_bundles
         # The bundles (by number) of each placement group, in its order, and its name.
-        if self.strategy == "SPREAD" and worker_sized:
-            self._parts = {f"{name}-workers": worker_sized, f"{name}-shards": shard_sized}
+        if self.strategy == "SPREAD" and self._worker_sized:
+            self._parts = {f"{name}-workers": self._worker_sized, f"{name}-shards": self._shard_sized}
         else:
             self._parts = {name: list(range(len(self.bundles)))}
         self._where = {b: (g, i) for g, part in enumerate(self._parts.values()) for i, b in enumerate(part)}
@@ -124,14 +125,12 @@ class ActorPlacement:
     def choose_roles(self, node_of: dict[int, Any]) -> None:
         """Which bundles hold shards, workers and the spares of each, from where Ray placed them
         (`node_of`: bundle -> its node); see the module's docstring."""
-        shards = self._shard_bundles + self._spare_shard_bundles
         self._shard_bundles, self._spare_shard_bundles = split_roles(
-            {b: node_of.get(b) for b in shards}, self.shards
+            {b: node_of.get(b) for b in self._shard_sized}, self.shards
         )
         beside = Counter(node_of.get(b) for b in self._shard_bundles)
-        workers = sorted(self._worker_bundles.values()) + self._spare_worker_bundles
         members, self._spare_worker_bundles = split_roles(
-            {b: node_of.get(b) for b in workers}, self.grouped_workers, beside
+            {b: node_of.get(b) for b in self._worker_sized}, self.grouped_workers, beside
         )
         self._worker_bundles = dict(enumerate(members))
         _warn_of_spares_beside(node_of, self._shard_bundles, self._spare_shard_bundles, "shard")

@@ -183,9 +183,7 @@ class RecoveryActions:
             leftover = split.leftover(used) if hasattr(split, "leftover") else []
             handed_over = used + sum(piece.rows for piece in leftover)
             rest = split.taken_over(handed_over) if hasattr(split, "taken_over") else split
-            spare = self._take_spare_worker(loss.index)  # in a bundle of its own: no wait for Ray
-            if spare is None and self.actor_placement.holds_worker(loss.index):  # it takes the bundle
-                self.actor_placement.await_declared_dead(self.group.slots[loss.index].actor)
+            spare = self._replacement_for(loss.index)
             self.group.replace(
                 loss.index,
                 self.shards,
@@ -226,13 +224,7 @@ class RecoveryActions:
         )
         self.aggregator.start()
         model_state = state.model_state if state is not None else {}
-        by_spare_worker = {}
-        for loss in lost_workers:  # a warm spare, in a bundle of its own, or a new actor in the lost
-            spare = self._take_spare_worker(loss.index)  # one's bundle once Ray has moved it
-            if spare is not None:
-                by_spare_worker[loss.index] = spare
-            elif self.actor_placement.holds_worker(loss.index):
-                self.actor_placement.await_declared_dead(self.group.slots[loss.index].actor)
+        spares = {loss.index: self._replacement_for(loss.index) for loss in lost_workers}  # or None
         for worker_id, split in self.data_splits.items():
             rejoin = Rejoin([], model_state)
             self.group.rerun(
@@ -242,7 +234,7 @@ class RecoveryActions:
                 self.shard_group.buckets,
                 split,
                 rejoin,
-                actor=by_spare_worker.get(worker_id),
+                actor=spares.get(worker_id),
             )
         redo = max(0, heard - version)
         self._rollbacks += 1
@@ -257,7 +249,7 @@ class RecoveryActions:
             taken = ", a warm spare in its place" if loss.index in by_spare else ""
             self._fault(loss, f"rolled back to step {version}, {redo} step(s) to redo{taken}")
         for loss in lost_workers:
-            how = "replaced by a warm spare" if loss.index in by_spare_worker else "replaced"
+            how = "replaced by a warm spare" if spares[loss.index] is not None else "replaced"
             self._fault(loss, f"{how}, in the rollback")
         if lost_workers:
             self._log_losses()

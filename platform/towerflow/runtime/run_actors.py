@@ -117,9 +117,16 @@ class RunActors:
             self._idless_worker_config()
         )
 
+    def _replacement_for(self, worker_id: int) -> Any:
+        """A warm spare that has taken lost worker `worker_id`'s id and bundle (the lost one's bundle
+        gets the next spare: no wait for Ray); None when no spare answers, once the lost one's
+        bundle is free for a new actor (Ray has declared it dead)."""
+        spare = self._take_spare_worker(worker_id)
+        if spare is None and self.actor_placement.holds_worker(worker_id):
+            self.actor_placement.await_declared_dead(self.group.slots[worker_id].actor)
+        return spare
+
     def _take_spare_worker(self, worker_id: int) -> Any:
-        """A warm spare that has taken worker `worker_id`'s id and bundle (the lost one's bundle
-        gets the next spare), or None when no spare answers."""
         while (spare := self.worker_spares.take()) is not None:
             actor, bundle = spare
             try:

@@ -186,7 +186,8 @@ class ShardGroup:
         Killing a lost one makes Ray declare it dead at once, also where its node is dying but not
         yet declared dead; its bundle then still points at that node, and a shard placed there dies
         unstarted once the node is declared dead, after which Ray moves the bundle: hence attempts.
-        A spare keeps its own bundle, so it need not wait for that (runtime/spares.py)."""
+        A spare keeps its own bundle, so it need not wait for that; the bundles it frees get new
+        spares at the driver's next turn (`spares.refill`, runtime/spares.py)."""
         for index in indices:
             kill_quietly(self.actors[index])
         by_spare = []
@@ -207,7 +208,6 @@ class ShardGroup:
             for index in indices:
                 self.actors[index] = self._new(index, self._bundles[index])
             indices = self._died_starting(indices, last_attempt=attempt == attempts - 1)
-        self.spares.refill()
         return by_spare
 
     def _died_starting(self, indices: list[int], *, last_attempt: bool) -> list[int]:

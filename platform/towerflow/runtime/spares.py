@@ -37,10 +37,10 @@ class SparePool:
         self.answer_timeout_s = answer_timeout_s
         self.spares: list[tuple[Any, int]] = []  # (actor, bundle), the one to take first first
         self._freed: list[tuple[Any, int]] = []  # (lost actor, its bundle), awaiting Ray's word
-        self._started: dict[Any, Any] = {}  # actor id -> the ref of its start
         self._warming: dict[Any, Any] = {}  # actor id -> the ref of its warm-up, once asked
-        self._probes: dict[Any, Any] = {}  # actor id -> the ref of the call that asks if it lives
-        self._next_probe: dict[Any, float] = {}  # actor id -> when to ask next (once it has answered)
+        # actor id -> the ref of the call in flight that asks whether it lives (the first: its start)
+        self._probes: dict[Any, Any] = {}
+        self._next_probe: dict[Any, float] = {}  # actor id -> when to ask next: the ones started
         self._failed_starts = 0
 
     def start(self, bundles: list[int]) -> None:
@@ -48,11 +48,12 @@ class SparePool:
             self._add(bundle)
 
     def warm(self, warm_up: Callable[[Any], Any]) -> None:
-        """Have each spare that has started, and was not asked yet, get further ready while it waits
-        (`warm_up`: an actor -> the ref of that call, or None: nothing to do yet)."""
+        """Have each spare that has started (as `refill` last found), and was not asked yet, get
+        further ready while it waits (`warm_up`: an actor -> the ref of that call, or None: nothing
+        to do yet)."""
         for actor, _ in self.spares:
             key = actor._actor_id
-            if key in self._warming or not ray.wait([self._started[key]], timeout=0)[0]:
+            if key in self._warming or key not in self._next_probe:
                 continue
             ref = warm_up(actor)
             if ref is not None:
@@ -146,12 +147,12 @@ class SparePool:
                 self.free(actor, bundle)
 
     def _forget(self, actor: Any) -> None:
-        for calls in (self._started, self._warming, self._probes, self._next_probe):
+        for calls in (self._warming, self._probes, self._next_probe):
             calls.pop(actor._actor_id, None)
 
     def _add(self, bundle: int) -> None:
         actor = self._make(bundle)
-        self._started[actor._actor_id] = actor.__ray_ready__.remote()
+        self._probes[actor._actor_id] = actor.__ray_ready__.remote()  # answered once it has started
         self.spares.append((actor, bundle))
 
 
