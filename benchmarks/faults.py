@@ -5,7 +5,10 @@ Each fault run is paired with a clean run of the same configuration, interleaved
 local Ray instance (the training run in this process):
 - worker killed: SIGKILL of worker 1's process at step `--at`;
 - worker hung: SIGSTOP of worker 1 (alive, silent) with training.failure.worker_timeout_s 10;
-- parameter server killed: SIGKILL of shard 1 (checkpoints every `--every` steps);
+- parameter server killed: SIGKILL of shard 1 (checkpoints every `--every` steps, memory
+  checkpoints off); again with no stored checkpoint within the run, with memory checkpoints every
+  `--memory-every-s` and without (a rollback to the start), each against a clean run of its own,
+  and the clean run with memory checkpoints against the one without, for what taking them costs;
 - worker and parameter server killed again with a warm spare (`cluster.spare_workers=1`,
   `cluster.spare_shards=1`), each against a clean run with that spare, and that clean run against
   one without, for what the idle spare costs;
@@ -33,6 +36,7 @@ training again; for the cluster rows see faults_cluster.py) and throughput again
     python benchmarks/faults.py --rounds 3
     python benchmarks/faults.py --no-cluster       # the single-instance cases only
     python benchmarks/faults.py --only "node lost" # the cases whose name holds this, with their clean runs
+    python benchmarks/faults.py --no-cluster --only "none stored"
 
 The last lines are `straggler_sim_ratio=<ex/s with the simulated straggler / without>` and
 `faults_survived=<n>/<n tried>` (every case, single-instance and cluster).
@@ -61,6 +65,8 @@ log = make_log("faults")
 SIM_MODEL = "benchmarks.tiny_model:build"
 SIM_BASELINE = "no straggler, simulated compute (sync, 1 backup)"
 SIM_STRAGGLER = "straggler 3x, simulated compute (sync, 1 backup)"
+NO_MEMORY = "training.failure.memory_checkpoint_every_s=null"
+NO_STORED = "supervision.checkpoint.every_steps=1000000"  # none within the run
 SPARE = {  # per target: the fault's name, the spare's kind, the override that keeps one
     "worker": {"fault": "worker killed", "kind": "worker", "overrides": ["cluster.spare_workers=1"]},
     "ps": {"fault": "parameter server killed", "kind": "shard", "overrides": ["cluster.spare_shards=1"]},
@@ -139,10 +145,39 @@ def cases(args: argparse.Namespace) -> list[dict]:
         listed += [
             {"name": f"worker killed ({mode})", "mode": mode, "target": "worker"},
             {"name": f"worker hung ({mode})", "mode": mode, "target": "worker", "signal": signal.SIGSTOP},
-            {"name": f"parameter server killed ({mode})", "mode": mode, "target": "ps"},
+            # the stored checkpoint's rollback (every `--every` steps), memory checkpoints off
+            {
+                "name": f"parameter server killed ({mode})",
+                "mode": mode,
+                "target": "ps",
+                "overrides": [NO_MEMORY],
+            },
         ]
         for case in listed[-3:]:
             case["baseline"] = f"clean {mode}"
+        # Memory checkpoints with no stored checkpoint within the run (as where stored ones are
+        # minutes apart): a lost shard's rollback with them, and without (back to the start).
+        memory = f"training.failure.memory_checkpoint_every_s={args.memory_every_s}"
+        bare, with_memory = f"clean {mode}, none stored", f"clean {mode}, none stored, memory checkpoints"
+        listed += [
+            {
+                "name": f"parameter server killed, none stored ({mode})",
+                "mode": mode,
+                "target": "ps",
+                "overrides": [NO_STORED, NO_MEMORY],
+                "baseline": bare,
+            },
+            {
+                "name": f"parameter server killed, none stored, memory checkpoints ({mode})",
+                "mode": mode,
+                "target": "ps",
+                "overrides": [NO_STORED, memory],
+                "baseline": with_memory,
+            },
+            # what taking them costs while training
+            {"name": with_memory, "mode": mode, "overrides": [NO_STORED, memory], "baseline": bare},
+            {"name": bare, "mode": mode, "overrides": [NO_STORED, NO_MEMORY]},
+        ]
         for target, spare in SPARE.items():
             clean = f"clean {mode}, a warm spare {spare['kind']}"
             listed += [
@@ -187,9 +222,9 @@ def cases(args: argparse.Namespace) -> list[dict]:
     return listed
 
 
-def select(listed: list[dict], only: str | None) -> list[dict]:
-    """The rows whose name holds `only`, with their clean runs (all when `only` is None)."""
-    rows = [c for c in listed if "baseline" in c and (only is None or only in c["name"])]
+def select(listed: list[dict], only: list[str] | None) -> list[dict]:
+    """The rows whose name holds one of `only`, with their clean runs (all when `only` is None)."""
+    rows = [c for c in listed if "baseline" in c and (not only or any(o in c["name"] for o in only))]
     wanted = {c["name"] for c in rows} | {c["baseline"] for c in rows}
     return [c for c in listed if c["name"] in wanted]
 
@@ -229,7 +264,9 @@ def print_report(rows: list[dict], args: argparse.Namespace, cluster_rows: int) 
     print(f"# faults: {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(
         f"# LeNet, global batch 256, {args.steps} steps, fault at step {args.at}, checkpoint every "
-        f"{args.every}; elastic runs {args.elastic_steps} steps"
+        f"{args.every}; elastic runs {args.elastic_steps} steps; memory checkpoints every "
+        f"{args.memory_every_s} s in their rows (off in the other parameter-server rows, which roll back "
+        "to the stored checkpoint)"
     )
     if any(row["name"] == SIM_STRAGGLER for row in rows):
         print(
@@ -269,6 +306,9 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=50, help="the global step at which the fault is injected")
     parser.add_argument("--every", type=int, default=40, help="checkpoint interval (steps)")
     parser.add_argument(
+        "--memory-every-s", type=float, default=2.0, help="memory checkpoints' interval, in their cases"
+    )
+    parser.add_argument(
         "--step-s", type=float, default=0.5, help="a LeNet step here, for the straggler's delay"
     )
     parser.add_argument(
@@ -279,7 +319,12 @@ def main() -> None:
         "--elastic-steps", type=int, default=ELASTIC_STEPS, help="max_steps of the elastic runs"
     )
     parser.add_argument("--no-cluster", action="store_true", help="skip the multi-node cluster cases")
-    parser.add_argument("--only", metavar="NAME_SUBSTRING", help="only the cases whose name holds this")
+    parser.add_argument(
+        "--only",
+        metavar="NAME_SUBSTRING",
+        action="append",
+        help="only the cases whose name holds this (given again: or that)",
+    )
     args = parser.parse_args()
 
     ensure_mnist(DATA, log)

@@ -319,9 +319,9 @@ RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
 ]
 
 
-def selected_runs(only: str | None) -> list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]]:
-    """The runs whose rows match `only` (a substring of a row's name), with their clean runs."""
-    wanted = {row for row in BASELINE if only is None or only in row}
+def selected_runs(only: list[str] | None) -> list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]]:
+    """The runs whose rows match one of `only` (substrings of a row's name), with their clean runs."""
+    wanted = {row for row in BASELINE if not only or any(o in row for o in only)}
     wanted |= {BASELINE[row] for row in wanted}
     return [(run, rows) for run, rows in RUNS if wanted & set(rows)]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 
 import numpy as np
@@ -350,6 +351,60 @@ class KillShardAt(FaultAt):
                 self.after_kill["worker_holder"] = runtime.group.slots[self.with_worker].actor._actor_id
 
 
+class KillShardAfterMemoryCheckpoint(KillShardAt):
+    """As KillShardAt, once the controller has committed a memory checkpoint at `memory_step` or later."""
+
+    def __init__(self, memory_step: int, worker: int) -> None:
+        super().__init__(step=0, worker=worker)
+        self.memory_step, self.memory_at_kill = memory_step, None
+
+    def after_run(self, context, event):
+        latest = context.session.runtime.memory_checkpoints.latest
+        if not self.killed_at:
+            if latest is None or latest.global_step < self.memory_step:
+                self.events.append(event)
+                self.data_steps.append(context.session.data_steps)
+                return
+            self.memory_at_kill = latest.global_step
+        super().after_run(context, event)
+
+
+def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
+    ray_cluster, blob_data, tmp_path
+):
+    raw = blob_spec(
+        blob_data,
+        data={"batch_size": BATCH, "epochs": None},
+        cluster={"workers": 2, "ps": 2, "min_slice_bytes": 64},  # every variable on both shards
+        training={
+            "max_steps": 80,
+            "optimizer": {"name": "adam", "learning_rate": 0.01},
+            "failure": {"memory_checkpoint_every_s": 0.5},
+        },
+        supervision={"checkpoint": {"every_steps": 50}},  # none stored before the loss
+    )
+    hook = KillShardAfterMemoryCheckpoint(memory_step=15, worker=1)
+    slow = FaultInjector(step_delay_s={0: 0.04, 1: 0.04})
+    result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
+    assert hook.killed_at and hook.memory_at_kill is not None
+    assert result.global_step == 80
+    assert {s["version"] for s in result.shards} == {80}
+    (fault,) = hook.faults
+    back_to = re.search(r"rolled back to step (\d+) \(a memory checkpoint\)", fault.action)
+    assert back_to, fault.action
+    step = int(back_to.group(1))
+    # the one committed when the kill was decided, or one whose parts were all held before the loss
+    assert hook.memory_at_kill <= step <= hook.version_at_kill + 1
+    # The survivor reloaded its own copy; the new shard the copy shard 0 held of shard 1's state.
+    assert [s["loaded_from"] for s in result.shards] == [
+        f"its own copy of step {step}",
+        f"a peer's copy of step {step}",
+    ]
+    assert 0 <= hook.metrics["steps_redone"] <= hook.version_at_kill + 1 - step
+    assert _falls([e.loss for e in hook.events])
+    assert all(np.isfinite(p).all() for p in result.parameters)
+
+
 # Sync without spares (a new shard is started); async with a spare shard and a spare worker, and
 # worker 1 lost with shard 1, as on a node's loss (the spares take both places in the rollback).
 @pytest.mark.parametrize(("mode", "spares"), [("sync", 0), ("async", 1)])
@@ -367,7 +422,12 @@ def test_a_lost_parameter_server_rolls_every_shard_back_to_the_last_checkpoint(
             "spare_shards": spares,
             "spare_workers": spares,
         },
-        training={"mode": mode, "max_steps": 80, "optimizer": {"name": "adam", "learning_rate": 0.01}},
+        training={
+            "mode": mode,
+            "max_steps": 80,
+            "optimizer": {"name": "adam", "learning_rate": 0.01},
+            "failure": {"memory_checkpoint_every_s": None},  # the stored checkpoint's path
+        },
         supervision={"checkpoint": {"every_steps": 10}},
     )
     hook = KillShardAt(step=25, worker=1, with_worker=1 if spares else None)  # shard 1 (and worker 1)

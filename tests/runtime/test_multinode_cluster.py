@@ -226,7 +226,12 @@ def test_a_killed_node_is_reported_dead_and_a_new_one_joins(multinode_cluster: L
 
 
 def _spec_file(
-    tmp_path: Path, blob_data: Path, name: str, cluster: dict | None = None, **training
+    tmp_path: Path,
+    blob_data: Path,
+    name: str,
+    cluster: dict | None = None,
+    checkpoint_every: int = 20,
+    **training,
 ) -> tuple[Path, str]:
     return cluster_spec_file(
         tmp_path,
@@ -241,7 +246,7 @@ def _spec_file(
             **(cluster or {}),
         },
         training={"mode": "sync", "optimizer": {"name": "sgd", "learning_rate": 0.05}, **training},
-        supervision={"checkpoint": {"every_steps": 20}, "log_every_steps": 5},
+        supervision={"checkpoint": {"every_steps": checkpoint_every}, "log_every_steps": 5},
     )
 
 
@@ -327,14 +332,23 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     multinode_cluster, blob_data, tmp_path
 ):
     """The lost node's shard (and its worker, where it had one) are found in the same turn; the
-    shard's replacement, if Ray placed it on the dying node, is placed again; the run goes on."""
+    shard's replacement, if Ray placed it on the dying node, is placed again, and loads the copy of
+    the lost shard's state that the other shard held (a memory checkpoint); the run goes on."""
     cluster = multinode_cluster
     cluster.add_node(num_cpus=2)  # room for what the lost node held, beside the run
     # Two shards and two workers spread over three nodes: one node holds two of them.
     layout = {"placement": "spread", "ps": 2, "cpus_per_ps": 0.25}
-    spec, uri = _spec_file(tmp_path, blob_data, "shard-node-loss", cluster=layout, max_steps=600)
+    spec, uri = _spec_file(
+        tmp_path,
+        blob_data,
+        "shard-node-loss",
+        cluster=layout,
+        max_steps=600,
+        checkpoint_every=1000,  # none stored before the loss: without the memory ones, back to the start
+        failure={"memory_checkpoint_every_s": 1.0},
+    )
     driver = _train(cluster, spec)
-    run_id = _wait_for_step(uri, "shard-node-loss", 25, driver)  # past the first checkpoint (20)
+    run_id = _wait_for_step(uri, "shard-node-loss", 25, driver)  # past the first memory checkpoints
     shard_nodes = {a["node_id"] for a in _actors(cluster, "ParameterShard")}
     worker_nodes = {a["node_id"] for a in _actors(cluster, "TowerWorker")}
     victims = [n for n in cluster.nodes if not n.killed and n.node_id in shard_nodes - {cluster.head.node_id}]
@@ -348,7 +362,8 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 600, out[-3000:]
     assert run.data.metrics["ps_rollbacks"] == 1, out[-3000:]
     faults = [v for k, v in run.data.tags.items() if k.startswith("towerflow.fault.")]
-    assert any(v.startswith("parameter server") and "rolled back" in v for v in faults), faults
+    # Spread placement put the other shard, which held a copy of the lost one's part, on another node.
+    assert any(v.startswith("parameter server") and "(a memory checkpoint)" in v for v in faults), faults
 
 
 def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_data, tmp_path):

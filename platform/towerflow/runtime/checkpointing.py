@@ -2,7 +2,8 @@
 version, taken without pausing training, either gathered whole (`capture_state`, for hooks that
 want the state) or written as a checkpoint by the shards themselves (`save_checkpoint`): each shard
 writes its own part from its own node, and the driver writes `meta.json` last, so it never holds
-the model's state. When to checkpoint stays a hook's decision.
+the model's state. When to checkpoint stays a hook's decision. Memory checkpoints, the controller's
+own for a rollback (runtime/memory_checkpoints.py), are kept here too.
 """
 
 from __future__ import annotations
@@ -123,6 +124,23 @@ class CheckpointActions:
         for shard in self.shards:  # each keeps its copy of this one, for a rollback
             shard.checkpoint_committed.remote(target)
         return SavedCheckpoint(target, written=True)
+
+    def _keep_memory_checkpoint(self) -> None:
+        """Begin a memory checkpoint when one is due, commit the one begun once every shard holds its
+        part (runtime/memory_checkpoints.py); neither waits. A shard that does not answer is left to
+        the loop's own look at the shards."""
+        memory, shards = self.memory_checkpoints, self.shards
+        if memory.due(len(shards)):
+            try:
+                version = max(ray.get([s.ping.remote() for s in shards], timeout=10)) + 1
+            except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
+                return
+            memory.begin(shards, version, self.aggregator.examples_seen)
+        version = memory.ready()
+        if version is not None:
+            memory.commit(len(shards), self.model_state())
+            for shard in shards:  # older copies, their own and their peers', can go
+                shard.checkpoint_committed.remote(version)
 
     def _next_version(self) -> int:
         return max(ray.get([s.ping.remote() for s in self.shards])) + 1

@@ -27,6 +27,7 @@ from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hook_queries import HookQueries
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, end_hooks
+from towerflow.runtime.memory_checkpoints import MemoryCheckpoints
 from towerflow.runtime.placement import ActorPlacement
 from towerflow.runtime.protocol import protocol_for, step_shape
 from towerflow.runtime.recovery import RecoveryActions, State
@@ -74,6 +75,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self.protocol = protocol_for(spec.training.mode)  # asked what differs between sync and async
         self.actor_placement = ActorPlacement(spec.cluster, f"towerflow-{spec.name}-{uuid.uuid4().hex[:8]}")
         self.shard_group = ShardGroup(spec, self._apply_threads(), self.actor_placement)
+        self.memory_checkpoints = MemoryCheckpoints(failure.memory_checkpoint_every_s)
         # cluster.spare_workers; a worker's start also builds the model (and, on a GPU, sets it up)
         self.worker_spares = SparePool(self._new_spare_worker, "worker", answer_timeout_s=30.0)
         self.elastic = ElasticPolicy.for_spec(spec)
@@ -199,6 +201,8 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                     self.stop_signals.name,
                 )
                 self.context.request_stop(f"stopped by {self.stop_signals.name}")
+            if not stopping:
+                self._keep_memory_checkpoint()
             if self.context.stop_requested:
                 # Workers end their current step and retire, and sync shards aggregate over those
                 # still running, so every shard ends at the same version. Finishing the shards here

@@ -28,7 +28,7 @@ import ray
 from towerflow.runtime.accumulator import GradientAccumulator
 from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
 from towerflow.runtime.shard_checkpoints import ShardCheckpoints
-from towerflow.runtime.shard_parts import PartSource, ShardSnapshot
+from towerflow.runtime.shard_parts import OwnCopy, PartSource, ShardSnapshot
 from towerflow.runtime.shard_replies import ParamsReply, PushReply
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
@@ -56,11 +56,13 @@ class ParameterShard(ShardCheckpoints):
         # on: a rollback to it reloads from here, not from the store. Between checkpoints one more
         # copy of the shard's state in memory (two while the next is being written).
         self._written: dict[int, ShardSnapshot] = {}
+        # (shard id, version) -> another shard's state, held for it: its part of a memory checkpoint
+        self._peer_copies: dict[tuple[int, int], ShardSnapshot] = {}
 
     def load(
         self,
         names: list[str],
-        initial_values: list[np.ndarray] | PartSource,
+        initial_values: list[np.ndarray] | PartSource | OwnCopy | ShardSnapshot,
         optimizer: dict[str, Any],
         protocol: UpdateProtocol,
         max_steps: int | None,

@@ -209,8 +209,7 @@ class RecoveryActions:
             shard.finish.remote()
         self.group.request_stop()  # and every worker waiting for data
         self.group.wait_ended(timeout_s=60)
-        state = self.latest_checkpoint() if self.latest_checkpoint is not None else None
-        state = state or self.initial_state
+        state, source = self._rollback_point([loss.index for loss in losses])
         version = state.global_step if state is not None else 0
         by_spare = self.shard_group.replace([loss.index for loss in losses])
         self._load_shards(state, version, rollback=True)
@@ -247,12 +246,36 @@ class RecoveryActions:
         self.session.log_metrics(metrics, version)
         for loss in losses:
             taken = ", a warm spare in its place" if loss.index in by_spare else ""
-            self._fault(loss, f"rolled back to step {version}, {redo} step(s) to redo{taken}")
+            self._fault(loss, f"rolled back to step {version} ({source}), {redo} step(s) to redo{taken}")
         for loss in lost_workers:
             how = "replaced by a warm spare" if spares[loss.index] is not None else "replaced"
             self._fault(loss, f"{how}, in the rollback")
         if lost_workers:
             self._log_losses()
+
+    def _rollback_point(self, lost: list[int]) -> tuple[Any, str]:
+        """The newest state every shard can go back to after losing shards `lost`, and what it is:
+        the newest memory checkpoint where a live peer holds each lost shard's part, or the newest
+        stored checkpoint, or the state the run started from."""
+        stored = self.latest_checkpoint() if self.latest_checkpoint is not None else None
+        source = "the stored checkpoint" if stored is not None else "the run's start"
+        stored = stored or self.initial_state
+        memory = self.memory_checkpoints.latest
+        self.memory_checkpoints.forget()  # whichever is taken, what the shards kept is left behind
+        if memory is None:
+            return stored, source
+        if not memory.restores(lost):
+            log.warning(
+                "shards %s lost with the peers holding their copies: back to %s, not to the memory "
+                "checkpoint of step %d",
+                lost,
+                source,
+                memory.global_step,
+            )
+            return stored, source
+        if stored is not None and stored.global_step >= memory.global_step:
+            return stored, source
+        return memory, "a memory checkpoint"
 
     def _lost_shards(self) -> list[ActorLoss]:
         return self.shard_group.lost(self._global_step())

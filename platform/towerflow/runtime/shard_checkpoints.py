@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from towerflow.runtime.shard_parts import PartReport, PartSource, ShardSnapshot, write_shard_part
+from towerflow.runtime.shard_parts import OwnCopy, PartReport, PartSource, ShardSnapshot, write_shard_part
 
 _SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
 
@@ -23,17 +23,28 @@ class ShardCheckpoints:
     def _starting_state(
         self,
         names: list[str],
-        initial_values: list[np.ndarray] | PartSource,
+        initial_values: list[np.ndarray] | PartSource | OwnCopy | ShardSnapshot,
         initial_slots: dict[str, list[np.ndarray]] | None,
         initial_version: int,
     ) -> tuple[list[np.ndarray] | None, dict[str, list[np.ndarray]] | None]:
-        """The values and slots to load: as given, this shard's own copy of a checkpoint it wrote
-        (a rollback), or read from the store; (None, None) where this node cannot reach the store.
-        Sets `_loaded_from`."""
+        """The values and slots to load: as given, this shard's own copy of a checkpoint it wrote or
+        of a memory checkpoint (a rollback), the copy a peer held for the shard it replaces, or read
+        from the store; (None, None) where this node cannot reach the store. Sets `_loaded_from`."""
         self._loaded_from = "values from the driver"
         # Copies from beyond the version loaded belong to a timeline abandoned by a rollback.
         self._written = {v: kept for v, kept in self._written.items() if v <= initial_version}
+        self._peer_copies = {
+            key: kept for key, kept in self._peer_copies.items() if key[1] <= initial_version
+        }
         own = self._written.get(initial_version)
+        if isinstance(initial_values, OwnCopy):  # a rollback to a memory checkpoint
+            if own is None or own.names != names:
+                raise RuntimeError(f"shard {self.shard_id} holds no copy of its state at {initial_version}")
+            self._loaded_from = f"its own copy of step {own.version}"
+            return own.values, dict(own.slots)
+        if isinstance(initial_values, ShardSnapshot):  # the copy a peer held of the lost shard's state
+            self._loaded_from = f"a peer's copy of step {initial_values.version}"
+            return initial_values.values, dict(initial_values.slots)
         if isinstance(initial_values, PartSource) and initial_values.own_copy_ok and own is not None:
             source = initial_values
             if own.version == source.checkpoint.global_step and own.names == names:
@@ -82,9 +93,43 @@ class ShardCheckpoints:
         self._written[kept.version] = kept
         return report
 
+    async def copy_to_peer(self, version: int, holder: Any) -> int:
+        """This shard's part of a memory checkpoint: its state at `version` (as `snapshot` finds
+        it), kept here and copied to `holder`, the shard that gives it back should this one be
+        lost. Returns the version kept; another than `version`: nothing was kept."""
+        kept = await self.snapshot(version)
+        if kept.version != version:
+            return kept.version
+        await holder.hold_peer_copy.remote(kept)
+        self._written[version] = kept
+        return version
+
+    def hold_peer_copy(self, kept: ShardSnapshot) -> None:
+        """Keep another shard's state (its part of a memory checkpoint), copied out of the object
+        store: the copy must outlive the shard that sent it, which owns the store's."""
+        self._peer_copies[(kept.shard_id, kept.version)] = ShardSnapshot(
+            kept.shard_id,
+            kept.version,
+            list(kept.names),
+            [np.array(v) for v in kept.values],
+            {slot: [np.array(a) for a in arrays] for slot, arrays in kept.slots.items()},
+        )
+
+    def peer_copy(self, shard_id: int, version: int) -> ShardSnapshot:
+        """Shard `shard_id`'s state at `version`, as it sent it here, for the shard in its place."""
+        kept = self._peer_copies.get((shard_id, version))
+        if kept is None:
+            held = sorted(self._peer_copies)
+            raise KeyError(
+                f"shard {self.shard_id} holds no copy of shard {shard_id} at {version} (holds {held})"
+            )
+        return kept
+
     def checkpoint_committed(self, version: int) -> None:
-        """The checkpoint of `version` is complete: older copies of this shard's part can go."""
+        """The checkpoint of `version` (stored, or held in the shards' memory) is complete: older
+        copies of this shard's state, and of the others' it holds, can go."""
         self._written = {v: kept for v, kept in self._written.items() if v >= version}
+        self._peer_copies = {key: kept for key, kept in self._peer_copies.items() if key[1] >= version}
 
     def _snapshot_if_due(self) -> None:
         """At a new version: capture it where a snapshot was asked for or falls due."""

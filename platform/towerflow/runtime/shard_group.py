@@ -15,10 +15,11 @@ from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
+from towerflow.runtime.memory_checkpoints import MemoryCheckpoint
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
-from towerflow.runtime.shard_parts import PartSource
+from towerflow.runtime.shard_parts import OwnCopy, PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
 from towerflow.runtime.spares import SparePool
 
@@ -37,6 +38,9 @@ class ShardGroup:
         self.buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self.initial_values: list[Any] | None = None  # the model's, for a rollback with no checkpoint
         self._bundles: list[int] = []  # per shard, its bundle (numbered across the run's placement groups)
+        self._replaced: set[int] = (
+            set()
+        )  # shards put in others' places since the last load: they hold nothing
         # cluster.spare_shards; a shard's start is a TensorFlow import: 15 s is a loaded node's
         self.spares = SparePool(lambda bundle: self._new(None, bundle), "shard", answer_timeout_s=15.0)
 
@@ -71,7 +75,7 @@ class ShardGroup:
         rollback: bool = False,
     ) -> None:
         """Give every shard its pieces at `version` and wait until all have them: from `state` (a
-        StoredCheckpoint or a whole TrainingState), else from the model's initial values, for
+        StoredCheckpoint, a whole TrainingState or a MemoryCheckpoint), else from the model's initial values, for
         `workers` workers of which sync steps aggregate `replicas`. A checkpoint laid out as these
         shards are is read by each shard itself, part by part; any other is re-cut here. A shard
         loaded again starts afresh."""
@@ -99,6 +103,7 @@ class ShardGroup:
                 shard_id=shard,
             )
 
+        self._replaced = set()
         loaded = ray.get([load(shard, values, slots) for shard, (values, slots) in enumerate(initial)])
         for shard, done in enumerate(loaded):
             if not done:  # its node cannot reach the checkpoint store: the driver reads its part for it
@@ -113,6 +118,17 @@ class ShardGroup:
     def _initial_pieces(self, state: Any, optimizer: str, rollback: bool) -> list[tuple[Any, Any]]:
         """Per shard: (values or a PartSource, slots or None)."""
         pieces, assignment = self.pieces, self.assignment
+        if isinstance(state, MemoryCheckpoint):  # a rollback: each its own copy, a new shard its peer's
+            version = state.global_step
+            return [
+                (
+                    self.actors[state.holder(s)].peer_copy.remote(s, version)
+                    if s in self._replaced
+                    else OwnCopy(version),
+                    None,
+                )
+                for s in range(len(assignment))
+            ]
         if state is None:
             values = self.initial_values
             return [
@@ -190,6 +206,7 @@ class ShardGroup:
         spares at the driver's next turn (`spares.refill`, runtime/spares.py)."""
         for index in indices:
             kill_quietly(self.actors[index])
+        self._replaced.update(indices)
         by_spare = []
         for index in indices:
             spare = self.spares.take()

@@ -32,6 +32,13 @@ class PartSource:
     own_copy_ok: bool = False  # a rollback: a shard that wrote this part may use its own copy of it
 
 
+@dataclass(frozen=True)
+class OwnCopy:
+    """A shard's pieces at a version of which it kept a copy itself (a memory checkpoint's part)."""
+
+    version: int
+
+
 @dataclass
 class PartReport:
     """What a shard tells the chief of the checkpoint part it was asked for."""

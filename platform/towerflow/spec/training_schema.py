@@ -81,7 +81,8 @@ class OptimizerSpec(StrictModel):
 
 class FailureSpec(StrictModel):
     """What a run survives (runtime/failure.py): lost workers are replaced, a lost parameter server
-    rolls every shard back to the newest checkpoint; past a budget the run fails."""
+    rolls every shard back to the newest checkpoint (in the shards' memory, or stored); past a budget
+    the run fails."""
 
     max_worker_failures: int = Field(3, ge=0, description="Workers lost (died or hung) a run survives.")
     max_ps_failures: int = Field(3, ge=0, description="Parameter servers lost a run survives.")
@@ -95,6 +96,14 @@ class FailureSpec(StrictModel):
         gt=0,
         description="A replacement worker that has not started by then (no node with room for it) "
         "counts as one more worker lost; a run whose workers all wait this long for a batch fails.",
+    )
+    memory_checkpoint_every_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="With 2 or more parameter servers: every this many seconds, each shard keeps its "
+        "state at one common version in memory and sends a copy to the next shard (another node under "
+        "spread placement). A lost shard then rolls the shards back to that version, not to the last "
+        "stored checkpoint, unless the copy's holder was lost too. null: off.",
     )
 
 

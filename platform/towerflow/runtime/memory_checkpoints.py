@@ -1,0 +1,110 @@
+"""Memory checkpoints (`training.failure.memory_checkpoint_every_s`): every few seconds, a cut of
+every shard at one version that the shards keep in memory, each shard its own state and the next
+shard in a ring a copy of it (under spread placement, on another node). A lost shard then rolls the
+shards back to that version, the shard in its place loading the copy its peer held, rather than to
+the last stored checkpoint: seconds of steps to redo instead of up to a checkpoint interval's.
+
+One is begun on one turn of the controller and committed on a later one, once every shard holds its
+part: neither the training nor the controller's loop waits for it. Only a stored checkpoint outlives
+the run's shards: a resume, or a rollback after a shard and the peer holding its copy were lost
+together, goes back to the stored one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryCheckpoint:
+    """A committed memory checkpoint; read as a stored checkpoint is by a rollback."""
+
+    global_step: int
+    examples_seen: int  # the data position heard of when it was begun: a little early, never late
+    shards: int
+    model_state: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def holder(self, shard: int) -> int:
+        """The shard that holds a copy of `shard`'s part."""
+        return (shard + 1) % self.shards
+
+    def restores(self, lost: Collection[int]) -> bool:
+        """Whether every lost shard's part can be had from a live peer."""
+        return all(self.holder(shard) not in lost for shard in lost)
+
+
+@dataclass
+class _Begun:
+    version: int
+    examples_seen: int
+    refs: list[Any]  # per shard, the version it kept (`ParameterShard.copy_to_peer`)
+
+
+class MemoryCheckpoints:
+    """When memory checkpoints are due, and the newest one committed."""
+
+    def __init__(self, every_s: float | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self.latest: MemoryCheckpoint | None = None
+        self.committed = 0
+        self._clock = clock
+        self._begun: _Begun | None = None
+        self._last_begun_at = clock()  # the first one falls due every_s into the run
+
+    def due(self, shards: int) -> bool:
+        """One is due (none under way, `every_s` since the last was begun) and means something:
+        with one shard there is no peer to hold a copy."""
+        if self.every_s is None or shards < 2 or self._begun is not None:
+            return False
+        return self._clock() - self._last_begun_at >= self.every_s
+
+    def begin(self, shards: list[Any], version: int, examples_seen: int) -> None:
+        """Every shard keeps its state at `version` and copies it to the next shard."""
+        refs = [
+            shard.copy_to_peer.remote(version, shards[(i + 1) % len(shards)])
+            for i, shard in enumerate(shards)
+        ]
+        self._begun = _Begun(version, examples_seen, refs)
+        self._last_begun_at = self._clock()
+
+    def ready(self) -> int | None:
+        """The version of the one begun, once every shard holds its part; None while it is under
+        way, or where it failed (a shard lost or finished before the version: the loss is the
+        controller's to find), in which case it is given up and the next one falls due as usual."""
+        begun = self._begun
+        if begun is None:
+            return None
+        done, _ = ray.wait(begun.refs, num_returns=len(begun.refs), timeout=0)
+        if len(done) < len(begun.refs):
+            return None
+        try:
+            kept = ray.get(begun.refs)
+        except ray.exceptions.RayError as exc:
+            log.debug("memory checkpoint at step %d given up: %s", begun.version, exc)
+            kept = None
+        if kept is None or any(version != begun.version for version in kept):
+            self._begun = None
+            return None
+        return begun.version
+
+    def commit(self, shards: int, model_state: dict[str, np.ndarray]) -> MemoryCheckpoint:
+        """The one begun is whole (`ready` said so): it is the newest a rollback may go back to."""
+        begun, self._begun = self._begun, None
+        assert begun is not None, "commit without a ready memory checkpoint"
+        self.latest = MemoryCheckpoint(begun.version, begun.examples_seen, shards, model_state)
+        self.committed += 1
+        log.debug("memory checkpoint at step %d", begun.version)
+        return self.latest
+
+    def forget(self) -> None:
+        """The shards are rolled back: what they kept belongs to the timeline left behind."""
+        self.latest = self._begun = None
