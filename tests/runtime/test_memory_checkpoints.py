@@ -3,7 +3,7 @@ killed for real, is in test_faults.py."""
 
 from __future__ import annotations
 
-from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, MemoryCheckpoints
+from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, MemoryCheckpoints, peer_ring
 
 
 class Clock:
@@ -14,13 +14,13 @@ class Clock:
         return self.now
 
 
-def test_each_shards_part_is_held_by_the_next_in_a_ring():
-    kept = MemoryCheckpoint(global_step=7, examples_seen=0, shards=3)
+def test_a_checkpoint_restores_lost_shards_only_where_their_holders_live():
+    kept = MemoryCheckpoint(global_step=7, examples_seen=0, holders=(1, 2, 0))
     assert [kept.holder(s) for s in range(3)] == [1, 2, 0]
     assert kept.restores([1]) and kept.restores([0])
     assert not kept.restores([1, 2])  # shard 2 held shard 1's part
-    assert kept.restores([0, 2]) is False  # shard 0 held shard 2's
-    two = MemoryCheckpoint(global_step=7, examples_seen=0, shards=2)
+    assert not kept.restores([0, 2])  # shard 0 held shard 2's
+    two = MemoryCheckpoint(global_step=7, examples_seen=0, holders=(1, 0))
     assert two.restores([1]) and not two.restores([0, 1])
 
 
@@ -34,3 +34,20 @@ def test_one_falls_due_every_interval_with_two_shards_or_more_and_never_when_off
     assert not MemoryCheckpoints(None, clock=clock).due(4)
     memory.forget()
     assert memory.latest is None
+
+
+def holders_on_their_own_node(nodes: list, holders: list[int]) -> list[int]:
+    return [s for s, h in enumerate(holders) if nodes[s] == nodes[h]]
+
+
+def test_each_shards_copy_goes_to_another_node_where_there_is_one():
+    for nodes in (["a", "a", "b", "b"], ["a", "b", "a", "b"], ["a", "a", "b", "c"], ["x", "y"]):
+        holders = peer_ring(nodes)
+        assert sorted(holders) == list(range(len(nodes)))  # a ring: each holds one copy
+        assert all(h != s for s, h in enumerate(holders))
+        assert holders_on_their_own_node(nodes, holders) == [], (nodes, holders)
+    # More shards on one node than on all the others: some copies stay beside their shard.
+    nodes = ["a", "a", "a", "b"]
+    assert len(holders_on_their_own_node(nodes, peer_ring(nodes))) == 2
+    # Unknown nodes (no placement group): the shards in order.
+    assert peer_ring([None, None, None]) == [1, 2, 0]

@@ -135,10 +135,10 @@ class CheckpointActions:
                 version = max(ray.get([s.ping.remote() for s in shards], timeout=10)) + 1
             except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
                 return
-            memory.begin(shards, version, self.aggregator.examples_seen)
+            memory.begin(shards, version, self.aggregator.examples_seen, self.shard_group.peer_holders())
         version = memory.ready()
         if version is not None:
-            memory.commit(len(shards), self.model_state())
+            memory.commit(self.model_state())
             for shard in shards:  # older copies, their own and their peers', can go
                 shard.checkpoint_committed.remote(version)
 

@@ -1,6 +1,6 @@
 """Memory checkpoints (`training.failure.memory_checkpoint_every_s`): every few seconds, a cut of
-every shard at one version that the shards keep in memory, each shard its own state and the next
-shard in a ring a copy of it (under spread placement, on another node). A lost shard then rolls the
+every shard at one version that the shards keep in memory, each shard its own state and another
+shard a copy of it (on another node wherever the placement allows). A lost shard then rolls the
 shards back to that version, the shard in its place loading the copy its peer held, rather than to
 the last stored checkpoint: seconds of steps to redo instead of up to a checkpoint interval's.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,22 +30,38 @@ class MemoryCheckpoint:
 
     global_step: int
     examples_seen: int  # the data position heard of when it was begun: a little early, never late
-    shards: int
+    holders: tuple[int, ...]  # per shard, the shard that holds a copy of its part (`peer_ring`)
     model_state: dict[str, np.ndarray] = field(default_factory=dict)
 
     def holder(self, shard: int) -> int:
         """The shard that holds a copy of `shard`'s part."""
-        return (shard + 1) % self.shards
+        return self.holders[shard]
 
     def restores(self, lost: Collection[int]) -> bool:
         """Whether every lost shard's part can be had from a live peer."""
         return all(self.holder(shard) not in lost for shard in lost)
 
 
+def peer_ring(nodes: Sequence[Any]) -> list[int]:
+    """Per shard, the shard to hold a copy of its part: a ring through every shard in which each
+    one's successor is on another node wherever the layout allows (`nodes`: each shard's node,
+    None where unknown). The shards of the most crowded node go first, between the others'."""
+    left = {node: [shard for shard, n in enumerate(nodes) if n == node] for node in dict.fromkeys(nodes)}
+    order: list[int] = []
+    last: Any = object()
+    while len(order) < len(nodes):
+        candidates = [n for n in left if left[n] and n != last] or [n for n in left if left[n]]
+        last = max(candidates, key=lambda n: len(left[n]))
+        order.append(left[last].pop(0))
+    after = {shard: order[(k + 1) % len(order)] for k, shard in enumerate(order)}
+    return [after[shard] for shard in range(len(nodes))]
+
+
 @dataclass
 class _Begun:
     version: int
     examples_seen: int
+    holders: tuple[int, ...]
     refs: list[Any]  # per shard, the version it kept (`ParameterShard.copy_to_peer`)
 
 
@@ -67,13 +83,10 @@ class MemoryCheckpoints:
             return False
         return self._clock() - self._last_begun_at >= self.every_s
 
-    def begin(self, shards: list[Any], version: int, examples_seen: int) -> None:
-        """Every shard keeps its state at `version` and copies it to the next shard."""
-        refs = [
-            shard.copy_to_peer.remote(version, shards[(i + 1) % len(shards)])
-            for i, shard in enumerate(shards)
-        ]
-        self._begun = _Begun(version, examples_seen, refs)
+    def begin(self, shards: list[Any], version: int, examples_seen: int, holders: Sequence[int]) -> None:
+        """Every shard keeps its state at `version` and copies it to its holder (`peer_ring`)."""
+        refs = [shard.copy_to_peer.remote(version, shards[holders[i]]) for i, shard in enumerate(shards)]
+        self._begun = _Begun(version, examples_seen, tuple(holders), refs)
         self._last_begun_at = self._clock()
 
     def ready(self) -> int | None:
@@ -96,11 +109,11 @@ class MemoryCheckpoints:
             return None
         return begun.version
 
-    def commit(self, shards: int, model_state: dict[str, np.ndarray]) -> MemoryCheckpoint:
+    def commit(self, model_state: dict[str, np.ndarray]) -> MemoryCheckpoint:
         """The one begun is whole (`ready` said so): it is the newest a rollback may go back to."""
         begun, self._begun = self._begun, None
         assert begun is not None, "commit without a ready memory checkpoint"
-        self.latest = MemoryCheckpoint(begun.version, begun.examples_seen, shards, model_state)
+        self.latest = MemoryCheckpoint(begun.version, begun.examples_seen, begun.holders, model_state)
         self.committed += 1
         log.debug("memory checkpoint at step %d", begun.version)
         return self.latest

@@ -15,7 +15,7 @@ from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
-from towerflow.runtime.memory_checkpoints import MemoryCheckpoint
+from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, peer_ring
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
@@ -38,9 +38,8 @@ class ShardGroup:
         self.buckets: list[list[int]] = []  # per shard, per piece: its gradient bucket
         self.initial_values: list[Any] | None = None  # the model's, for a rollback with no checkpoint
         self._bundles: list[int] = []  # per shard, its bundle (numbered across the run's placement groups)
-        self._replaced: set[int] = (
-            set()
-        )  # shards put in others' places since the last load: they hold nothing
+        self._warned_of_copies_beside = False
+        self._replaced: set[int] = set()  # shards put in others' places since the last load: hold nothing
         # cluster.spare_shards; a shard's start is a TensorFlow import: 15 s is a loaded node's
         self.spares = SparePool(lambda bundle: self._new(None, bundle), "shard", answer_timeout_s=15.0)
 
@@ -182,6 +181,23 @@ class ShardGroup:
             ]
             for shard in self.assignment
         ]
+
+    def peer_holders(self) -> list[int]:
+        """Per shard, the shard that holds a copy of its part of a memory checkpoint: on another node
+        wherever the shards' placement allows (`peer_ring`). Warns once where it does not, on a
+        cluster of several nodes: that node's loss goes back to the stored checkpoint."""
+        node_of = self.actor_placement.node_of()
+        nodes = [node_of.get(bundle) for bundle in self._bundles]
+        holders = peer_ring(nodes)
+        beside = [s for s, h in enumerate(holders) if nodes[s] is not None and nodes[s] == nodes[h]]
+        if beside and len(set(node_of.values()) - {None}) > 1 and not self._warned_of_copies_beside:
+            self._warned_of_copies_beside = True
+            log.warning(
+                "memory checkpoints: the copies of shard(s) %s are held on their own node (the shards' "
+                "placement leaves no other): that node's loss rolls back to the stored checkpoint",
+                beside,
+            )
+        return holders
 
     def lost(self, at_step: int) -> list[ActorLoss]:
         """The shards that do not answer (a worker's call to one failed)."""

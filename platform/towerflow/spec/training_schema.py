@@ -101,8 +101,8 @@ class FailureSpec(StrictModel):
         30.0,
         gt=0,
         description="With 2 or more parameter servers: every this many seconds, each shard keeps its "
-        "state at one common version in memory and sends a copy to the next shard (another node under "
-        "spread placement). A lost shard then rolls the shards back to that version, not to the last "
+        "state at one common version in memory and sends a copy to another shard (on another node "
+        "wherever the placement allows). A lost shard then rolls the shards back to that version, not to the last "
         "stored checkpoint, unless the copy's holder was lost too. null: off.",
     )
 
