@@ -365,7 +365,7 @@ class KillShardAfterMemoryCheckpoint(KillShardAt):
                 self.events.append(event)
                 self.data_steps.append(context.session.data_steps)
                 return
-            self.memory_at_kill = latest.global_step
+            self.memory_at_kill, self.memory_model_state = latest.global_step, latest.model_state
         super().after_run(context, event)
 
 
@@ -374,6 +374,8 @@ def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
 ):
     raw = blob_spec(
         blob_data,
+        # batch-norm statistics: the workers' state, asked for with each memory checkpoint
+        model={"params": {"input_dim": 8, "num_classes": 2, "hidden": [16], "seed": 1, "batch_norm": True}},
         data={"batch_size": BATCH, "epochs": None},
         cluster={"workers": 2, "ps": 2, "min_slice_bytes": 64},  # every variable on both shards
         training={
@@ -387,6 +389,7 @@ def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
     slow = FaultInjector(step_delay_s={0: 0.04, 1: 0.04})
     result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert hook.killed_at and hook.memory_at_kill is not None
+    assert any("moving_variance" in name for name in hook.memory_model_state), hook.memory_model_state
     assert result.global_step == 80
     assert {s["version"] for s in result.shards} == {80}
     (fault,) = hook.faults

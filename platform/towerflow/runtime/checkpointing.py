@@ -135,10 +135,11 @@ class CheckpointActions:
                 version = max(ray.get([s.ping.remote() for s in shards], timeout=10)) + 1
             except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
                 return
-            memory.begin(shards, version, self.aggregator.examples_seen, self.shard_group.peer_holders())
+            holders = self.shard_group.peer_holders()
+            memory.begin(shards, version, self.aggregator.examples_seen, holders, self._ask_model_state())
         version = memory.ready()
         if version is not None:
-            memory.commit(self.model_state())
+            memory.commit(self._averaged_model_state(memory.model_state_refs(), timeout_s=0))
             for shard in shards:  # older copies, their own and their peers', can go
                 shard.checkpoint_committed.remote(version)
 

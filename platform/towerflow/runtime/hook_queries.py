@@ -29,20 +29,27 @@ class HookQueries:
         """
         if self._final_model_state is not None:
             return self._final_model_state
+        averaged = self._averaged_model_state(self._ask_model_state(), timeout_s=30)
+        if self.state is State.FINISHED:  # final: an evaluation on a worker (below) must not change it
+            self._final_model_state = averaged
+        return averaged
+
+    def _ask_model_state(self) -> list[Any]:
+        """Ask every worker for its non-trainable state: the refs of their answers."""
         if not self.workers or self._model_has_state is False:
-            return {}  # most models have none: no round trip to every worker at each checkpoint
-        refs = [w.model_state.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+            return []  # most models have none: no round trip to every worker at each checkpoint
+        return [w.model_state.remote() for w in self.workers]
+
+    def _averaged_model_state(self, refs: list[Any], timeout_s: float) -> dict[str, np.ndarray]:
+        """The average of the answers to `_ask_model_state` that come within `timeout_s`."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
         states = []
         for ref in ready:
             with contextlib.suppress(ray.exceptions.RayError):  # a lost worker: average the others
                 states.append(ray.get(ref))
         if states:
             self._model_has_state = bool(states[0])
-        averaged = average_model_states(states)
-        if self.state is State.FINISHED:  # final: an evaluation on a worker (below) must not change it
-            self._final_model_state = averaged
-        return averaged
+        return average_model_states(states)
 
     def profiles(self, workers: list[int]) -> dict[int, dict[str, Any] | None]:
         slots = self.group.slots

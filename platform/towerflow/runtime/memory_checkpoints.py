@@ -63,6 +63,7 @@ class _Begun:
     examples_seen: int
     holders: tuple[int, ...]
     refs: list[Any]  # per shard, the version it kept (`ParameterShard.copy_to_peer`)
+    model_state_refs: list[Any]  # the workers' answers with their non-trainable state
 
 
 class MemoryCheckpoints:
@@ -83,10 +84,18 @@ class MemoryCheckpoints:
             return False
         return self._clock() - self._last_begun_at >= self.every_s
 
-    def begin(self, shards: list[Any], version: int, examples_seen: int, holders: Sequence[int]) -> None:
-        """Every shard keeps its state at `version` and copies it to its holder (`peer_ring`)."""
+    def begin(
+        self,
+        shards: list[Any],
+        version: int,
+        examples_seen: int,
+        holders: Sequence[int],
+        model_state_refs: list[Any],
+    ) -> None:
+        """Every shard keeps its state at `version` and copies it to its holder (`peer_ring`); the
+        workers' non-trainable state, asked for meanwhile, goes with it."""
         refs = [shard.copy_to_peer.remote(version, shards[holders[i]]) for i, shard in enumerate(shards)]
-        self._begun = _Begun(version, examples_seen, tuple(holders), refs)
+        self._begun = _Begun(version, examples_seen, tuple(holders), refs, model_state_refs)
         self._last_begun_at = self._clock()
 
     def ready(self) -> int | None:
@@ -96,8 +105,9 @@ class MemoryCheckpoints:
         begun = self._begun
         if begun is None:
             return None
-        done, _ = ray.wait(begun.refs, num_returns=len(begun.refs), timeout=0)
-        if len(done) < len(begun.refs):
+        waited = begun.refs + begun.model_state_refs  # a hung worker's answer: once it is replaced
+        done, _ = ray.wait(waited, num_returns=len(waited), timeout=0)
+        if len(done) < len(waited):
             return None
         try:
             kept = ray.get(begun.refs)
@@ -108,6 +118,10 @@ class MemoryCheckpoints:
             self._begun = None
             return None
         return begun.version
+
+    def model_state_refs(self) -> list[Any]:
+        """The workers' answers asked for with the one begun."""
+        return self._begun.model_state_refs if self._begun is not None else []
 
     def commit(self, model_state: dict[str, np.ndarray]) -> MemoryCheckpoint:
         """The one begun is whole (`ready` said so): it is the newest a rollback may go back to."""
