@@ -3,7 +3,10 @@ killed for real, is in test_faults.py."""
 
 from __future__ import annotations
 
+import logging
+
 from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, MemoryCheckpoints, peer_ring
+from towerflow.runtime.shard_group import ShardGroup
 
 
 class Clock:
@@ -51,3 +54,33 @@ def test_each_shards_copy_goes_to_another_node_where_there_is_one():
     assert len(holders_on_their_own_node(nodes, peer_ring(nodes))) == 2
     # Unknown nodes (no placement group): the shards in order.
     assert peer_ring([None, None, None]) == [1, 2, 0]
+
+
+class Placed:
+    """Where Ray placed the run's bundles (bundle -> node), as ActorPlacement.node_of reads them."""
+
+    def __init__(self, node_of: dict[int, str]) -> None:
+        self._node_of = node_of
+
+    def node_of(self) -> dict[int, str]:
+        return self._node_of
+
+
+def _shards_in(bundles: list[int], node_of: dict[int, str]) -> ShardGroup:
+    group = ShardGroup(spec=None, apply_threads=None, placement=Placed(node_of))
+    group._bundles = bundles  # as start() takes them from the placement's roles
+    return group
+
+
+def test_copies_held_beside_their_shards_on_a_cluster_of_several_nodes_are_warned_of_once(caplog):
+    packed = _shards_in([0, 1], {0: "a", 1: "a", 2: "b"})  # both shards on a; a worker on b
+    with caplog.at_level(logging.WARNING, logger="towerflow.runtime.shard_group"):
+        assert packed.peer_holders() == [1, 0]
+        assert packed.peer_holders() == [1, 0]
+    (warning,) = caplog.records
+    assert "shard(s) [0, 1]" in warning.getMessage() and "stored checkpoint" in warning.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="towerflow.runtime.shard_group"):
+        assert _shards_in([0, 1], {0: "a", 1: "b", 2: "b"}).peer_holders() == [1, 0]  # spread
+        assert _shards_in([0, 1], {0: "a", 1: "a", 2: "a"}).peer_holders() == [1, 0]  # one node
+    assert not caplog.records
