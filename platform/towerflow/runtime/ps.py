@@ -52,9 +52,10 @@ class ParameterShard(ShardCheckpoints):
 
         self.shard_id = shard_id
         self._tf = tf
-        # Version -> the state this shard wrote to that checkpoint, from the newest committed one
-        # on: a rollback to it reloads from here, not from the store. Between checkpoints one more
-        # copy of the shard's state in memory (two while the next is being written).
+        # Version -> the state this shard wrote to that checkpoint (stored, or kept for a memory
+        # checkpoint), from the newest committed one on: a rollback to it reloads from here, not
+        # from the store. Between checkpoints one more copy of the shard's state in memory (two
+        # while the next is being taken).
         self._written: dict[int, ShardSnapshot] = {}
         # (shard id, version) -> another shard's state, held for it: its part of a memory checkpoint
         self._peer_copies: dict[tuple[int, int], ShardSnapshot] = {}
