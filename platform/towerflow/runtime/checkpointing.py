@@ -132,19 +132,19 @@ class CheckpointActions:
         memory, shards = self.memory_checkpoints, self.shards
         if memory.due(len(shards)):
             try:
-                version = max(ray.get([s.ping.remote() for s in shards], timeout=10)) + 1
+                version = self._next_version(timeout_s=10)
             except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
                 return
             holders = self.shard_group.peer_holders()
             memory.begin(shards, version, self.aggregator.examples_seen, holders, self._ask_model_state())
         version = memory.ready()
         if version is not None:
-            memory.commit(self._averaged_model_state(memory.model_state_refs(), timeout_s=0))
+            memory.commit(lambda refs: self._averaged_model_state(refs, timeout_s=0))
             for shard in shards:  # older copies, their own and their peers', can go
                 shard.checkpoint_committed.remote(version)
 
-    def _next_version(self) -> int:
-        return max(ray.get([s.ping.remote() for s in self.shards])) + 1
+    def _next_version(self, timeout_s: float | None = None) -> int:
+        return max(ray.get([s.ping.remote() for s in self.shards], timeout=timeout_s)) + 1
 
     def _cut(self, refs: list[Any]) -> list[Any] | None:
         """Every shard's answer for one version; None where a shard was lost meanwhile (the shards

@@ -72,7 +72,6 @@ class MemoryCheckpoints:
     def __init__(self, every_s: float | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s = every_s
         self.latest: MemoryCheckpoint | None = None
-        self.committed = 0
         self._clock = clock
         self._begun: _Begun | None = None
         self._last_begun_at = clock()  # the first one falls due every_s into the run
@@ -119,16 +118,13 @@ class MemoryCheckpoints:
             return None
         return begun.version
 
-    def model_state_refs(self) -> list[Any]:
-        """The workers' answers asked for with the one begun."""
-        return self._begun.model_state_refs if self._begun is not None else []
-
-    def commit(self, model_state: dict[str, np.ndarray]) -> MemoryCheckpoint:
-        """The one begun is whole (`ready` said so): it is the newest a rollback may go back to."""
+    def commit(self, averaged: Callable[[list[Any]], dict[str, np.ndarray]]) -> MemoryCheckpoint:
+        """The one begun is whole (`ready` said so): it is the newest a rollback may go back to, with
+        the workers' state `averaged` from their answers."""
         begun, self._begun = self._begun, None
         assert begun is not None, "commit without a ready memory checkpoint"
+        model_state = averaged(begun.model_state_refs)
         self.latest = MemoryCheckpoint(begun.version, begun.examples_seen, begun.holders, model_state)
-        self.committed += 1
         log.debug("memory checkpoint at step %d", begun.version)
         return self.latest
 

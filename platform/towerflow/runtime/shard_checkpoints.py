@@ -5,6 +5,7 @@ writes from its own node. The shard provides its variables, slots, optimizer and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -37,20 +38,23 @@ class ShardCheckpoints:
             key: kept for key, kept in self._peer_copies.items() if key[1] <= initial_version
         }
         own = self._written.get(initial_version)
-        if isinstance(initial_values, OwnCopy):  # a rollback to a memory checkpoint
-            if own is None or own.names != names:
+        if own is not None and own.names != names:
+            own = None  # a copy of other pieces than these
+        from_own = isinstance(initial_values, OwnCopy) or (  # a rollback to a memory checkpoint, or ...
+            isinstance(initial_values, PartSource)  # ... to a stored one this shard wrote
+            and initial_values.own_copy_ok
+            and own is not None
+            and own.version == initial_values.checkpoint.global_step
+        )
+        if from_own:
+            if own is None:
                 raise RuntimeError(f"shard {self.shard_id} holds no copy of its state at {initial_version}")
+            with_slots = not isinstance(initial_values, PartSource) or initial_values.with_slots
             self._loaded_from = f"its own copy of step {own.version}"
-            return own.values, dict(own.slots)
+            return own.values, dict(own.slots) if with_slots else None
         if isinstance(initial_values, ShardSnapshot):  # the copy a peer held of the lost shard's state
             self._loaded_from = f"a peer's copy of step {initial_values.version}"
             return initial_values.values, dict(initial_values.slots)
-        if isinstance(initial_values, PartSource) and initial_values.own_copy_ok and own is not None:
-            source = initial_values
-            if own.version == source.checkpoint.global_step and own.names == names:
-                initial_values = own.values
-                initial_slots = dict(own.slots) if source.with_slots else None
-                self._loaded_from = f"its own copy of step {own.version}"
         if isinstance(initial_values, PartSource):
             source = initial_values
             if not source.checkpoint.reader.reachable():
@@ -107,12 +111,10 @@ class ShardCheckpoints:
     def hold_peer_copy(self, kept: ShardSnapshot) -> None:
         """Keep another shard's state (its part of a memory checkpoint), copied out of the object
         store: the copy must outlive the shard that sent it, which owns the store's."""
-        self._peer_copies[(kept.shard_id, kept.version)] = ShardSnapshot(
-            kept.shard_id,
-            kept.version,
-            list(kept.names),
-            [np.array(v) for v in kept.values],
-            {slot: [np.array(a) for a in arrays] for slot, arrays in kept.slots.items()},
+        self._peer_copies[(kept.shard_id, kept.version)] = dataclasses.replace(
+            kept,
+            values=[np.array(v) for v in kept.values],
+            slots={slot: [np.array(a) for a in arrays] for slot, arrays in kept.slots.items()},
         )
 
     def peer_copy(self, shard_id: int, version: int) -> ShardSnapshot:
