@@ -19,6 +19,7 @@ from towerflow.launch import train
 from towerflow.runtime.driver import LAST_STEP_TAKEN
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
+from towerflow.runtime.scratch import scratch_root
 from towerflow.spec import validate_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,6 +32,8 @@ class FaultAt(Hook):
     def __init__(self, step: int, worker: int = 1, sig: int = signal.SIGKILL, times: int = 1) -> None:
         self.step, self.worker, self.sig, self.times = step, worker, sig, times
         self.events, self.faults, self.metrics, self.killed_at, self.killed = [], [], {}, [], []
+        self.killed_pids: list[int] = []
+        self.scratch_files: list[int] = []  # autograph's files in each killed one's scratch folder
         self.data_steps = []
 
     def after_run(self, context, event):
@@ -39,7 +42,10 @@ class FaultAt(Hook):
             actor = context.session.runtime.group.slots[self.worker].actor
             if actor in self.killed:
                 return  # async: the others reached the next kill's step before the loss was noticed
-            os.kill(ray.get(actor.pid.remote()), self.sig)
+            pid = ray.get(actor.pid.remote())
+            self.scratch_files.append(len(list(scratch_root().glob(f"{pid}-*/__autograph_generated_file*"))))
+            os.kill(pid, self.sig)
+            self.killed_pids.append(pid)
             self.killed.append(actor)
             self.killed_at.append(event.global_step)
 
@@ -87,6 +93,10 @@ def test_sync_worker_killed_is_replaced_and_the_epoch_loses_no_example(ray_clust
     assert _falls([e.loss for e in hook.events[hook.killed_at[0] :]])
     assert [e.global_step for e in hook.events] == list(range(1, result.global_step + 1))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())  # checkpoints went on
+    # The killed worker's temporary files (autograph's, of its traced step) went with it: the
+    # replacement, starting on the same node, removed its scratch folder.
+    assert hook.scratch_files[0] > 0
+    assert not [d for d in scratch_root().iterdir() if d.name.startswith(f"{hook.killed_pids[0]}-")]
 
 
 def test_a_call_to_a_live_shard_lost_in_transit_costs_the_worker_not_its_data(

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from towerflow.runtime.cluster import machine_cores
+from towerflow.runtime.scratch import use_own_scratch_dir
 from towerflow.tf_import import import_tensorflow
 
 
@@ -28,7 +29,10 @@ class TFProcessConfig:
 
 
 def configure_tensorflow(config: TFProcessConfig) -> list[str]:
-    """Set threads and devices; return the device names, one per tower."""
+    """Set threads and devices; return the device names, one per tower. Also gives the process a
+    temporary folder of its own (runtime/scratch.py): actors are killed, not ended, so the files
+    TensorFlow writes there are removed by the next actor to start."""
+    use_own_scratch_dir()
     tf = import_tensorflow(gpus=config.gpus > 0, keras=config.keras)
 
     # The CPUs Ray gave the actor, never more threads than its node has cores (a node may declare

@@ -1,0 +1,81 @@
+"""A temporary directory of its own for each actor process, swept once that process is gone.
+
+TensorFlow's autograph writes the Python it generates for each function it traces (a worker's
+step: four files) to the temporary directory, and removes them at the process's exit. An actor
+ends by being killed (the run's release, a lost node, a SIGKILL), so none of its files were ever
+removed: a day of tests left over 10,000 of them in this machine's /tmp, and a long-lived cluster
+node gathers them run after run. Each actor now writes its temporary files under
+`<tmp>/towerflow-scratch-<uid>/<pid>-<start ms>/`, and the next actor to start on the node removes
+the folders of processes no longer running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import psutil
+
+log = logging.getLogger(__name__)
+_SAME_START_MS = 1_000  # a process's start time, as read twice, differs by less than this
+
+
+def scratch_root(base: str | None = None) -> Path:
+    """Where this user's actors keep their scratch folders: under `base` (default: the temp dir)."""
+    return Path(base or tempfile.gettempdir()) / f"towerflow-scratch-{os.getuid()}"
+
+
+def use_own_scratch_dir(base: str | None = None) -> Path | None:
+    """Point this process's temporary files (`tempfile.tempdir`) at a folder of its own, after
+    removing the folders of processes that are gone. None, and the temp dir left as it was, where
+    the root is not a private folder of this user's (another user's, or a link planted there)."""
+    root = scratch_root(base)
+    try:
+        root.mkdir(mode=0o700, exist_ok=True)
+        info = root.lstat()
+    except OSError as exc:
+        log.warning("temporary files stay in %s: cannot make %s (%s)", tempfile.gettempdir(), root, exc)
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        log.warning(
+            "temporary files stay in %s: %s is not a private folder of this user's",
+            tempfile.gettempdir(),
+            root,
+        )
+        return None
+    me = psutil.Process()
+    own = root / f"{me.pid}-{int(me.create_time() * 1000)}"
+    own.mkdir(exist_ok=True)
+    sweep(root, keep=own)
+    tempfile.tempdir = str(own)
+    return own
+
+
+def sweep(root: Path, *, keep: Path | None = None) -> list[str]:
+    """Remove the scratch folders in `root` whose process is no longer running; their names."""
+    removed = []
+    for entry in root.iterdir():
+        if entry == keep or not entry.is_dir() or _owner_runs(entry.name) is not False:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _owner_runs(name: str) -> bool | None:
+    """Whether the process a folder is named after still runs (the same pid, started at the same
+    time: pids are reused); None for a name that is not `<pid>-<start ms>`."""
+    pid, _, start_ms = name.partition("-")
+    if not (pid.isdigit() and start_ms.isdigit()):
+        return None
+    try:
+        started = psutil.Process(int(pid)).create_time() * 1000
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # another user's process: not ours to judge
+        return True
+    return abs(started - int(start_ms)) < _SAME_START_MS
