@@ -2,11 +2,12 @@
 
 TensorFlow's autograph writes the Python it generates for each function it traces (a worker's
 step: four files) to the temporary directory, and removes them at the process's exit. An actor
-ends by being killed (the run's release, a lost node, a SIGKILL), so none of its files were ever
-removed: a day of tests left over 10,000 of them in this machine's /tmp, and a long-lived cluster
-node gathers them run after run. Each actor now writes its temporary files under
+ends by being killed (the run's release, a lost node, a SIGKILL), so its files would never be
+removed and a long-lived node (a KubeRay pod's /tmp is an emptyDir on the node's disk) would gather
+them run after run. Each actor writes its temporary files under
 `<tmp>/towerflow-scratch-<uid>/<pid>-<start ms>/`, and the next actor to start on the node removes
-the folders of processes no longer running.
+the folders of processes no longer running. Processes are told apart by their pid as this node's
+kernel sees it: the root must not be shared between containers with PID namespaces of their own.
 """
 
 from __future__ import annotations
