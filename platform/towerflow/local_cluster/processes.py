@@ -18,47 +18,19 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from towerflow.errors import TowerflowError
+from towerflow.process_ref import ProcessRef
 
 
 class ServerError(TowerflowError):
     """A local server did not start; the message names its log file."""
 
     exit_code = 1
-
-
-@dataclass(frozen=True)
-class ProcessRef:
-    """A process known by its pid and its start time (psutil's create_time)."""
-
-    pid: int
-    create_time: float
-
-    @classmethod
-    def of(cls, pid: int) -> ProcessRef:
-        return cls(pid, psutil.Process(pid).create_time())
-
-    def process(self) -> psutil.Process | None:
-        """The process, or None once it is gone (or its pid names another process now)."""
-        try:
-            process = psutil.Process(self.pid)
-            if (
-                abs(process.create_time() - self.create_time) > 0.5
-                or process.status() == psutil.STATUS_ZOMBIE
-            ):
-                return None
-            return process
-        except psutil.Error:
-            return None
-
-    def is_running(self) -> bool:
-        return self.process() is not None
 
 
 def start_detached(

@@ -19,10 +19,9 @@ import stat
 import tempfile
 from pathlib import Path
 
-import psutil
+from towerflow.process_ref import ProcessRef
 
 log = logging.getLogger(__name__)
-_SAME_START_MS = 1_000  # a process's start time, as read twice, differs by less than this
 
 
 def scratch_root(base: str | None = None) -> Path:
@@ -48,8 +47,8 @@ def use_own_scratch_dir(base: str | None = None) -> Path | None:
             root,
         )
         return None
-    me = psutil.Process()
-    own = root / f"{me.pid}-{int(me.create_time() * 1000)}"
+    me = ProcessRef.of(os.getpid())
+    own = root / f"{me.pid}-{int(me.create_time * 1000)}"
     own.mkdir(exist_ok=True)
     sweep(root, keep=own)
     tempfile.tempdir = str(own)
@@ -68,15 +67,9 @@ def sweep(root: Path, *, keep: Path | None = None) -> list[str]:
 
 
 def _owner_runs(name: str) -> bool | None:
-    """Whether the process a folder is named after still runs (the same pid, started at the same
-    time: pids are reused); None for a name that is not `<pid>-<start ms>`."""
+    """Whether the process a folder is named after still runs (`ProcessRef`: the same pid, started
+    at the same time); None for a name that is not `<pid>-<start ms>`."""
     pid, _, start_ms = name.partition("-")
     if not (pid.isdigit() and start_ms.isdigit()):
         return None
-    try:
-        started = psutil.Process(int(pid)).create_time() * 1000
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:  # another user's process: not ours to judge
-        return True
-    return abs(started - int(start_ms)) < _SAME_START_MS
+    return ProcessRef(int(pid), int(start_ms) / 1000).is_running()
