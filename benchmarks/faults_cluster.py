@@ -15,8 +15,9 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   loss noticed to the replacement's first step).
 - driver killed (sync): the driver, started with `--resume auto`, is SIGKILLed (its process group)
   at step `--at` (or at the run's first checkpoint, if that comes later: without one `--resume auto`
-  starts a new run), and `--resume auto` started again. Steps redone: the step MLflow had heard of
-  at the kill (the driver may have been a step or two further) less `towerflow.resumed_from_step`;
+  starts a new run), and `--resume auto` started again: it takes the live shards over (runtime/
+  run_keeper.py). Steps redone: the step MLflow had heard of at the kill (the driver may have been
+  a step or two further) less `towerflow.resumed_from_step`, 0 where it resumed past it;
   seconds lost: both drivers' wall time less the clean run's; recovery: the second driver's start
   to its first step in MLflow.
 - elastic: one run of `workers: {min: 1, max: 4}` over `--elastic-steps` steps (1.5 CPUs a worker:
@@ -230,12 +231,14 @@ def driver_killed(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     if len(runs) != 1 or resumed is None:
         ok = False
         notes.append(f"{len(runs)} run(s) in the experiment, resumed_from_step {resumed}")
-    notes += [line for line in second.text().splitlines() if "--resume auto" in line]
+    notes += [
+        line for line in second.text().splitlines() if "--resume auto" in line or "took over run" in line
+    ]
     return {
         "driver killed (sync)": result(
             first.wall_s + second.wall_s,
             ok,
-            steps_redone=heard - int(resumed) if resumed is not None else None,
+            steps_redone=max(0, heard - int(resumed)) if resumed is not None else None,
             recovery_s=recovery,
             notes=notes,
         )

@@ -114,6 +114,11 @@ def train(
 
     ensure_ray(budget_for(spec.cluster), budget_for(spec.cluster, spec.cluster.fewest_workers))
     check_actors_fit_nodes(spec.cluster, live_node_resources())
+    if tracker is not None and resume:
+        # A lost driver's shards, still alive on this cluster: the run goes on from their state.
+        from towerflow.runtime.run_keeper import take_over_live_run
+
+        initial_state = take_over_live_run(resume, spec, stored=initial_state) or initial_state
     skipped = SkippedRecordsHook() if spec.data.on_bad_record == "skip" else None
     # Hooks end in reverse order: the skipped-records hook comes right after the tracker, so that its
     # last counts reach the tracker before the tracker closes the run.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -288,6 +289,16 @@ def _actors(cluster: LocalCluster, class_name: str) -> list[dict]:
     ]
 
 
+def _placement_groups(cluster: LocalCluster, job: str) -> list[dict]:
+    """The job's placement groups that still hold their resources."""
+    reply = cluster.state_api("/api/v0/placement_groups?limit=1000&detail=true")
+    return [
+        g
+        for g in reply["data"]["result"]["result"]
+        if g["name"].startswith(f"towerflow-{job}-") and g["state"] != "REMOVED"
+    ]
+
+
 def _finish(driver: subprocess.Popen, timeout: float = 300) -> str:
     out, _ = driver.communicate(timeout=timeout)
     assert driver.returncode == 0, out
@@ -366,7 +377,9 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     assert any(v.startswith("parameter server") and "(a memory checkpoint)" in v for v in faults), faults
 
 
-def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_data, tmp_path):
+def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
+    multinode_cluster, blob_data, tmp_path
+):
     cluster = multinode_cluster
     # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
     # 100 steps were done by then (the run had ended FINISHED before the kill): three times that.
@@ -377,10 +390,26 @@ def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_dat
     driver.wait()
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "RUNNING"  # nobody closed it
+    reported = max(m.step for m in client.get_metric_history(run_id, "loss"))
     left = _client_report(cluster, CLAIMS_CLIENT)  # its data pipeline's claim on the cores, on record
     assert left, "the killed driver's pipeline left no claim on record"
-    again = _finish(_train(cluster, spec, "--resume", "auto"))
+    # Its shards outlive it (training.failure.driver_grace_s); its workers end with it.
+    shards = {a["actor_id"]: a["pid"] for a in _actors(cluster, "ParameterShard")}
+    assert len(shards) == 1, shards
+    deadline = time.monotonic() + 60
+    while _actors(cluster, "TowerWorker") and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _actors(cluster, "TowerWorker")
+    resumed = _train(cluster, spec, "--resume", "auto")
+    seen = []  # the shards alive while the resumed driver runs: the same process trains on
+    while resumed.poll() is None:
+        seen.append({a["actor_id"]: a["pid"] for a in _actors(cluster, "ParameterShard")})
+        time.sleep(0.5)
+    assert shards in seen and all(alive in ({}, shards) for alive in seen), seen
+    again = _finish(resumed)
     assert f"continuing run {run_id}" in again
+    took = re.search(rf"took over run {run_id}'s live shards at step (\d+)", again)
+    assert took and int(took.group(1)) >= reported, again[-3000:]
     # The new run withdrew it before reading, instead of reading with half the cores for 180 s.
     assert all(requester in again for requester in left.values()), (left, again[-3000:])
     experiment = client.get_experiment_by_name("driver-loss")
@@ -388,7 +417,29 @@ def test_a_killed_driver_is_continued_by_resume_auto(multinode_cluster, blob_dat
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["global_step"] == 300
-    assert int(run.data.tags["towerflow.resumed_from_step"]) >= 20
+    assert int(run.data.tags["towerflow.resumed_from_step"]) == int(took.group(1))
+    logged = [m.step for m in client.get_metric_history(run_id, "loss")]
+    assert len(logged) == len(set(logged)), "a step was trained and logged twice"
+    # The run's end ended the kept shard, its control point and its placement groups.
+    assert not _actors(cluster, "ParameterShard") and not _actors(cluster, "RunControl")
+    assert not _placement_groups(cluster, "driver-loss")
+
+
+def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blob_data, tmp_path):
+    cluster = multinode_cluster
+    spec, uri = _spec_file(tmp_path, blob_data, "orphans", max_steps=10_000, failure={"driver_grace_s": 5})
+    driver = _train(cluster, spec)
+    _wait_for_step(uri, "orphans", 5, driver)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    assert _actors(cluster, "ParameterShard") and _placement_groups(cluster, "orphans")
+    deadline = time.monotonic() + 90  # 5 s of grace, then Ray removes the groups and their actors
+    while (_actors(cluster, "ParameterShard") or _placement_groups(cluster, "orphans")) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(1)
+    assert not _actors(cluster, "ParameterShard") and not _actors(cluster, "RunControl")
+    assert not _placement_groups(cluster, "orphans")
 
 
 def _wait_for_metric(uri: str, run_id: str, key: str, value: float, driver, timeout: float = 180) -> None:

@@ -35,6 +35,7 @@ from towerflow.runtime.result import TrainResult
 from towerflow.runtime.run_actors import RunActors
 from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.run_end import RunEnd
+from towerflow.runtime.run_keeper import LiveShards
 from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.spares import SparePool
@@ -80,6 +81,8 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self.worker_spares = SparePool(self._new_spare_worker, "worker", answer_timeout_s=30.0)
         self.elastic = ElasticPolicy.for_spec(spec)
         self.control: ControlPoint | None = None  # where `towerflow scale` leaves a worker count
+        # A kept run's shards and spares, as its control point knows them (runtime/run_keeper.py).
+        self._handed_over: tuple[Any, ...] = ()
         self._warm_up_info: Any = None  # a member's batch signature, for spares to trace ahead
         # node id -> the ref of readying it for the read tasks (a spare's node, as the spare starts)
         self._ready_node_for_reading: Callable[[str], Any] | None = None
@@ -131,9 +134,8 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
             self._ready_node_for_reading = feed.ready_node_for_reading
             self._note_data_end(self.session.start_step, feed)
+            self.control = self._control_point()
             self._create_actors(count)
-            if self.session.tags.get("run_id"):
-                self.control = ControlPoint(self.session.tags["run_id"])
             for hook in self.hooks:
                 hook.after_create_session(self.session)
             worker_summaries = self._train()
@@ -174,6 +176,17 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         )
         self._set_worker_count(count)
         return count
+
+    def _control_point(self) -> ControlPoint | None:
+        """The run's control point (a tracked run's): made here, or a lost driver's, taken over
+        with its shards; a kept run's lives beyond this driver (runtime/run_keeper.py)."""
+        run_id = self.session.tags.get("run_id")
+        if isinstance(self.initial_state, LiveShards):
+            return ControlPoint(run_id, actor=self.initial_state.control)
+        if not run_id:
+            return None
+        grace_s = self.spec.training.failure.driver_grace_s if self._kept_beyond_the_driver() else None
+        return ControlPoint(run_id, grace_s=grace_s)
 
     def _set_worker_count(self, count: int) -> None:
         self.session.num_workers = count
@@ -239,6 +252,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         recovered = len(self.group.recoveries_s)
         self.shard_group.spares.refill()  # a spare in each bundle a lost actor left, once Ray frees it
         self.worker_spares.refill()
+        self._keep_handover_current()
         self.worker_spares.warm(self._warm_up_spare)  # traces its step ahead, once members have batches
         status = self.group.poll(self.poll_s)
         self._summaries.update(status.finished)

@@ -87,6 +87,7 @@ class ActorPlacement:
             self._parts = {name: list(range(len(self.bundles)))}
         self._where = {b: (g, i) for g, part in enumerate(self._parts.values()) for i, b in enumerate(part)}
         self.groups: list[Any] = []
+        self.detached = False  # the groups outlive the driver: a kept run's (runtime/run_keeper.py)
 
     def reserve(self) -> None:
         """Create the placement groups and wait until Ray has placed every bundle (a clear error after
@@ -94,7 +95,12 @@ class ActorPlacement:
         from ray.util.placement_group import placement_group
 
         self.groups = [  # created in order: Ray places them so, each with the room the ones before left
-            placement_group([self.bundles[b] for b in part], strategy=self.strategy, name=group_name)
+            placement_group(
+                [self.bundles[b] for b in part],
+                strategy=self.strategy,
+                name=group_name,
+                lifetime="detached" if self.detached else None,
+            )
             for group_name, part in self._parts.items()
         ]
         started = time.monotonic()
@@ -151,6 +157,10 @@ class ActorPlacement:
         """The bundles of the shards (by index) and of the warm spare shards (the one to take first
         first), as the run starts."""
         return list(self._shard_bundles), list(self._spare_shard_bundles)
+
+    def spare_shard_bundles(self, shard_bundles: list[int]) -> list[int]:
+        """The bundles of shard size that the shards in `shard_bundles` do not hold: their spares'."""
+        return [b for b in self._shard_sized if b not in shard_bundles]
 
     def spare_worker_bundles(self) -> list[int]:
         """The bundles of the warm spare workers (the one to take first first), as the run starts."""

@@ -28,7 +28,7 @@ import ray
 from towerflow.runtime.accumulator import GradientAccumulator
 from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
 from towerflow.runtime.shard_checkpoints import ShardCheckpoints
-from towerflow.runtime.shard_parts import OwnCopy, PartSource, ShardSnapshot
+from towerflow.runtime.shard_parts import LiveState, OwnCopy, PartSource, ShardSnapshot
 from towerflow.runtime.shard_replies import ParamsReply, PushReply
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
@@ -63,7 +63,7 @@ class ParameterShard(ShardCheckpoints):
     def load(
         self,
         names: list[str],
-        initial_values: list[np.ndarray] | PartSource | OwnCopy | ShardSnapshot,
+        initial_values: list[np.ndarray] | PartSource | OwnCopy | ShardSnapshot | LiveState,
         optimizer: dict[str, Any],
         protocol: UpdateProtocol,
         max_steps: int | None,
@@ -73,11 +73,13 @@ class ParameterShard(ShardCheckpoints):
         snapshot_every: int | None = None,
         buckets: list[int] | None = None,
         shard_id: int | None = None,
+        examples_seen: int = 0,
     ) -> bool:
         """Take this shard's pieces, their optimizer and update protocol; publish the first version.
         Called once, before any worker pulls or pushes. Pieces given as a checkpoint part are read
         here, from the store; False (nothing loaded) where this node cannot reach it. `shard_id`:
-        the place this shard takes, where it is not the one it started in (a spare's)."""
+        the place this shard takes, where it is not the one it started in (a spare's);
+        `examples_seen`: the run's data position at `initial_version` (`live_position`)."""
         from towerflow.runtime.optimizers import build_optimizer
 
         if shard_id is not None:
@@ -135,6 +137,7 @@ class ParameterShard(ShardCheckpoints):
         self._publications = 0
         self._reset_snapshots(snapshot_every)
         self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
+        self._examples_before = examples_seen  # the data position when `_taken` began
         self._step_workers: dict[int, tuple[int, ...]] = {}  # the last bucket's versions
         return True
 
@@ -217,16 +220,24 @@ class ParameterShard(ShardCheckpoints):
         for protocol in self._protocols.values():
             protocol.on_join(worker)
 
-    def resize(self, total_num_replicas: int, replicas_to_aggregate: int) -> None:
-        """An elastic resize: the workers were stopped between steps and start again, this many."""
+    def resize(self, total_num_replicas: int, replicas_to_aggregate: int, examples_seen: int) -> None:
+        """An elastic resize: the workers were stopped between steps and start again, this many, on
+        data planned from `examples_seen`."""
         for protocol in self._protocols.values():
             protocol.resize(total_num_replicas, replicas_to_aggregate)
         self._taken.clear()  # the workers start on freshly planned data
+        self._examples_before = examples_seen
 
     def examples_taken(self) -> dict[int, int]:
         """Worker id -> the examples of the gradients this shard took from it, applied or dropped,
         since it was loaded or resized: the rows a lost worker used, counted where they arrived."""
         return dict(self._taken)
+
+    def live_position(self) -> tuple[int, int]:
+        """This shard's version and the run's data position as the gradients it took tell: what a
+        driver taking the shards over goes on from (runtime/run_keeper.py). Examples of gradients
+        taken but not yet applied count: their rows were read."""
+        return self._version, self._examples_before + sum(self._taken.values())
 
     async def finish(self) -> int:
         """Stop accepting gradients and release every waiting worker."""

@@ -97,7 +97,8 @@ class RecoveryActions:
         members = sorted(self.group.slots)
         version = ray.get(self.shards[0].ping.remote())
         replicas = self.elastic.replicas_to_aggregate(len(members))
-        ray.get([shard.resize.remote(len(members), replicas) for shard in self.shards])
+        seen = self.aggregator.examples_seen
+        ray.get([shard.resize.remote(len(members), replicas, seen) for shard in self.shards])
         planned = time.monotonic()
         try:
             feed = self.make_data(len(members), self.aggregator.examples_seen, self._step_shape(len(members)))
@@ -259,7 +260,7 @@ class RecoveryActions:
         stored checkpoint, or the state the run started from."""
         stored = self.latest_checkpoint() if self.latest_checkpoint is not None else None
         source = "the stored checkpoint" if stored is not None else "the run's start"
-        stored = stored or self.initial_state
+        stored = stored or self._stored_start()
         memory = self.memory_checkpoints.latest
         self.memory_checkpoints.forget()  # whichever is taken, what the shards kept is left behind
         if memory is None:

@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from towerflow.runtime.actors import ACTOR_GONE
+from towerflow.runtime.run_keeper import LiveShards, compatibility
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
 
@@ -22,13 +23,25 @@ class RunActors:
 
     def _create_actors(self, count: int) -> None:
         session = self.session
-        self.actor_placement.reserve()  # every shard and worker placed at once, as cluster.placement asks
+        live = self.initial_state if isinstance(self.initial_state, LiveShards) else None
+        if live is not None:  # a lost driver's shards, in their placement groups, taken over
+            self.actor_placement = self.shard_group.actor_placement = live.handover.placement
+        else:
+            kept = self._kept_beyond_the_driver()
+            self.actor_placement.detached = self.shard_group.detached = kept
+            self.actor_placement.reserve()  # every shard and worker placed at once, as cluster.placement asks
+            if kept:
+                self.control.keep(self.actor_placement.groups)
         self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
         self.group.start(list(range(count)))
         self.worker_spares.start(self.actor_placement.spare_worker_bundles())  # beside the workers
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
-        self.shard_group.start()
+        if live is not None:
+            self.shard_group.adopt(live.handover)
+        else:
+            self.shard_group.start()
+        self._keep_handover_current()
         infos, values = ray.get(self.workers[0].describe.remote())
         self.shard_group.lay_out(infos, self._push_bucket_bytes())
         group = self.shard_group
@@ -37,7 +50,7 @@ class RunActors:
             group.pieces,
             group.assignment,
         )
-        if self.initial_state is None:
+        if self._stored_start() is None:
             group.initial_values = values  # a rollback with no checkpoint yet starts over from these
         self._load_shards(self.initial_state, session.start_step)
         # Wait until every actor has started (TensorFlow imported, model built, pieces loaded)
@@ -60,7 +73,30 @@ class RunActors:
             workers=workers,
             replicas=self.elastic.replicas_to_aggregate(workers),
             rollback=rollback,
+            examples_seen=state.examples_seen if state is not None else 0,
         )
+
+    def _stored_start(self) -> Any:
+        """The stored state the run started from (a resume's checkpoint), or None: the model's own."""
+        state = self.initial_state
+        return state.stored if isinstance(state, LiveShards) else state
+
+    def _kept_beyond_the_driver(self) -> bool:
+        """Whether this run's shards outlive a lost driver (`training.failure.driver_grace_s`): a
+        tracked run's, which a driver can resume; a run that took a lost driver's over."""
+        if isinstance(self.initial_state, LiveShards):
+            return True
+        return bool(self.session.tags.get("run_id")) and self.spec.training.failure.driver_grace_s is not None
+
+    def _keep_handover_current(self) -> None:
+        """Tell a kept run's control point of its shards and spares whenever they change."""
+        if self.control is None or not self._kept_beyond_the_driver():
+            return
+        spares = self.shard_group.spares.spares
+        now = tuple(a._actor_id for a in self.shards) + tuple(a._actor_id for a, _ in spares)
+        if now != self._handed_over:
+            self._handed_over = now
+            self.control.remember(self.shard_group.handover(compatibility(self.spec)))
 
     @property
     def shards(self) -> list[Any]:

@@ -1,51 +1,127 @@
 """A running job's control point on the Ray cluster: `towerflow scale` leaves a new worker count
-there and the controller picks it up at its next poll.
+there and the controller picks it up at its next poll; and, for a run whose shards outlive a lost
+driver (`training.failure.driver_grace_s`, runtime/run_keeper.py), the keeper of those shards.
 
 It is a named actor with no resources, in the `towerflow` namespace under the run's id, so any
-process connected to the same cluster (a `ray job submit` driver or a shell) finds it; it lives as
-long as the job's driver that created it. It sits on the driver's node (a node lost with it would
-end the run anyway) and Ray restarts it should it die: losing it must never fail a training run.
+process connected to the same cluster (a `ray job submit` driver or a shell) finds it. It sits on
+the driver's node and Ray restarts it should it die: losing it must never fail a training run.
+
+Where the run's shards are kept, it is detached from its driver, holds what a new driver needs to
+take them over (`remember`, `take_over`), and knows its driver is there by the lease a thread of
+the driver's process renews every few seconds: a driver stuck in a long wait still renews it, a
+lost one does not. After `grace_s` without a renewal it removes the run's placement groups, which
+ends every shard placed in them, and then itself. Otherwise it lives as long as its driver.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import time
 from typing import Any
 
 import ray
 
 from towerflow.errors import ClusterError
+from towerflow.runtime.actors import kill_quietly
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "towerflow"
+RENEW_EVERY_S = 2.0  # how often the driver renews its lease on a kept run
+LEASE_FRESH_S = 5 * RENEW_EVERY_S  # renewed within this: the run has a driver
+LOOK_EVERY_S = 2.0  # how often the keeper looks at the lease
+NAME_FREED_WITHIN_S = 30.0  # a control point ended just now: how long its name may stay taken
 
 
 def control_name(run_id: str) -> str:
     return f"run-{run_id}"
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class RunControl:
-    def __init__(self) -> None:
+    def __init__(self, run_id: str = "", grace_s: float | None = None) -> None:
+        """`grace_s`: a kept run's, whose driver renews its lease (see the module's docstring)."""
+        self._run_id = run_id
         self._workers: int | None = None
+        self._renewed = time.monotonic()
+        self._handover: Any = None  # runtime/run_keeper.Handover, of a kept run
+        self._groups: list[Any] = []
+        self._keeping = grace_s is not None
+        if grace_s is not None:  # from the start: a driver lost before `keep` leaves nothing behind
+            watch = threading.Thread(
+                target=self._watch, args=(grace_s,), name="towerflow-keeper", daemon=True
+            )
+            watch.start()
 
-    def scale(self, workers: int) -> None:
+    def scale(self, workers: int) -> bool:
+        """Leave a worker count; False where the run has no driver to pick it up."""
         self._workers = workers
+        return not self._keeping or self.driver_seen_s_ago() < LEASE_FRESH_S
 
     def wanted_workers(self) -> int | None:
         return self._workers
 
+    # -- the keeper of a kept run's shards -------------------------------------------------------
+    def keep(self, groups: list[Any]) -> None:
+        """Keep the run's shards, in these placement groups, while it has a driver and the grace
+        period after."""
+        self._groups = list(groups)
+
+    def renew(self) -> None:
+        self._renewed = time.monotonic()
+
+    def driver_seen_s_ago(self) -> float:
+        """Since the driver last renewed its lease; 0 for a run not kept, whose control point ends
+        with its driver (while it is there, so is the driver)."""
+        return time.monotonic() - self._renewed if self._keeping else 0.0
+
+    def remember(self, handover: Any) -> None:
+        self._handover = handover
+
+    def take_over(self) -> Any:
+        """What a new driver needs to take the run's shards over (None where none is known: a
+        keeper restarted since), now that driver's: it renews the lease from here on."""
+        self._renewed = time.monotonic()
+        return self._handover
+
+    def _watch(self, grace_s: float) -> None:
+        while time.monotonic() - self._renewed <= grace_s:
+            time.sleep(LOOK_EVERY_S)
+        from ray.util.placement_group import remove_placement_group
+
+        log.warning(
+            "run %s has had no driver for %.0f s (training.failure.driver_grace_s): its shards end",
+            self._run_id,
+            grace_s,
+        )
+        for group in self._groups:  # ends every actor placed in it: the shards and their spares
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+        kill_quietly(ray.get_runtime_context().current_actor)
+
 
 class ControlPoint:
-    """The controller's side: create the named actor, and ask it without blocking."""
+    """The controller's side: create the named actor (or go on with a lost driver's), ask it
+    without blocking, and renew the lease of a kept run."""
 
-    def __init__(self, run_id: str) -> None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self.actor = RunControl.options(
-            name=control_name(run_id), namespace=NAMESPACE, scheduling_strategy=here, max_restarts=-1
-        ).remote()
+    def __init__(self, run_id: str, *, grace_s: float | None = None, actor: Any = None) -> None:
+        """`grace_s`: the run's shards are kept beyond this driver for that long (`keep` follows);
+        `actor`: the control point of a lost driver, whose kept shards this driver took over."""
+        self.actor = actor if actor is not None else _create(run_id, grace_s)
         self._asked: Any = None
         self._seen: int | None = None
+        self._renewing: threading.Event | None = None
+        if actor is not None or grace_s is not None:
+            self._start_renewing()
+
+    def keep(self, groups: list[Any]) -> None:
+        """Have the control point keep the run's shards, in these placement groups."""
+        ray.get(self.actor.keep.remote(groups))
+
+    def remember(self, handover: Any) -> None:
+        self.actor.remember.remote(handover)
 
     def new_worker_count(self) -> int | None:
         """A worker count set since the last call, else None; never waits."""
@@ -66,18 +142,55 @@ class ControlPoint:
         return wanted
 
     def close(self) -> None:
+        if self._renewing is not None:
+            self._renewing.set()
         ray.kill(self.actor)
+
+    def _start_renewing(self) -> None:
+        if self._renewing is not None:
+            return
+        stop = self._renewing = threading.Event()
+        actor = self.actor
+
+        def renew() -> None:  # a thread of its own: a driver busy or waiting in its loop renews too
+            while not stop.wait(RENEW_EVERY_S):
+                with contextlib.suppress(Exception):
+                    actor.renew.remote()
+
+        threading.Thread(target=renew, name="towerflow-lease", daemon=True).start()
+
+
+def find_control(run_id: str) -> Any:
+    """Run `run_id`'s control point on this cluster, or None."""
+    try:
+        return ray.get_actor(control_name(run_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _create(run_id: str, grace_s: float | None) -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    lifetime = {"lifetime": "detached"} if grace_s is not None else {}
+    options = dict(name=control_name(run_id), namespace=NAMESPACE, scheduling_strategy=here, max_restarts=-1)
+    deadline = time.monotonic() + NAME_FREED_WITHIN_S
+    while True:
+        try:
+            return RunControl.options(**options, **lifetime).remote(run_id, grace_s)
+        except ValueError:  # the name is still a control point's that was just ended (a lost driver's)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def request_scale(run_id: str, workers: int) -> None:
     """Ask the running job `run_id` for `workers` workers (from any process connected to its cluster)."""
     if workers < 1:
         raise ValueError(f"--workers {workers}: a run needs at least one worker")
-    try:
-        actor = ray.get_actor(control_name(run_id), namespace=NAMESPACE)
-    except ValueError:
+    actor = find_control(run_id)
+    if actor is None or not ray.get(actor.scale.remote(workers)):
         raise ClusterError(
             f"no running towerflow job with run id {run_id} on this Ray cluster (it has ended, or runs on "
             "another cluster: set RAY_ADDRESS to that cluster's head)"
-        ) from None
-    ray.get(actor.scale.remote(workers))
+        )

@@ -14,6 +14,7 @@ import ray
 from towerflow.errors import DataError
 from towerflow.runtime.actors import kill_quietly
 from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.runtime.run_keeper import LiveShards, release_shards
 from towerflow.shared_types import join_pieces
 
 
@@ -68,9 +69,6 @@ class RunEnd:
         )
 
     def _release(self) -> None:
-        if self.control is not None:
-            with contextlib.suppress(Exception):
-                self.control.close()
         self.group.kill()
         self.worker_spares.kill()
         self.shard_group.kill()
@@ -80,5 +78,13 @@ class RunEnd:
         if self._evaluator is not None:
             kill_quietly(self._evaluator)
         self._evaluator = None
+        live = self.initial_state
+        if isinstance(live, LiveShards) and self.actor_placement is not live.handover.placement:
+            # a lost driver's shards, which this run ended before it took them in
+            with contextlib.suppress(Exception):
+                release_shards(live.handover, live.control)
         with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
             self.actor_placement.release()
+        if self.control is not None:  # last: a kept run's ends what is left should this be cut short
+            with contextlib.suppress(Exception):
+                self.control.close()

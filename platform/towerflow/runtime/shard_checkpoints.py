@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from towerflow.runtime.shard_parts import OwnCopy, PartReport, PartSource, ShardSnapshot, write_shard_part
+from towerflow.runtime.shard_parts import (
+    LiveState,
+    OwnCopy,
+    PartReport,
+    PartSource,
+    ShardSnapshot,
+    write_shard_part,
+)
 
 _SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
 
@@ -24,19 +31,26 @@ class ShardCheckpoints:
     def _starting_state(
         self,
         names: list[str],
-        initial_values: list[np.ndarray] | PartSource | OwnCopy | ShardSnapshot,
+        initial_values: list[np.ndarray] | PartSource | OwnCopy | ShardSnapshot | LiveState,
         initial_slots: dict[str, list[np.ndarray]] | None,
         initial_version: int,
     ) -> tuple[list[np.ndarray] | None, dict[str, list[np.ndarray]] | None]:
         """The values and slots to load: as given, this shard's own copy of a checkpoint it wrote or
-        of a memory checkpoint (a rollback), the copy a peer held for the shard it replaces, or read
-        from the store; (None, None) where this node cannot reach the store. Sets `_loaded_from`."""
+        of a memory checkpoint (a rollback), the copy a peer held for the shard it replaces, what it
+        holds now (a new driver's), or read from the store; (None, None) where this node cannot
+        reach the store. Sets `_loaded_from`."""
         self._loaded_from = "values from the driver"
         # Copies from beyond the version loaded belong to a timeline abandoned by a rollback.
         self._written = {v: kept for v, kept in self._written.items() if v <= initial_version}
         self._peer_copies = {
             key: kept for key, kept in self._peer_copies.items() if key[1] <= initial_version
         }
+        if isinstance(initial_values, LiveState):
+            if list(self._names) != list(names):
+                raise RuntimeError(f"shard {self.shard_id} holds other pieces than the run's layout gives it")
+            self._loaded_from = f"its live state of step {self._version}"
+            live = self._capture()
+            return live.values, dict(live.slots)
         own = self._written.get(initial_version)
         if own is not None and own.names != names:
             own = None  # a copy of other pieces than these

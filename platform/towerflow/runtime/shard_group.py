@@ -19,7 +19,8 @@ from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, peer_ring
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
-from towerflow.runtime.shard_parts import OwnCopy, PartSource
+from towerflow.runtime.run_keeper import Handover, LiveShards
+from towerflow.runtime.shard_parts import LiveState, OwnCopy, PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
 from towerflow.runtime.spares import SparePool
 
@@ -40,6 +41,7 @@ class ShardGroup:
         self._bundles: list[int] = []  # per shard, its bundle (numbered across the run's placement groups)
         self._warned_of_copies_beside = False
         self._replaced: set[int] = set()  # shards put in others' places since the last load: hold nothing
+        self.detached = False  # the shards outlive the driver: a kept run's (runtime/run_keeper.py)
         # cluster.spare_shards; a shard's start is a TensorFlow import: 15 s is a loaded node's
         self.spares = SparePool(lambda bundle: self._new(None, bundle), "shard", answer_timeout_s=15.0)
 
@@ -48,6 +50,19 @@ class ShardGroup:
         self._bundles, spare_bundles = self.actor_placement.shard_roles()
         self.actors = [self._new(index, bundle) for index, bundle in enumerate(self._bundles)]
         self.spares.start(spare_bundles)
+
+    def adopt(self, handover: Handover) -> None:
+        """Take over the live shards of a run whose driver was lost; its
+        spares end, and new ones start in their bundles."""
+        self.actors, self._bundles = list(handover.shards), list(handover.shard_bundles)
+        for spare in handover.spares:
+            kill_quietly(spare)
+        self.spares.start(self.actor_placement.spare_shard_bundles(self._bundles))
+
+    def handover(self, compatible: dict[str, Any]) -> Handover:
+        """What a driver taking these shards over needs."""
+        spares = [actor for actor, _ in self.spares.spares]
+        return Handover(self.actor_placement, list(self.actors), list(self._bundles), spares, compatible)
 
     def lay_out(self, variables: list[Any], push_bucket_bytes: int | None) -> None:
         """Cut the variables into pieces, place them on the shards, and bucket their gradients."""
@@ -72,10 +87,12 @@ class ShardGroup:
         workers: int,
         replicas: int,
         rollback: bool = False,
+        examples_seen: int = 0,
     ) -> None:
         """Give every shard its pieces at `version` and wait until all have them: from `state` (a
         StoredCheckpoint, a whole TrainingState or a MemoryCheckpoint), else from the model's initial values, for
-        `workers` workers of which sync steps aggregate `replicas`. A checkpoint laid out as these
+        `workers` workers of which sync steps aggregate `replicas`, the data read from `examples_seen`
+        on. A LiveShards state (runtime/run_keeper.py) keeps what each shard holds. A checkpoint laid out as these
         shards are is read by each shard itself, part by part; any other is re-cut here. A shard
         loaded again starts afresh."""
         spec = self.spec
@@ -100,6 +117,7 @@ class ShardGroup:
                 snapshot_every=snapshot_every,
                 buckets=self.buckets[shard],
                 shard_id=shard,
+                examples_seen=examples_seen,
             )
 
         self._replaced = set()
@@ -117,6 +135,8 @@ class ShardGroup:
     def _initial_pieces(self, state: Any, optimizer: str, rollback: bool) -> list[tuple[Any, Any]]:
         """Per shard: (values or a PartSource, slots or None)."""
         pieces, assignment = self.pieces, self.assignment
+        if isinstance(state, LiveShards):
+            return [(LiveState(), None) for _ in assignment]
         if isinstance(state, MemoryCheckpoint):  # a rollback: each its own copy, a new shard its peer's
             version = state.global_step
             return [
@@ -272,5 +292,6 @@ class ShardGroup:
     def _new(self, index: int | None, bundle: int) -> Any:
         """A shard actor in this bundle; `index` None: a spare."""
         cpus = self.spec.cluster.cpus_per_ps
-        actor = shard_actor(cpus).options(**self.actor_placement.bundle_options(bundle))
+        lifetime = {"lifetime": "detached"} if self.detached else {}
+        actor = shard_actor(cpus).options(**self.actor_placement.bundle_options(bundle), **lifetime)
         return actor.remote(index, cpus, apply_threads=self.apply_threads)

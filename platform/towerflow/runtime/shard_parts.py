@@ -39,6 +39,12 @@ class OwnCopy:
     version: int
 
 
+@dataclass(frozen=True)
+class LiveState:
+    """A shard's pieces as it holds them now: a new driver takes the live shards of a run whose
+    driver was lost over (runtime/run_keeper.py)."""
+
+
 @dataclass
 class PartReport:
     """What a shard tells the chief of the checkpoint part it was asked for."""

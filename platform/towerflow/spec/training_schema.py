@@ -105,6 +105,14 @@ class FailureSpec(StrictModel):
         "wherever the placement allows). A lost shard then rolls the shards back to that version, not to the last "
         "stored checkpoint, unless the copy's holder was lost too. null: off.",
     )
+    driver_grace_s: float | None = Field(
+        300.0,
+        gt=0,
+        description="A tracked run's shards outlive a lost driver by this long: a driver that resumes the "
+        "run meanwhile (`--resume auto` or the run id, on the same Ray cluster) goes on from the shards' "
+        "live state, with no step redone, instead of from the stored checkpoint. Past it they are ended "
+        "and their resources freed. null: the shards end with their driver.",
+    )
 
 
 class TrainingSpec(StrictModel):

@@ -1,0 +1,145 @@
+"""A tracked run's shards outlive a lost driver (`training.failure.driver_grace_s`), so that a
+driver resuming the run takes them over instead of starting again from the stored checkpoint.
+
+The shards and the run's placement groups are detached from the driver that made them; the run's
+control point (run_control.py), detached too, holds what a new driver needs to take them over (a
+`Handover`) and ends them once the run has had no driver for the grace period. The workers are not
+kept: they end with their driver (their batches come from its data pipeline, which ends with it),
+and a new driver starts its own. A new driver goes on from the shards' version and from the data
+position the gradients they took tell; no step is redone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from towerflow.errors import ClusterError
+from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
+from towerflow.runtime.run_control import LEASE_FRESH_S, find_control
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Handover:
+    """What a driver needs to take a run's live shards over: told to the control point by the driver
+    that has them (again whenever they change), read by the next."""
+
+    placement: Any  # the run's ActorPlacement, with its placement groups
+    shards: list[Any]  # the shard actors, by index
+    shard_bundles: list[int]  # per shard, its bundle
+    spares: list[Any] = field(default_factory=list)  # the spare shards: they end, new ones start
+    compatible: dict[str, Any] = field(default_factory=dict)  # what a taker's spec must match
+
+
+@dataclass
+class LiveShards:
+    """Where a run goes on from when its new driver took its live shards over: their version and
+    the data position the gradients they took tell, with the stored checkpoint it would otherwise
+    have gone on from (a later rollback's fallback, and the non-trainable model state: the workers
+    that held a newer one ended with their driver)."""
+
+    global_step: int
+    examples_seen: int
+    handover: Handover
+    control: Any  # the run's control point (its actor), now this driver's
+    stored: Any = None  # the run's newest stored checkpoint, or None
+
+    @property
+    def model_state(self) -> dict[str, Any]:
+        return self.stored.model_state if self.stored is not None else {}
+
+
+def compatibility(spec: Any) -> dict[str, Any]:
+    """What must not have changed for a new driver to take a run's shards over: everything that
+    shapes the shards, their placement and their update rule (not the run's length, say)."""
+    return {
+        "cluster": spec.cluster.model_dump(mode="json"),
+        "model": spec.model.model_dump(mode="json"),
+        "training.mode": spec.training.mode,
+        "training.optimizer": spec.training.optimizer.model_dump(mode="json"),
+    }
+
+
+def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None:
+    """Run `run_id`'s live shards (its driver lost), now this driver's, and where the run stands;
+    None where it has none to take (the run goes on from `stored`, its newest stored checkpoint):
+    none were kept, they have ended, one was lost meanwhile, or they were laid out for another spec
+    (then they end here)."""
+    if spec.training.failure.driver_grace_s is None:
+        return None
+    control = find_control(run_id)
+    if control is None:
+        return None
+    try:
+        _wait_for_a_stale_lease(run_id, control)
+        handover = ray.get(control.take_over.remote(), timeout=30)
+    except ray.exceptions.RayError as exc:
+        log.info("run %s's control point did not answer (%s)", run_id, first_line(exc))
+        return None
+    if handover is None:  # not a kept run's, or restarted since: nothing to take
+        kill_quietly(control)
+        return None
+    ours = compatibility(spec)
+    changed = sorted(
+        k for k in ours.keys() | handover.compatible.keys() if ours.get(k) != handover.compatible.get(k)
+    )
+    if changed:
+        log.info(
+            "run %s's shards are alive but were made for another %s: they end, and the run goes on "
+            "from its stored checkpoint",
+            run_id,
+            ", ".join(changed),
+        )
+        release_shards(handover, control)
+        return None
+    try:
+        positions = ray.get([shard.live_position.remote() for shard in handover.shards], timeout=30)
+    except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
+        log.info(
+            "run %s's shards did not all answer (%s): it goes on from its stored checkpoint",
+            run_id,
+            first_line(exc),
+        )
+        release_shards(handover, control)
+        return None
+    versions = sorted({version for version, _ in positions})
+    step = versions[-1]
+    if len(versions) > 1:  # the driver was lost while the workers' pushes of a step were under way
+        log.info(
+            "the run's shards were at steps %s when its driver was lost: the update some had not "
+            "applied is dropped, as a stale gradient would be, and every shard goes on from step %d",
+            versions,
+            step,
+        )
+    log.info("took over run %s's live shards at step %d: no step is redone", run_id, step)
+    return LiveShards(step, positions[-1][1], handover, control, stored)
+
+
+def _wait_for_a_stale_lease(run_id: str, control: Any) -> None:
+    """Wait until the run's driver has not renewed its lease for a while (one lost just now may
+    have renewed it since); a driver that goes on renewing it is alive: two drivers must never
+    train on one run's shards."""
+    deadline = time.monotonic() + 3 * LEASE_FRESH_S
+    while (seen := ray.get(control.driver_seen_s_ago.remote(), timeout=30)) < LEASE_FRESH_S:
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"run {run_id} still has a driver on this Ray cluster (it renewed its lease {seen:.0f} s "
+                "ago): stop that one (`ray job stop`, or Ctrl-C) before resuming the run"
+            )
+        time.sleep(1.0)
+
+
+def release_shards(handover: Handover, control: Any) -> None:
+    """End a handover's shards, their placement groups and the control point that kept them."""
+    for actor in handover.shards + handover.spares:
+        kill_quietly(actor)
+    with contextlib.suppress(Exception):
+        handover.placement.release()
+    kill_quietly(control)

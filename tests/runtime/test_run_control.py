@@ -1,0 +1,68 @@
+"""The run's control point as the keeper of a kept run's shards: its lease, and the end it puts to
+a run that has had no driver for its grace period (real Ray actors and placement groups). The whole
+path, a driver SIGKILLed and its shards taken over, is in test_multinode_cluster.py."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import ray
+from ray.util import placement_group_table
+from ray.util.placement_group import placement_group
+
+from towerflow.errors import ClusterError
+from towerflow.runtime.run_control import ControlPoint, RunControl, control_name, find_control, request_scale
+
+
+def _gone(actor) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def test_a_kept_run_without_a_driver_loses_its_placement_groups_and_its_keeper(ray_cluster):
+    group = placement_group([{"CPU": 0.5}])
+    ray.get(group.ready())
+    run_id = uuid.uuid4().hex
+    keeper = RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
+        run_id, 1.0
+    )
+    ray.get(keeper.keep.remote([group]))
+    # Nobody renews its lease: a second after the last renewal, the run ends.
+    deadline = time.monotonic() + 30
+    while placement_group_table(group)["state"] != "REMOVED" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert placement_group_table(group)["state"] == "REMOVED"
+    assert _gone(keeper)
+
+
+def test_a_renewed_lease_keeps_the_run_and_takes_worker_counts(ray_cluster):
+    run_id = uuid.uuid4().hex
+    control = ControlPoint(run_id, grace_s=3.0)  # the driver's side renews every 2 s
+    try:
+        time.sleep(6)
+        assert find_control(run_id) is not None
+        request_scale(run_id, 3)
+        assert control.new_worker_count() in (None, 3)  # asked now, answered by the next call
+        time.sleep(0.5)
+        assert control.new_worker_count() == 3
+    finally:
+        control.close()
+
+
+def test_scaling_a_kept_run_whose_driver_is_gone_is_refused(ray_cluster):
+    run_id = uuid.uuid4().hex
+    keeper = RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
+        run_id, 60.0
+    )
+    try:
+        ray.get(keeper.__ray_ready__.remote())
+        time.sleep(11)  # no renewal for longer than a live driver leaves between two
+        with pytest.raises(ClusterError, match=f"no running towerflow job with run id {run_id}"):
+            request_scale(run_id, 2)
+    finally:
+        ray.kill(keeper)
