@@ -19,7 +19,9 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   run_keeper.py). Steps redone: the step MLflow had heard of at the kill (the driver may have been
   a step or two further) less `towerflow.resumed_from_step`, 0 where it resumed past it;
   seconds lost: both drivers' wall time less the clean run's; recovery: the second driver's start
-  to its first step in MLflow.
+  to its first step in MLflow. Row "shards not kept": the same with `driver_grace_s: null` (the
+  shards end with the driver; the new one goes on from the stored checkpoint, as before the
+  takeover).
 - elastic: one run of `workers: {min: 1, max: 4}` over `--elastic-steps` steps (1.5 CPUs a worker:
   a 2-CPU node holds one, so the three nodes hold three and a fourth waits as a pending spare). At
   step `--at` a 2-CPU node joins; row "elastic: node joins": survived when the run grew (MLflow's
@@ -37,6 +39,7 @@ five drivers' runs and a resumed one: about 17 minutes on 2 cores with the clust
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import statistics
 import sys
@@ -72,10 +75,13 @@ DATA = ROOT / "data" / "bench-mnist"
 SYNC = {"workers": 2, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5, "data_cpus": 0.5}
 ELASTIC = {**SYNC, "workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
 ELASTIC_STEPS = 200  # room for a spare's start (10-40 s here) and two resizes before max_steps
+DRIVER_KILLED = "driver killed (sync)"
+DRIVER_KILLED_NOT_KEPT = "driver killed (sync), shards not kept"  # driver_grace_s: null, as before
 # Which rows each kind of run gives, and each faulted row's clean run.
 BASELINE = {
     "node lost (sync)": "clean sync",
-    "driver killed (sync)": "clean sync",
+    DRIVER_KILLED: "clean sync",
+    DRIVER_KILLED_NOT_KEPT: "clean sync",
     "elastic: node joins": "clean elastic",
     "elastic: node lost": "clean elastic",
 }
@@ -122,8 +128,11 @@ def result(wall_s: float, survived: bool | None, **fields: Any) -> dict:
 # -- specs, drivers and MLflow ----------------------------------------------------------------------
 
 
-def write_spec(folder: Path, name: str, args: argparse.Namespace, cluster: dict, max_steps: int) -> Path:
-    """faults.py's LeNet spec with `cluster`, tracked to `folder`/mlflow.db (experiment `name`)."""
+def write_spec(
+    folder: Path, name: str, args: argparse.Namespace, cluster: dict, max_steps: int, *extra: str
+) -> Path:
+    """faults.py's LeNet spec with `cluster` and the overrides `extra`, tracked to `folder`/mlflow.db
+    (experiment `name`)."""
     from towerflow.spec.loading import apply_override, validate_spec
 
     raw = yaml.safe_load(SPEC.read_text())
@@ -140,6 +149,7 @@ def write_spec(folder: Path, name: str, args: argparse.Namespace, cluster: dict,
         "supervision.log_every_steps=1",  # MLflow hears of every step
         f"tracking.tracking_uri={tracking_uri(folder)}",
         f"tracking.experiment={name}",
+        *extra,
     ):
         apply_override(raw, item)
     raw["cluster"] = {**raw["cluster"], **cluster}
@@ -207,9 +217,12 @@ def node_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     }
 
 
-def driver_killed(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+def driver_killed(cluster, args, tmp: Path, log: Log, *, kept: bool = True) -> dict[str, dict]:
+    """`kept`: the shards outlive the driver and the new one takes them over (the default), else
+    they end with it (`driver_grace_s: null`) and the new one goes on from the stored checkpoint."""
     client = mlflow_client(tmp)
-    spec = write_spec(tmp, "driver-lost", args, SYNC, args.steps)
+    extra = () if kept else ("training.failure.driver_grace_s=null",)
+    spec = write_spec(tmp, "driver-lost", args, SYNC, args.steps, *extra)
     first = start_driver(cluster, spec, tmp / "driver.log", "--resume", "auto")
     try:
         run_id, heard = wait_for_step(client, "driver-lost", args.at, first)
@@ -235,7 +248,7 @@ def driver_killed(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
         line for line in second.text().splitlines() if "--resume auto" in line or "took over run" in line
     ]
     return {
-        "driver killed (sync)": result(
+        DRIVER_KILLED if kept else DRIVER_KILLED_NOT_KEPT: result(
             first.wall_s + second.wall_s,
             ok,
             steps_redone=max(0, heard - int(resumed)) if resumed is not None else None,
@@ -316,7 +329,8 @@ def elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
 RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (clean_sync, ("clean sync",)),
     (node_lost, ("node lost (sync)",)),
-    (driver_killed, ("driver killed (sync)",)),
+    (driver_killed, (DRIVER_KILLED,)),
+    (functools.partial(driver_killed, kept=False), (DRIVER_KILLED_NOT_KEPT,)),
     (clean_elastic, ("clean elastic",)),
     (elastic, ("elastic: node joins", "elastic: node lost")),
 ]
@@ -370,7 +384,7 @@ def run_cluster_cases(args: argparse.Namespace, log: Log) -> list[dict]:
         cluster.shutdown()
         signal.signal(signal.SIGTERM, on_term)
     return [
-        summarize(row, results[row], results[BASELINE[row]], ratio=row != "driver killed (sync)")
+        summarize(row, results[row], results[BASELINE[row]], ratio=not row.startswith("driver killed"))
         for row in BASELINE
         if row in results
     ]

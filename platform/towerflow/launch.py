@@ -79,10 +79,11 @@ def train(
     local_root = Path(output_dir or Path(os.environ.get("TOWERFLOW_RUNS_DIR", "runs")) / spec.name)
     tracker = None
     if track and resume == AUTO_RESUME:
+        from towerflow.runtime.run_keeper import has_live_shards
         from towerflow.tracking.auto_resume import resumable_run
         from towerflow.tracking.store import run_store_uri
 
-        resume = resumable_run(spec, run_store_uri(spec.tracking.tracking_uri))
+        resume = resumable_run(spec, run_store_uri(spec.tracking.tracking_uri), has_live_shards)
     elif resume == AUTO_RESUME:
         from towerflow.checkpoint.stores import latest_step
 
@@ -92,7 +93,8 @@ def train(
         from towerflow.tracking import MLflowTracker
 
         tracker = MLflowTracker(spec, resume_run_id=resume, parent_run_id=parent_run_id)
-        initial_state = tracker.restore_state() if resume else None
+        # A run with live shards needs no checkpoint (checked once Ray is reached, below).
+        initial_state = tracker.restore_state(required=False) if resume else None
 
         def checkpoint_store(session: SessionInfo):
             return MlflowCheckpointStore(tracker.client, tracker.run_id)
@@ -119,6 +121,8 @@ def train(
         from towerflow.runtime.run_keeper import take_over_live_run
 
         initial_state = take_over_live_run(resume, spec, stored=initial_state) or initial_state
+        if initial_state is None:
+            tracker.restore_state()  # says that there is nothing to resume from
     skipped = SkippedRecordsHook() if spec.data.on_bad_record == "skip" else None
     # Hooks end in reverse order: the skipped-records hook comes right after the tracker, so that its
     # last counts reach the tracker before the tracker closes the run.

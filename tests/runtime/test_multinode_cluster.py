@@ -383,7 +383,8 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     cluster = multinode_cluster
     # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
     # 100 steps were done by then (the run had ended FINISHED before the kill): three times that.
-    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=300)
+    # No checkpoint before the end: only the live shards can continue the run.
+    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=300, checkpoint_every=1000)
     driver = _train(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
     run_id = _wait_for_step(uri, "driver-loss", 30, driver)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it

@@ -51,3 +51,10 @@ def test_a_running_run_that_left_no_checkpoint_is_ended_failed_and_a_new_one_sta
     run = client.get_run(orphan)
     assert run.info.status == "FAILED"  # not RUNNING for ever
     assert "before its first checkpoint" in run.data.tags["towerflow.ended_by"]
+
+
+def test_a_running_run_with_no_checkpoint_but_live_shards_goes_on(tmp_path, blob_data):
+    spec, uri, client, experiment = _job(tmp_path, blob_data)
+    lost = _run(client, experiment, spec.name)  # RUNNING: its driver lost, its shards kept alive
+    assert resumable_run(spec, uri, has_live_shards=lambda run_id: run_id == lost) == lost
+    assert client.get_run(lost).info.status == "RUNNING"

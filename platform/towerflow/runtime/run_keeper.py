@@ -67,6 +67,12 @@ def compatibility(spec: Any) -> dict[str, Any]:
     }
 
 
+def has_live_shards(run_id: str) -> bool:
+    """Whether run `run_id` has a control point on the Ray cluster this process is connected to
+    (where it is not connected, there is nothing to take over)."""
+    return ray.is_initialized() and find_control(run_id) is not None
+
+
 def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None:
     """Run `run_id`'s live shards (its driver lost), now this driver's, and where the run stands;
     None where it has none to take (the run goes on from `stored`, its newest stored checkpoint):
@@ -111,6 +117,19 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
         return None
     versions = sorted({version for version, _ in positions})
     step = versions[-1]
+    # Pushes under way when the driver was lost leave the shards this far apart at most: one step
+    # in sync mode, a push of each worker's in async. Further apart, the driver was lost while it
+    # was loading them (a rollback's): their states are of different times.
+    spread = 1 if spec.training.mode == "sync" else spec.cluster.workers + spec.cluster.spare_workers
+    if step - versions[0] > spread:
+        log.info(
+            "run %s's shards are at steps %s, too far apart to go on from: the run goes on from its "
+            "stored checkpoint",
+            run_id,
+            versions,
+        )
+        release_shards(handover, control)
+        return None
     if len(versions) > 1:  # the driver was lost while the workers' pushes of a step were under way
         log.info(
             "the run's shards were at steps %s when its driver was lost: the update some had not "

@@ -52,8 +52,8 @@ class ShardGroup:
         self.spares.start(spare_bundles)
 
     def adopt(self, handover: Handover) -> None:
-        """Take over the live shards of a run whose driver was lost; its
-        spares end, and new ones start in their bundles."""
+        """Take over the live shards of a run whose driver was lost (runtime/run_keeper.py); its
+        spare shards end, and new ones start in their bundles."""
         self.actors, self._bundles = list(handover.shards), list(handover.shard_bundles)
         for spare in handover.spares:
             kill_quietly(spare)
@@ -92,9 +92,9 @@ class ShardGroup:
         """Give every shard its pieces at `version` and wait until all have them: from `state` (a
         StoredCheckpoint, a whole TrainingState or a MemoryCheckpoint), else from the model's initial values, for
         `workers` workers of which sync steps aggregate `replicas`, the data read from `examples_seen`
-        on. A LiveShards state (runtime/run_keeper.py) keeps what each shard holds. A checkpoint laid out as these
-        shards are is read by each shard itself, part by part; any other is re-cut here. A shard
-        loaded again starts afresh."""
+        on; from what each holds, for a LiveShards state (runtime/run_keeper.py). A checkpoint laid
+        out as these shards are is read by each shard itself, part by part; any other is re-cut
+        here. A shard loaded again starts afresh."""
         spec = self.spec
         optimizer = spec.training.optimizer.model_dump(mode="json")
         initial = self._initial_pieces(state, optimizer["name"], rollback)

@@ -10,6 +10,7 @@ assumes no other driver of the job is still running.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -18,8 +19,12 @@ UNFINISHED = ("RUNNING", "FAILED", "KILLED")
 ORPHAN_NOTE = "--resume auto: its driver was lost before its first checkpoint; a new run started over"
 
 
-def resumable_run(spec: Any, tracking_uri: str) -> str | None:
-    """The id of the newest run of `spec`'s job when it is unfinished and has a checkpoint; else None."""
+def resumable_run(
+    spec: Any, tracking_uri: str, has_live_shards: Callable[[str], bool] = lambda run_id: False
+) -> str | None:
+    """The id of the newest run of `spec`'s job when it is unfinished and has a checkpoint, or is
+    RUNNING with live shards on this cluster (`has_live_shards`: its driver was lost before its
+    first checkpoint, runtime/run_keeper.py); else None."""
     from mlflow.tracking import MlflowClient
 
     from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
@@ -50,6 +55,9 @@ def resumable_run(spec: Any, tracking_uri: str) -> str | None:
         )
         return None
     step = latest_step(MlflowCheckpointStore(client, run_id))
+    if step is None and status == "RUNNING" and has_live_shards(run_id):
+        log.info("--resume auto: continuing run %s (%s) from its live shards", run_id, status)
+        return run_id
     if step is None:
         log.info("--resume auto: run %s (%s) left no checkpoint: starting a new run", run_id, status)
         if status == "RUNNING":  # its driver died before the first checkpoint: nobody will end it

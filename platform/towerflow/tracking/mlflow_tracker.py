@@ -71,16 +71,18 @@ class MLflowTracker(Hook):
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
-    def restore_state(self):
+    def restore_state(self, required: bool = True):
         """The latest checkpoint of the run being resumed (a StoredCheckpoint: its parts are read
-        by the shards)."""
+        by the shards); where it has none, an error, or None when not `required`."""
         from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
         from towerflow.checkpoint.resume import latest_checkpoint
+        from towerflow.checkpoint.stores import latest_step
 
         run = self._resumable_run()
-        return latest_checkpoint(
-            MlflowCheckpointStore(self.client, run.info.run_id), f"run {run.info.run_id}"
-        )
+        store = MlflowCheckpointStore(self.client, run.info.run_id)
+        if not required and latest_step(store) is None:
+            return None
+        return latest_checkpoint(store, f"run {run.info.run_id}")
 
     def begin(self, session: SessionInfo) -> None:
         import mlflow
