@@ -31,7 +31,7 @@ def test_a_kept_run_without_a_driver_loses_its_placement_groups_and_its_keeper(r
     keeper = RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
         run_id, 1.0
     )
-    ray.get(keeper.keep.remote([group]))
+    ray.get(keeper.keep.remote([group], "ffffffff"))
     # Nobody renews its lease: a second after the last renewal, the run ends.
     deadline = time.monotonic() + 30
     while placement_group_table(group)["state"] != "REMOVED" and time.monotonic() < deadline:

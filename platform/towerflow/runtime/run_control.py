@@ -48,6 +48,7 @@ class RunControl:
         self._renewed = time.monotonic()
         self._handover: Any = None  # runtime/run_keeper.Handover, of a kept run
         self._groups: list[Any] = []
+        self._driver_job: str | None = None  # the Ray job of the driver that keeps the run
         self._keeping = grace_s is not None
         if grace_s is not None:  # from the start: a driver lost before `keep` leaves nothing behind
             watch = threading.Thread(
@@ -64,10 +65,10 @@ class RunControl:
         return self._workers
 
     # -- the keeper of a kept run's shards -------------------------------------------------------
-    def keep(self, groups: list[Any]) -> None:
-        """Keep the run's shards, in these placement groups, while it has a driver and the grace
-        period after."""
-        self._groups = list(groups)
+    def keep(self, groups: list[Any], driver_job: str) -> None:
+        """Keep the run's shards, in these placement groups, while it has a driver (of Ray job
+        `driver_job`) and the grace period after."""
+        self._groups, self._driver_job = list(groups), driver_job
 
     def renew(self) -> None:
         self._renewed = time.monotonic()
@@ -80,10 +81,14 @@ class RunControl:
     def remember(self, handover: Any) -> None:
         self._handover = handover
 
-    def take_over(self) -> Any:
-        """What a new driver needs to take the run's shards over (None where none is known: a
-        keeper restarted since), now that driver's: it renews the lease from here on."""
-        self._renewed = time.monotonic()
+    def driver_job(self) -> str | None:
+        return self._driver_job
+
+    def take_over(self, driver_job: str) -> Any:
+        """What a new driver (of Ray job `driver_job`) needs to take the run's shards over (None
+        where none is known: a keeper restarted since), now that driver's: it renews the lease
+        from here on."""
+        self._renewed, self._driver_job = time.monotonic(), driver_job
         return self._handover
 
     def _watch(self, grace_s: float) -> None:
@@ -118,7 +123,7 @@ class ControlPoint:
 
     def keep(self, groups: list[Any]) -> None:
         """Have the control point keep the run's shards, in these placement groups."""
-        ray.get(self.actor.keep.remote(groups))
+        ray.get(self.actor.keep.remote(groups, ray.get_runtime_context().get_job_id()))
 
     def remember(self, handover: Any) -> None:
         self.actor.remember.remote(handover)

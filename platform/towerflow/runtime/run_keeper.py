@@ -84,8 +84,8 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
     if control is None:
         return None
     try:
-        _wait_for_a_stale_lease(run_id, control)
-        handover = ray.get(control.take_over.remote(), timeout=30)
+        _wait_for_the_driver_to_go(run_id, control)
+        handover = ray.get(control.take_over.remote(ray.get_runtime_context().get_job_id()), timeout=30)
     except ray.exceptions.RayError as exc:
         log.info("run %s's control point did not answer (%s)", run_id, first_line(exc))
         return None
@@ -141,18 +141,27 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
     return LiveShards(step, positions[-1][1], handover, control, stored)
 
 
-def _wait_for_a_stale_lease(run_id: str, control: Any) -> None:
-    """Wait until the run's driver has not renewed its lease for a while (one lost just now may
-    have renewed it since); a driver that goes on renewing it is alive: two drivers must never
-    train on one run's shards."""
+def _wait_for_the_driver_to_go(run_id: str, control: Any) -> None:
+    """Return once the run's driver is gone: its Ray job has ended (Ray says so within a second or
+    two of its process's end), or it has not renewed its lease for a while; raise where it goes on
+    renewing it: two drivers must never train on one run's shards."""
+    job = ray.get(control.driver_job.remote(), timeout=30)
     deadline = time.monotonic() + 3 * LEASE_FRESH_S
     while (seen := ray.get(control.driver_seen_s_ago.remote(), timeout=30)) < LEASE_FRESH_S:
+        if job is not None and _job_ended(job):
+            return
         if time.monotonic() > deadline:
             raise ClusterError(
                 f"run {run_id} still has a driver on this Ray cluster (it renewed its lease {seen:.0f} s "
                 "ago): stop that one (`ray job stop`, or Ctrl-C) before resuming the run"
             )
-        time.sleep(1.0)
+        time.sleep(0.5)
+
+
+def _job_ended(job_id: str) -> bool:
+    from ray._private.state import jobs  # Ray's job table (as placement.declared_dead reads its actors')
+
+    return any(job["JobID"] == job_id and job["IsDead"] for job in jobs())
 
 
 def release_shards(handover: Handover, control: Any) -> None:

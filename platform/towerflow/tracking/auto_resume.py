@@ -64,5 +64,6 @@ def resumable_run(
             client.set_tag(run_id, "towerflow.ended_by", ORPHAN_NOTE)
             client.set_terminated(run_id, "FAILED")
         return None
-    log.info("--resume auto: continuing run %s (%s) from its checkpoint of step %d", run_id, status, step)
+    # From its live shards where they are still there (said next), else from this checkpoint.
+    log.info("--resume auto: continuing run %s (%s; its newest checkpoint: step %d)", run_id, status, step)
     return run_id
