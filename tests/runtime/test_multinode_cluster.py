@@ -401,6 +401,7 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     while _actors(cluster, "TowerWorker") and time.monotonic() < deadline:
         time.sleep(1)
     assert not _actors(cluster, "TowerWorker")
+    client.set_tag(run_id, "towerflow.fault.001", "an earlier fault of the run")  # kept, numbered after
     resumed = _train(cluster, spec, "--resume", "auto")
     seen = []  # the shards alive while the resumed driver runs: the same process trains on
     while resumed.poll() is None:
@@ -419,6 +420,10 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     assert run.info.status == "FINISHED"
     assert run.data.metrics["global_step"] == 300
     assert int(run.data.tags["towerflow.resumed_from_step"]) == int(took.group(1))
+    assert run.data.tags["towerflow.resumed_from"].startswith(f"its live shards at step {took.group(1)}")
+    assert run.data.tags["towerflow.fault.001"] == "an earlier fault of the run"
+    lost = run.data.tags["towerflow.fault.002"]
+    assert lost.startswith("the driver lost") and "went on from its live shards" in lost, lost
     logged = [m.step for m in client.get_metric_history(run_id, "loss")]
     assert len(logged) == len(set(logged)), "a step was trained and logged twice"
     # The run's end ended the kept shard, its control point and its placement groups.

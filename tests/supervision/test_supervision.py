@@ -151,6 +151,8 @@ def test_resume_onto_fewer_shards_continues_the_same_run(first_run, tmp_path):
     client = MlflowClient(uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["towerflow.resumed_from_step"] == "8"
+    assert run.data.tags["towerflow.resumed_from"] == "its checkpoint of step 8"
+    assert not any(k.startswith("towerflow.fault.") for k in run.data.tags)  # it was not left RUNNING
     steps = [m.step for m in client.get_metric_history(result.run_id, "loss")]
     assert steps[:8] == list(range(1, 9)) and steps[-1] == 11 and all(s > 8 for s in steps[8:])
     assert [s for s, _ in store.list()][-1] == 11

@@ -100,6 +100,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             num_workers=spec.cluster.workers,
             num_shards=spec.cluster.ps,
             start_step=initial_state.global_step if initial_state is not None else 0,
+            resumed_from=_resumed_from(initial_state),
             runtime=self,
         )
         self.session._metric_listeners = self.hooks
@@ -338,3 +339,12 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
     def _global_step(self) -> int:
         last = self.aggregator.last_event
         return last.global_step if last else 0
+
+
+def _resumed_from(state: Any) -> str | None:
+    """What a resumed run goes on from, as its MLflow run's tags say it."""
+    if state is None:
+        return None
+    if isinstance(state, LiveShards):
+        return f"its live shards at step {state.global_step} (taken over: no step redone)"
+    return f"its checkpoint of step {state.global_step}"

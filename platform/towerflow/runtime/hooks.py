@@ -29,6 +29,7 @@ class SessionInfo:
     shard_assignment: list[list[int]] = field(default_factory=list)  # piece indices per shard
     tags: dict[str, str] = field(default_factory=dict)  # filled by hooks (e.g. the tracking run id)
     start_step: int = 0  # the restored global step on resume, else 0
+    resumed_from: str | None = None  # on resume: what the run goes on from ("its live shards", ...)
     # The global step at which the training data runs out, where the files' example counts tell (at
     # most: dropped stale gradients and skipped records end it sooner); None where they do not.
     data_steps: int | None = None

@@ -136,10 +136,19 @@ class MLflowTracker(Hook):
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         self.client.update_run(self.run_id, status="RUNNING")
         self.client.set_tag(self.run_id, "towerflow.resumed_from_step", str(session.start_step))
+        if session.resumed_from:
+            self.client.set_tag(self.run_id, "towerflow.resumed_from", session.resumed_from)
         self._last_logged_step = session.start_step
         session.tags.update(
             run_id=self.run_id, experiment_id=self.experiment_id, tracking_uri=self.tracking_uri
         )
+        # The earlier drivers' fault tags stay: this one's are numbered after them.
+        self._faults = sum(1 for key in run.data.tags if key.startswith("towerflow.fault."))
+        if run.info.status == "RUNNING":  # a driver that ends its run marks it FINISHED, FAILED or KILLED
+            went_on = f"a new driver went on from {session.resumed_from}"
+            self.on_fault(
+                FaultEvent(session.start_step, "the driver lost (the run was left RUNNING)", went_on)
+            )
 
     def after_create_session(self, session: SessionInfo) -> None:
         from mlflow.entities import Param
