@@ -377,16 +377,22 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     assert any(v.startswith("parameter server") and "(a memory checkpoint)" in v for v in faults), faults
 
 
+@pytest.mark.parametrize("mode, ps", [("sync", 1), ("async", 2)])
 def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
-    multinode_cluster, blob_data, tmp_path
+    multinode_cluster, blob_data, tmp_path, mode, ps
 ):
     cluster = multinode_cluster
+    name = f"driver-loss-{mode}"
     # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
     # 100 steps were done by then (the run had ended FINISHED before the kill): three times that.
     # No checkpoint before the end: only the live shards can continue the run.
-    spec, uri = _spec_file(tmp_path, blob_data, "driver-loss", max_steps=300, checkpoint_every=1000)
+    # Async steps come faster (no barrier): four times as many.
+    steps = 300 if mode == "sync" else 1200
+    spec, uri = _spec_file(
+        tmp_path, blob_data, name, cluster={"ps": ps}, max_steps=steps, checkpoint_every=10_000, mode=mode
+    )
     driver = _train(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
-    run_id = _wait_for_step(uri, "driver-loss", 30, driver)
+    run_id = _wait_for_step(uri, name, 30, driver)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
     driver.wait()
     client = MlflowClient(uri)
@@ -396,7 +402,7 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     assert left, "the killed driver's pipeline left no claim on record"
     # Its shards outlive it (training.failure.driver_grace_s); its workers end with it.
     shards = {a["actor_id"]: a["pid"] for a in _actors(cluster, "ParameterShard")}
-    assert len(shards) == 1, shards
+    assert len(shards) == ps, shards
     deadline = time.monotonic() + 60
     while _actors(cluster, "TowerWorker") and time.monotonic() < deadline:
         time.sleep(1)
@@ -414,11 +420,11 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     assert took and int(took.group(1)) >= reported, again[-3000:]
     # The new run withdrew it before reading, instead of reading with half the cores for 180 s.
     assert all(requester in again for requester in left.values()), (left, again[-3000:])
-    experiment = client.get_experiment_by_name("driver-loss")
+    experiment = client.get_experiment_by_name(name)
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["global_step"] == 300
+    assert run.data.metrics["global_step"] == steps
     assert int(run.data.tags["towerflow.resumed_from_step"]) == int(took.group(1))
     assert run.data.tags["towerflow.resumed_from"].startswith(f"its live shards at step {took.group(1)}")
     assert run.data.tags["towerflow.fault.001"] == "an earlier fault of the run"
@@ -428,7 +434,7 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     assert len(logged) == len(set(logged)), "a step was trained and logged twice"
     # The run's end ended the kept shard, its control point and its placement groups.
     assert not _actors(cluster, "ParameterShard") and not _actors(cluster, "RunControl")
-    assert not _placement_groups(cluster, "driver-loss")
+    assert not _placement_groups(cluster, name)
 
 
 def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blob_data, tmp_path):
