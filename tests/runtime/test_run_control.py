@@ -4,6 +4,8 @@ path, a driver SIGKILLed and its shards taken over, is in test_multinode_cluster
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 
@@ -25,15 +27,16 @@ def _gone(actor) -> bool:
 
 
 def test_a_kept_run_without_a_driver_loses_its_placement_groups_and_its_keeper(ray_cluster):
-    group = placement_group([{"CPU": 0.5}])
-    ray.get(group.ready())
     run_id = uuid.uuid4().hex
-    keeper = RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
-        run_id, 1.0
-    )
-    ray.get(keeper.keep.remote([group], "ffffffff"))
-    # Nobody renews its lease: a second after the last renewal, the run ends.
-    deadline = time.monotonic() + 30
+    group = placement_group([{"CPU": 0.5}], name=f"towerflow-test-{run_id}", lifetime="detached")
+    ray.get(group.ready())
+    keeper = RunControl.options(
+        name=control_name(run_id), namespace="towerflow", lifetime="detached", max_restarts=-1
+    ).remote(run_id, 3.0, (f"towerflow-test-{run_id}",))
+    # Its process killed: Ray starts it again, and it still knows the run's groups.
+    os.kill(ray.get(keeper.pid.remote()), signal.SIGKILL)
+    # Nobody renews its lease: three seconds after its start, the run ends.
+    deadline = time.monotonic() + 60
     while placement_group_table(group)["state"] != "REMOVED" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert placement_group_table(group)["state"] == "REMOVED"

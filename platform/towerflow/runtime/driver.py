@@ -186,8 +186,10 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             return ControlPoint(run_id, actor=self.initial_state.control)
         if not run_id:
             return None
-        grace_s = self.spec.training.failure.driver_grace_s if self._kept_beyond_the_driver() else None
-        return ControlPoint(run_id, grace_s=grace_s)
+        if not self._kept_beyond_the_driver():
+            return ControlPoint(run_id)
+        grace_s = self.spec.training.failure.driver_grace_s
+        return ControlPoint(run_id, grace_s=grace_s, group_names=self.actor_placement.group_names())
 
     def _set_worker_count(self, count: int) -> None:
         self.session.num_workers = count

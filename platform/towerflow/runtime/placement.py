@@ -89,6 +89,10 @@ class ActorPlacement:
         self.groups: list[Any] = []
         self.detached = False  # the groups outlive the driver: a kept run's (runtime/run_keeper.py)
 
+    def group_names(self) -> tuple[str, ...]:
+        """The names of the run's placement groups (made by `reserve`)."""
+        return tuple(self._parts)
+
     def reserve(self) -> None:
         """Create the placement groups and wait until Ray has placed every bundle (a clear error after
         `cluster.placement_timeout_s`, naming what was asked)."""

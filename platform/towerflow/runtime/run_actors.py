@@ -31,7 +31,7 @@ class RunActors:
             self.actor_placement.detached = self.shard_group.detached = kept
             self.actor_placement.reserve()  # every shard and worker placed at once, as cluster.placement asks
             if kept:
-                self.control.keep(self.actor_placement.groups)
+                self.control.keep()
         self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
         self.group.start(list(range(count)))
         self.worker_spares.start(self.actor_placement.spare_worker_bundles())  # beside the workers

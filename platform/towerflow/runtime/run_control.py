@@ -41,13 +41,17 @@ def control_name(run_id: str) -> str:
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class RunControl:
-    def __init__(self, run_id: str = "", grace_s: float | None = None) -> None:
-        """`grace_s`: a kept run's, whose driver renews its lease (see the module's docstring)."""
+    def __init__(
+        self, run_id: str = "", grace_s: float | None = None, group_names: tuple[str, ...] = ()
+    ) -> None:
+        """`grace_s`: a kept run's, whose driver renews its lease, and whose shards are in the
+        placement groups of these names (see the module's docstring). By name: Ray restarts this
+        actor with these arguments, so one restarted (its node lost) still ends them."""
         self._run_id = run_id
         self._workers: int | None = None
         self._renewed = time.monotonic()
         self._handover: Any = None  # runtime/run_keeper.Handover, of a kept run
-        self._groups: list[Any] = []
+        self._group_names = tuple(group_names)
         self._driver_job: str | None = None  # the Ray job of the driver that keeps the run
         self._keeping = grace_s is not None
         if grace_s is not None:  # from the start: a driver lost before `keep` leaves nothing behind
@@ -65,10 +69,16 @@ class RunControl:
         return self._workers
 
     # -- the keeper of a kept run's shards -------------------------------------------------------
-    def keep(self, groups: list[Any], driver_job: str) -> None:
-        """Keep the run's shards, in these placement groups, while it has a driver (of Ray job
-        `driver_job`) and the grace period after."""
-        self._groups, self._driver_job = list(groups), driver_job
+    def keep(self, driver_job: str) -> None:
+        """Keep the run's shards while it has a driver (of Ray job `driver_job`: its placement
+        groups are made) and the grace period after."""
+        self._driver_job = driver_job
+
+    def pid(self) -> int:
+        """This actor's process (tests kill it for real)."""
+        import os
+
+        return os.getpid()
 
     def renew(self) -> None:
         self._renewed = time.monotonic()
@@ -91,39 +101,52 @@ class RunControl:
         self._renewed, self._driver_job = time.monotonic(), driver_job
         return self._handover
 
+    def end(self) -> None:
+        """End the run's shards (remove its placement groups) and this actor: the run is over."""
+        from ray.util import get_placement_group
+        from ray.util.placement_group import remove_placement_group
+
+        for name in self._group_names:  # ends every actor placed in it: the shards and their spares
+            with contextlib.suppress(Exception):  # not made (a driver lost before), or removed
+                remove_placement_group(get_placement_group(name))
+        kill_quietly(ray.get_runtime_context().current_actor)
+
     def _watch(self, grace_s: float) -> None:
         while time.monotonic() - self._renewed <= grace_s:
             time.sleep(LOOK_EVERY_S)
-        from ray.util.placement_group import remove_placement_group
-
         log.warning(
             "run %s has had no driver for %.0f s (training.failure.driver_grace_s): its shards end",
             self._run_id,
             grace_s,
         )
-        for group in self._groups:  # ends every actor placed in it: the shards and their spares
-            with contextlib.suppress(Exception):
-                remove_placement_group(group)
-        kill_quietly(ray.get_runtime_context().current_actor)
+        self.end()
 
 
 class ControlPoint:
     """The controller's side: create the named actor (or go on with a lost driver's), ask it
     without blocking, and renew the lease of a kept run."""
 
-    def __init__(self, run_id: str, *, grace_s: float | None = None, actor: Any = None) -> None:
-        """`grace_s`: the run's shards are kept beyond this driver for that long (`keep` follows);
-        `actor`: the control point of a lost driver, whose kept shards this driver took over."""
-        self.actor = actor if actor is not None else _create(run_id, grace_s)
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        grace_s: float | None = None,
+        group_names: tuple[str, ...] = (),
+        actor: Any = None,
+    ) -> None:
+        """`grace_s`: the run's shards, in the placement groups of `group_names`, are kept beyond
+        this driver for that long (`keep` follows once the groups are made); `actor`: the control
+        point of a lost driver, whose kept shards this driver took over."""
+        self.actor = actor if actor is not None else _create(run_id, grace_s, group_names)
         self._asked: Any = None
         self._seen: int | None = None
         self._renewing: threading.Event | None = None
         if actor is not None or grace_s is not None:
             self._start_renewing()
 
-    def keep(self, groups: list[Any]) -> None:
-        """Have the control point keep the run's shards, in these placement groups."""
-        ray.get(self.actor.keep.remote(groups, ray.get_runtime_context().get_job_id()))
+    def keep(self) -> None:
+        """Have the control point keep the run's shards: their placement groups are made."""
+        ray.get(self.actor.keep.remote(ray.get_runtime_context().get_job_id()))
 
     def remember(self, handover: Any) -> None:
         self.actor.remember.remote(handover)
@@ -173,7 +196,7 @@ def find_control(run_id: str) -> Any:
         return None
 
 
-def _create(run_id: str, grace_s: float | None) -> Any:
+def _create(run_id: str, grace_s: float | None, group_names: tuple[str, ...]) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
@@ -182,7 +205,7 @@ def _create(run_id: str, grace_s: float | None) -> Any:
     deadline = time.monotonic() + NAME_FREED_WITHIN_S
     while True:
         try:
-            return RunControl.options(**options, **lifetime).remote(run_id, grace_s)
+            return RunControl.options(**options, **lifetime).remote(run_id, grace_s, group_names)
         except ValueError:  # the name is still a control point's that was just ended (a lost driver's)
             if time.monotonic() > deadline:
                 raise

@@ -89,47 +89,18 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
     except ray.exceptions.RayError as exc:
         log.info("run %s's control point did not answer (%s)", run_id, first_line(exc))
         return None
-    if handover is None:  # not a kept run's, or restarted since: nothing to take
-        kill_quietly(control)
+    if handover is None:  # restarted since (its node lost): it knows the groups, not the shards
+        control.end.remote()
         return None
-    ours = compatibility(spec)
-    changed = sorted(
-        k for k in ours.keys() | handover.compatible.keys() if ours.get(k) != handover.compatible.get(k)
-    )
-    if changed:
+    positions, why_not = _where_they_stand(handover, spec)
+    if why_not is not None:
         log.info(
-            "run %s's shards are alive but were made for another %s: they end, and the run goes on "
-            "from its stored checkpoint",
-            run_id,
-            ", ".join(changed),
-        )
-        release_shards(handover, control)
-        return None
-    try:
-        positions = ray.get([shard.live_position.remote() for shard in handover.shards], timeout=30)
-    except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
-        log.info(
-            "run %s's shards did not all answer (%s): it goes on from its stored checkpoint",
-            run_id,
-            first_line(exc),
+            "run %s's shards %s: they end, and the run goes on from its stored checkpoint", run_id, why_not
         )
         release_shards(handover, control)
         return None
     versions = sorted({version for version, _ in positions})
     step = versions[-1]
-    # Pushes under way when the driver was lost leave the shards this far apart at most: one step
-    # in sync mode, a push of each worker's in async. Further apart, the driver was lost while it
-    # was loading them (a rollback's): their states are of different times.
-    spread = 1 if spec.training.mode == "sync" else spec.cluster.workers + spec.cluster.spare_workers
-    if step - versions[0] > spread:
-        log.info(
-            "run %s's shards are at steps %s, too far apart to go on from: the run goes on from its "
-            "stored checkpoint",
-            run_id,
-            versions,
-        )
-        release_shards(handover, control)
-        return None
     if len(versions) > 1:  # the driver was lost while the workers' pushes of a step were under way
         log.info(
             "the run's shards were at steps %s when its driver was lost: the update some had not "
@@ -139,6 +110,29 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
         )
     log.info("took over run %s's live shards at step %d: no step is redone", run_id, step)
     return LiveShards(step, positions[-1][1], handover, control, stored)
+
+
+def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, int]], str | None]:
+    """Each shard's version and data position (`ParameterShard.live_position`), and why the run
+    cannot go on from them, or None where it can."""
+    ours = compatibility(spec)
+    changed = sorted(
+        k for k in ours.keys() | handover.compatible.keys() if ours.get(k) != handover.compatible.get(k)
+    )
+    if changed:
+        return [], f"were made for another {', '.join(changed)}"
+    try:
+        positions = ray.get([shard.live_position.remote() for shard in handover.shards], timeout=30)
+    except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
+        return [], f"did not all answer ({first_line(exc)})"
+    versions = sorted({version for version, _ in positions})
+    # Pushes under way when the driver was lost leave the shards this far apart at most: one step
+    # in sync mode, a push of each worker's in async. Further apart, the driver was lost while it
+    # was loading them (a rollback's): their states are of different times.
+    spread = 1 if spec.training.mode == "sync" else spec.cluster.workers + spec.cluster.spare_workers
+    if versions[-1] - versions[0] > spread:
+        return positions, f"are at steps {versions}, too far apart to go on from"
+    return positions, None
 
 
 def _wait_for_the_driver_to_go(run_id: str, control: Any) -> None:
