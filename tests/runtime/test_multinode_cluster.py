@@ -34,6 +34,16 @@ from multinode import (  # noqa: F401
     multinode_cluster_fixture,
 )
 from multinode_clients import CLAIMS_CLIENT, PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
+from multinode_drivers import (
+    alive_actors,
+    client_report,
+    finish,
+    placement_groups,
+    spec_file,
+    start_driver,
+    wait_for_metric,
+    wait_for_step,
+)
 
 from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 
@@ -66,20 +76,11 @@ def test_the_cluster_has_three_alive_nodes_and_refuses_clients_without_the_token
     assert out.returncode != 0 and "InvalidAuthToken" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def _client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
-    """Run a client script on the cluster; the JSON on its last line of output."""
-    out = subprocess.run(
-        [sys.executable, "-c", source, *args], env=cluster.env(), capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_spread_actors_land_on_three_nodes_and_read_objects_across_stores(
     multinode_cluster: LocalCluster,
 ):
     cluster = multinode_cluster
-    report = _client_report(cluster, SPREAD_CLIENT)
+    report = client_report(cluster, SPREAD_CLIENT)
     assert sorted(report["nodes"]) == sorted(cluster.alive_nodes()), report
     assert report["total"] == sum(range(250_000))
     owner, reader = report["nodes"][:2]
@@ -89,7 +90,7 @@ def test_spread_actors_land_on_three_nodes_and_read_objects_across_stores(
 def test_a_node_full_of_actors_keeps_an_idle_task_worker_for_the_next_task(multinode_cluster: LocalCluster):
     # Ray's default kills it after 1 s, and each of a run's Ray Data read tasks then started a new
     # process importing TensorFlow (docs/cluster.md): RAY_NODE_ENV on every node towerflow starts.
-    report = _client_report(multinode_cluster, IDLE_WORKER_CLIENT, multinode_cluster.nodes[1].node_id)
+    report = client_report(multinode_cluster, IDLE_WORKER_CLIENT, multinode_cluster.nodes[1].node_id)
     assert report["kept"] and report["second"] == report["first"], report
 
 
@@ -154,7 +155,7 @@ def _nodes_of_run(cluster: LocalCluster, name: str) -> dict[str, list[str]]:
 
 
 def test_strict_placements_pack_onto_one_node_and_spread_over_all(multinode_cluster: LocalCluster):
-    nodes = _client_report(multinode_cluster, PLACEMENT_CLIENT)
+    nodes = client_report(multinode_cluster, PLACEMENT_CLIENT)
     # spread: the shards on two nodes (in one group with the workers, Ray stacked them on one)
     assert len(nodes["spread"]) == 4 and len(set(nodes["spread"][:2])) == 2, nodes
     assert len(nodes["strict_pack"]) == 4 and len(set(nodes["strict_pack"])) == 1, nodes
@@ -226,107 +227,28 @@ def test_a_killed_node_is_reported_dead_and_a_new_one_joins(multinode_cluster: L
     assert len(cluster.alive_nodes()) == 3
 
 
-def _spec_file(
-    tmp_path: Path,
-    blob_data: Path,
-    name: str,
-    cluster: dict | None = None,
-    checkpoint_every: int = 20,
-    **training,
-) -> tuple[Path, str]:
-    return cluster_spec_file(
-        tmp_path,
-        blob_data,
-        name,
-        cluster={
-            "workers": 2,
-            "ps": 1,
-            "cpus_per_worker": 1,
-            "cpus_per_ps": 0.5,
-            "data_cpus": 0.5,
-            **(cluster or {}),
-        },
-        training={"mode": "sync", "optimizer": {"name": "sgd", "learning_rate": 0.05}, **training},
-        supervision={"checkpoint": {"every_steps": checkpoint_every}, "log_every_steps": 5},
-    )
-
-
-def _train(cluster: LocalCluster, spec: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "towerflow", "train", str(spec), "--no-progress", *args],
-        cwd=REPO,
-        env={**cluster.env(), "TF_CPP_MIN_LOG_LEVEL": "2"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _wait_for_step(
-    uri: str, experiment: str, step: int, driver: subprocess.Popen, timeout: float = 240
-) -> str:
-    """The run's id once MLflow shows `global_step` >= step (the driver flushes every 2 s)."""
-    client = MlflowClient(uri)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if driver.poll() is not None:
-            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
-        found = client.get_experiment_by_name(experiment)
-        runs = client.search_runs([found.experiment_id]) if found else []
-        if runs and runs[0].data.metrics.get("global_step", 0) >= step:
-            return runs[0].info.run_id
-        time.sleep(0.5)
-    raise TimeoutError(f"no step {step} within {timeout:.0f} s")
-
-
-def _actors(cluster: LocalCluster, class_name: str) -> list[dict]:
-    reply = cluster.state_api("/api/v0/actors?limit=1000&detail=true")
-    return [
-        a
-        for a in reply["data"]["result"]["result"]
-        if a["class_name"] == class_name and a["state"] == "ALIVE"
-    ]
-
-
-def _placement_groups(cluster: LocalCluster, job: str) -> list[dict]:
-    """The job's placement groups that still hold their resources."""
-    reply = cluster.state_api("/api/v0/placement_groups?limit=1000&detail=true")
-    return [
-        g
-        for g in reply["data"]["result"]["result"]
-        if g["name"].startswith(f"towerflow-{job}-") and g["state"] != "REMOVED"
-    ]
-
-
-def _finish(driver: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = driver.communicate(timeout=timeout)
-    assert driver.returncode == 0, out
-    return out
-
-
 def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
     # Steps enough to outlast the kill in a fast hour (MLflow shows step 20 up to 2 s late).
-    spec, uri = _spec_file(tmp_path, blob_data, "node-loss", max_steps=600)
-    driver = _train(cluster, spec)
-    run_id = _wait_for_step(uri, "node-loss", 20, driver)
+    spec, uri = spec_file(tmp_path, blob_data, "node-loss", max_steps=600)
+    driver = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "node-loss", 20, driver)
     head = cluster.head.node_id
-    shard_nodes = {a["node_id"] for a in _actors(cluster, "ParameterShard")}
+    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
     victims = [
         node
         for node in cluster.nodes
         if not node.killed
         and node.node_id not in shard_nodes | {head}
-        and any(a["node_id"] == node.node_id for a in _actors(cluster, "TowerWorker"))
+        and any(a["node_id"] == node.node_id for a in alive_actors(cluster, "TowerWorker"))
     ]
     if not victims:
         driver.kill()
         pytest.skip(
-            f"Ray placed no worker apart from the shards and the head: {json.dumps(_actors(cluster, 'TowerWorker'))}"
+            f"Ray placed no worker apart from the shards and the head: {json.dumps(alive_actors(cluster, 'TowerWorker'))}"
         )
     cluster.kill_node(victims[0])  # the nodes left have room for the replacement
-    out = _finish(driver)
+    out = finish(driver)
     assert "worker" in out and "replaced" in out
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -349,7 +271,7 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     cluster.add_node(num_cpus=2)  # room for what the lost node held, beside the run
     # Two shards and two workers spread over three nodes: one node holds two of them.
     layout = {"placement": "spread", "ps": 2, "cpus_per_ps": 0.25}
-    spec, uri = _spec_file(
+    spec, uri = spec_file(
         tmp_path,
         blob_data,
         "shard-node-loss",
@@ -358,17 +280,17 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
         checkpoint_every=1000,  # none stored before the loss: without the memory ones, back to the start
         failure={"memory_checkpoint_every_s": 1.0},
     )
-    driver = _train(cluster, spec)
-    run_id = _wait_for_step(uri, "shard-node-loss", 25, driver)  # past the first memory checkpoints
-    shard_nodes = {a["node_id"] for a in _actors(cluster, "ParameterShard")}
-    worker_nodes = {a["node_id"] for a in _actors(cluster, "TowerWorker")}
+    driver = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "shard-node-loss", 25, driver)  # past the first memory checkpoints
+    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
+    worker_nodes = {a["node_id"] for a in alive_actors(cluster, "TowerWorker")}
     victims = [n for n in cluster.nodes if not n.killed and n.node_id in shard_nodes - {cluster.head.node_id}]
     if not victims:
         driver.kill()
         pytest.skip("Ray placed the shards on the head")
     victims.sort(key=lambda n: n.node_id not in worker_nodes)  # a shard's and a worker's node first
     cluster.kill_node(victims[0])
-    out = _finish(driver)
+    out = finish(driver)
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 600, out[-3000:]
     assert run.data.metrics["ps_rollbacks"] == 1, out[-3000:]
@@ -388,33 +310,33 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     # No checkpoint before the end: only the live shards can continue the run.
     # Async steps come faster (no barrier): four times as many.
     steps = 300 if mode == "sync" else 1200
-    spec, uri = _spec_file(
+    spec, uri = spec_file(
         tmp_path, blob_data, name, cluster={"ps": ps}, max_steps=steps, checkpoint_every=10_000, mode=mode
     )
-    driver = _train(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
-    run_id = _wait_for_step(uri, name, 30, driver)
+    driver = start_driver(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
+    run_id = wait_for_step(uri, name, 30, driver)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
     driver.wait()
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "RUNNING"  # nobody closed it
     reported = max(m.step for m in client.get_metric_history(run_id, "loss"))
-    left = _client_report(cluster, CLAIMS_CLIENT)  # its data pipeline's claim on the cores, on record
+    left = client_report(cluster, CLAIMS_CLIENT)  # its data pipeline's claim on the cores, on record
     assert left, "the killed driver's pipeline left no claim on record"
     # Its shards outlive it (training.failure.driver_grace_s); its workers end with it.
-    shards = {a["actor_id"]: a["pid"] for a in _actors(cluster, "ParameterShard")}
+    shards = {a["actor_id"]: a["pid"] for a in alive_actors(cluster, "ParameterShard")}
     assert len(shards) == ps, shards
     deadline = time.monotonic() + 60
-    while _actors(cluster, "TowerWorker") and time.monotonic() < deadline:
+    while alive_actors(cluster, "TowerWorker") and time.monotonic() < deadline:
         time.sleep(1)
-    assert not _actors(cluster, "TowerWorker")
+    assert not alive_actors(cluster, "TowerWorker")
     client.set_tag(run_id, "towerflow.fault.001", "an earlier fault of the run")  # kept, numbered after
-    resumed = _train(cluster, spec, "--resume", "auto")
+    resumed = start_driver(cluster, spec, "--resume", "auto")
     seen = []  # the shards alive while the resumed driver runs: the same process trains on
     while resumed.poll() is None:
-        seen.append({a["actor_id"]: a["pid"] for a in _actors(cluster, "ParameterShard")})
+        seen.append({a["actor_id"]: a["pid"] for a in alive_actors(cluster, "ParameterShard")})
         time.sleep(0.5)
     assert shards in seen and all(alive in ({}, shards) for alive in seen), seen
-    again = _finish(resumed)
+    again = finish(resumed)
     assert f"continuing run {run_id}" in again
     took = re.search(rf"took over run {run_id}'s live shards at step (\d+)", again)
     assert took and int(took.group(1)) >= reported, again[-3000:]
@@ -433,42 +355,25 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     logged = [m.step for m in client.get_metric_history(run_id, "loss")]
     assert len(logged) == len(set(logged)), "a step was trained and logged twice"
     # The run's end ended the kept shard, its control point and its placement groups.
-    assert not _actors(cluster, "ParameterShard") and not _actors(cluster, "RunControl")
-    assert not _placement_groups(cluster, name)
+    assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
+    assert not placement_groups(cluster, name)
 
 
 def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
-    spec, uri = _spec_file(tmp_path, blob_data, "orphans", max_steps=10_000, failure={"driver_grace_s": 5})
-    driver = _train(cluster, spec)
-    _wait_for_step(uri, "orphans", 5, driver)
+    spec, uri = spec_file(tmp_path, blob_data, "orphans", max_steps=10_000, failure={"driver_grace_s": 5})
+    driver = start_driver(cluster, spec)
+    wait_for_step(uri, "orphans", 5, driver)
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
-    assert _actors(cluster, "ParameterShard") and _placement_groups(cluster, "orphans")
+    assert alive_actors(cluster, "ParameterShard") and placement_groups(cluster, "orphans")
     deadline = time.monotonic() + 90  # 5 s of grace, then Ray removes the groups and their actors
-    while (_actors(cluster, "ParameterShard") or _placement_groups(cluster, "orphans")) and (
+    while (alive_actors(cluster, "ParameterShard") or placement_groups(cluster, "orphans")) and (
         time.monotonic() < deadline
     ):
         time.sleep(1)
-    assert not _actors(cluster, "ParameterShard") and not _actors(cluster, "RunControl")
-    assert not _placement_groups(cluster, "orphans")
-
-
-def _wait_for_metric(uri: str, run_id: str, key: str, value: float, driver, timeout: float = 180) -> None:
-    client = MlflowClient(uri)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if driver.poll() is not None:
-            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
-        if client.get_run(run_id).data.metrics.get(key) == value:
-            return
-        time.sleep(0.5)
-    history = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
-    driver.kill()
-    out = driver.communicate()[0][-6000:]
-    raise TimeoutError(
-        f"{key} never became {value} within {timeout:.0f} s: {history}; the driver said:\n{out}"
-    )
+    assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
+    assert not placement_groups(cluster, "orphans")
 
 
 def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_towerflow_scale(
@@ -477,16 +382,16 @@ def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_tow
     cluster = multinode_cluster
     # 1.5 CPUs a worker: a 2-CPU node holds one, beside a shard or Ray Data's share.
     elastic = {"workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
-    spec, uri = _spec_file(tmp_path, blob_data, "elastic", cluster=elastic, max_steps=100_000)
-    driver = _train(cluster, spec)
-    run_id = _wait_for_step(uri, "elastic", 10, driver)
+    spec, uri = spec_file(tmp_path, blob_data, "elastic", cluster=elastic, max_steps=100_000)
+    driver = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "elastic", 10, driver)
     client = MlflowClient(uri)
     started = client.get_run(run_id).data.metrics["workers"]
     assert 1 <= started < 4
     node = cluster.add_node(num_cpus=2)  # room for one more worker: the waiting spare starts there
-    _wait_for_metric(uri, run_id, "workers", started + 1, driver)
+    wait_for_metric(uri, run_id, "workers", started + 1, driver)
     cluster.kill_node(node)  # its worker is lost; the run goes on without it
-    _wait_for_metric(uri, run_id, "workers", started, driver)
+    wait_for_metric(uri, run_id, "workers", started, driver)
     scale = subprocess.run(
         [sys.executable, "-m", "towerflow", "scale", run_id, "--workers", "1"],
         cwd=REPO,
@@ -496,9 +401,9 @@ def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_tow
         timeout=120,
     )
     assert scale.returncode == 0, scale.stdout + scale.stderr
-    _wait_for_metric(uri, run_id, "workers", 1.0, driver)
+    wait_for_metric(uri, run_id, "workers", 1.0, driver)
     step = client.get_run(run_id).data.metrics["global_step"]
-    _wait_for_step(uri, "elastic", step + 10, driver)  # and trains on
+    wait_for_step(uri, "elastic", step + 10, driver)  # and trains on
     os.killpg(driver.pid, signal.SIGTERM)
     out, _ = driver.communicate(timeout=120)
     run = client.get_run(run_id)
@@ -519,7 +424,7 @@ def test_a_new_node_readied_for_reading_runs_its_first_read_task_without_startin
     # waited for its first batch (most of the pause after an elastic grow, docs/reliability.md).
     node = multinode_cluster.add_node(num_cpus=2)
     try:
-        report = _client_report(multinode_cluster, WARM_READER_CLIENT, node.node_id)
+        report = client_report(multinode_cluster, WARM_READER_CLIENT, node.node_id)
     finally:
         multinode_cluster.kill_node(node)
     assert report["read_pid"] == report["warmed"] and report["tensorflow"], report

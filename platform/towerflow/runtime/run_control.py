@@ -174,6 +174,12 @@ class ControlPoint:
             self._renewing.set()
         ray.kill(self.actor)
 
+    def end_the_run(self) -> None:
+        """End the run's kept shards (their placement groups removed) and the control point."""
+        if self._renewing is not None:
+            self._renewing.set()
+        self.actor.end.remote()
+
     def _start_renewing(self) -> None:
         if self._renewing is not None:
             return

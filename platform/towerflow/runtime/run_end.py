@@ -14,7 +14,7 @@ import ray
 from towerflow.errors import DataError
 from towerflow.runtime.actors import kill_quietly
 from towerflow.runtime.result import TrainResult, staleness_summary
-from towerflow.runtime.run_keeper import LiveShards, release_shards
+from towerflow.runtime.run_keeper import LiveShards
 from towerflow.shared_types import join_pieces
 
 
@@ -82,7 +82,11 @@ class RunEnd:
         if isinstance(live, LiveShards) and self.actor_placement is not live.handover.placement:
             # a lost driver's shards, which this run ended before it took them in
             with contextlib.suppress(Exception):
-                release_shards(live.handover, live.control)
+                if self.control is not None:
+                    self.control.end_the_run()
+                else:
+                    live.control.end.remote()
+            self.control = None
         with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
             self.actor_placement.release()
         if self.control is not None:  # last: a kept run's ends what is left should this be cut short

@@ -11,7 +11,6 @@ position the gradients they took tell; no step is redone.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 import ray
 
 from towerflow.errors import ClusterError
-from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
+from towerflow.runtime.actors import ACTOR_GONE, first_line
 from towerflow.runtime.run_control import LEASE_FRESH_S, find_control
 
 log = logging.getLogger(__name__)
@@ -97,7 +96,7 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
         log.info(
             "run %s's shards %s: they end, and the run goes on from its stored checkpoint", run_id, why_not
         )
-        release_shards(handover, control)
+        control.end.remote()  # removes the run's placement groups, which ends every shard in them
         return None
     versions = sorted({version for version, _ in positions})
     step = versions[-1]
@@ -156,12 +155,3 @@ def _job_ended(job_id: str) -> bool:
     from ray._private.state import jobs  # Ray's job table (as placement.declared_dead reads its actors')
 
     return any(job["JobID"] == job_id and job["IsDead"] for job in jobs())
-
-
-def release_shards(handover: Handover, control: Any) -> None:
-    """End a handover's shards, their placement groups and the control point that kept them."""
-    for actor in handover.shards + handover.spares:
-        kill_quietly(actor)
-    with contextlib.suppress(Exception):
-        handover.placement.release()
-    kill_quietly(control)

@@ -1,0 +1,120 @@
+"""Drivers run as users run them on the multi-node test cluster (`python -m towerflow train` with
+RAY_ADDRESS), and what the cluster's state API and MLflow say of them: the helpers of
+test_multinode_cluster.py's fault tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO
+from mlflow.tracking import MlflowClient
+from multinode import LocalCluster, cluster_spec_file
+
+
+def client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
+    """Run a client script on the cluster; the JSON on its last line of output."""
+    out = subprocess.run(
+        [sys.executable, "-c", source, *args], env=cluster.env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def spec_file(
+    tmp_path: Path,
+    blob_data: Path,
+    name: str,
+    cluster: dict | None = None,
+    checkpoint_every: int = 20,
+    **training,
+) -> tuple[Path, str]:
+    return cluster_spec_file(
+        tmp_path,
+        blob_data,
+        name,
+        cluster={
+            "workers": 2,
+            "ps": 1,
+            "cpus_per_worker": 1,
+            "cpus_per_ps": 0.5,
+            "data_cpus": 0.5,
+            **(cluster or {}),
+        },
+        training={"mode": "sync", "optimizer": {"name": "sgd", "learning_rate": 0.05}, **training},
+        supervision={"checkpoint": {"every_steps": checkpoint_every}, "log_every_steps": 5},
+    )
+
+
+def start_driver(cluster: LocalCluster, spec: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "towerflow", "train", str(spec), "--no-progress", *args],
+        cwd=REPO,
+        env={**cluster.env(), "TF_CPP_MIN_LOG_LEVEL": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for_step(
+    uri: str, experiment: str, step: int, driver: subprocess.Popen, timeout: float = 240
+) -> str:
+    """The run's id once MLflow shows `global_step` >= step (the driver flushes every 2 s)."""
+    client = MlflowClient(uri)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if driver.poll() is not None:
+            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
+        found = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([found.experiment_id]) if found else []
+        if runs and runs[0].data.metrics.get("global_step", 0) >= step:
+            return runs[0].info.run_id
+        time.sleep(0.5)
+    raise TimeoutError(f"no step {step} within {timeout:.0f} s")
+
+
+def alive_actors(cluster: LocalCluster, class_name: str) -> list[dict]:
+    reply = cluster.state_api("/api/v0/actors?limit=1000&detail=true")
+    return [
+        a
+        for a in reply["data"]["result"]["result"]
+        if a["class_name"] == class_name and a["state"] == "ALIVE"
+    ]
+
+
+def placement_groups(cluster: LocalCluster, job: str) -> list[dict]:
+    """The job's placement groups that still hold their resources."""
+    reply = cluster.state_api("/api/v0/placement_groups?limit=1000&detail=true")
+    return [
+        g
+        for g in reply["data"]["result"]["result"]
+        if g["name"].startswith(f"towerflow-{job}-") and g["state"] != "REMOVED"
+    ]
+
+
+def finish(driver: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = driver.communicate(timeout=timeout)
+    assert driver.returncode == 0, out
+    return out
+
+
+def wait_for_metric(uri: str, run_id: str, key: str, value: float, driver, timeout: float = 180) -> None:
+    client = MlflowClient(uri)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if driver.poll() is not None:
+            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
+        if client.get_run(run_id).data.metrics.get(key) == value:
+            return
+        time.sleep(0.5)
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+    driver.kill()
+    out = driver.communicate()[0][-6000:]
+    raise TimeoutError(
+        f"{key} never became {value} within {timeout:.0f} s: {history}; the driver said:\n{out}"
+    )
