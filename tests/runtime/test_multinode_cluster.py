@@ -299,6 +299,9 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     assert any(v.startswith("parameter server") and "(a memory checkpoint)" in v for v in faults), faults
 
 
+KEPT = ("ParameterShard", "TowerWorker")  # a kept run's actors that outlive its driver
+
+
 @pytest.mark.parametrize("mode, ps", [("sync", 1), ("async", 2)])
 def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     multinode_cluster, blob_data, tmp_path, mode, ps
@@ -322,23 +325,19 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     reported = max(m.step for m in client.get_metric_history(run_id, "loss"))
     left = client_report(cluster, CLAIMS_CLIENT)  # its data pipeline's claim on the cores, on record
     assert left, "the killed driver's pipeline left no claim on record"
-    # Its shards outlive it (training.failure.driver_grace_s); its workers end with it.
-    shards = {a["actor_id"]: a["pid"] for a in alive_actors(cluster, "ParameterShard")}
-    assert len(shards) == ps, shards
-    deadline = time.monotonic() + 60
-    while alive_actors(cluster, "TowerWorker") and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not alive_actors(cluster, "TowerWorker")
+    # Its shards and workers outlive it (training.failure.driver_grace_s).
+    actors = {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
+    assert len(actors) == ps + 2, actors  # (2 workers)
     client.set_tag(run_id, "towerflow.fault.001", "an earlier fault of the run")  # kept, numbered after
     resumed = start_driver(cluster, spec, "--resume", "auto")
-    seen = []  # the shards alive while the resumed driver runs: the same process trains on
+    seen = []  # the shards and workers alive while the resumed driver runs: the same processes train on
     while resumed.poll() is None:
-        seen.append({a["actor_id"]: a["pid"] for a in alive_actors(cluster, "ParameterShard")})
+        seen.append({a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)})
         time.sleep(0.5)
-    assert shards in seen and all(alive in ({}, shards) for alive in seen), seen
+    assert actors in seen and all(alive in ({}, actors) for alive in seen), seen
     again = finish(resumed)
     assert f"continuing run {run_id}" in again
-    took = re.search(rf"took over run {run_id}'s live shards at step (\d+)", again)
+    took = re.search(rf"took over run {run_id}'s live shards at step (\d+) and 2 of its workers", again)
     assert took and int(took.group(1)) >= reported, again[-3000:]
     # The new run withdrew it before reading, instead of reading with half the cores for 180 s.
     assert all(requester in again for requester in left.values()), (left, again[-3000:])
@@ -354,8 +353,8 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     assert lost.startswith("the driver lost") and "went on from its live shards" in lost, lost
     logged = [m.step for m in client.get_metric_history(run_id, "loss")]
     assert len(logged) == len(set(logged)), "a step was trained and logged twice"
-    # The run's end ended the kept shard, its control point and its placement groups.
-    assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
+    # The run's end ended the kept shards and workers, its control point and its placement groups.
+    assert not any(alive_actors(cluster, kind) for kind in (*KEPT, "RunControl"))
     assert not placement_groups(cluster, name)
 
 

@@ -91,4 +91,7 @@ def test_a_spare_worker_that_takes_a_workers_id_brings_its_bundle():
     assert placement.bundles[5] == {"CPU": 1}
     assert "1 spare worker(s)" in placement.describe()
     assert placement.move_worker(1, 5) == 3  # worker 1 left shards + 1 for the spare's
+    # the bundle it left is the spares' now (a driver taking the run over starts its spare there)
+    assert placement.spare_worker_bundles() == [3]
     assert placement.move_worker(1, 3) == 5  # and the next spare, started in 3, takes it back
+    assert placement.spare_worker_bundles() == [5]

@@ -38,3 +38,22 @@ def test_a_memory_limit_is_kept_where_workers_share_a_gpu():
 def test_whole_gpus_keep_the_memory_setting_asked_for():
     config = tf_config_of("cluster.gpus_per_worker=1", "tf_config.memory_growth=false")
     assert not config.memory_growth
+
+
+def test_a_worker_runs_under_a_config_built_alike_and_not_under_another_label_or_model():
+    spec = load_spec(SPEC, [])
+    mine = worker_config(spec, 0, feature_scales={"x": 2.0}, start_step=0, faults=None, push_in_buckets=False)
+    # another id, start step and profile: what a spare or a new driver's worker takes (`assume`)
+    later = worker_config(
+        spec, 1, feature_scales={"x": 2.0}, start_step=50, faults=None, push_in_buckets=False
+    )
+    assert later.built_alike(mine)
+    relabelled = load_spec(SPEC, ["data.train.label=other"])
+    other = worker_config(
+        relabelled, 0, feature_scales={"x": 2.0}, start_step=0, faults=None, push_in_buckets=False
+    )
+    assert not other.built_alike(mine)
+    rescaled = worker_config(
+        spec, 0, feature_scales={"x": 3.0}, start_step=0, faults=None, push_in_buckets=False
+    )
+    assert not rescaled.built_alike(mine)

@@ -35,7 +35,7 @@ from towerflow.runtime.result import TrainResult
 from towerflow.runtime.run_actors import RunActors
 from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.run_end import RunEnd
-from towerflow.runtime.run_keeper import LiveShards
+from towerflow.runtime.run_keeper import LiveRun
 from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.spares import SparePool
@@ -182,7 +182,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         """The run's control point (a tracked run's): made here, or a lost driver's, taken over
         with its shards; a kept run's lives beyond this driver (runtime/run_keeper.py)."""
         run_id = self.session.tags.get("run_id")
-        if isinstance(self.initial_state, LiveShards):
+        if isinstance(self.initial_state, LiveRun):
             return ControlPoint(run_id, actor=self.initial_state.control)
         if not run_id:
             return None
@@ -347,6 +347,6 @@ def _resumed_from(state: Any) -> str | None:
     """What a resumed run goes on from, as its MLflow run's tags say it."""
     if state is None:
         return None
-    if isinstance(state, LiveShards):
+    if isinstance(state, LiveRun):
         return f"its live shards at step {state.global_step} (taken over: no step redone)"
     return f"its checkpoint of step {state.global_step}"

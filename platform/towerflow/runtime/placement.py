@@ -167,8 +167,11 @@ class ActorPlacement:
         return [b for b in self._shard_sized if b not in shard_bundles]
 
     def spare_worker_bundles(self) -> list[int]:
-        """The bundles of the warm spare workers (the one to take first first), as the run starts."""
-        return list(self._spare_worker_bundles)
+        """The bundles of the warm spare workers (the one to take first first): those of worker size
+        that no worker holds (after a spare took a lost one's place, that one's bundle too)."""
+        held = set(self._worker_bundles.values())
+        first = [b for b in self._spare_worker_bundles if b not in held]
+        return first + [b for b in self._worker_sized if b not in held and b not in first]
 
     def move_worker(self, worker_id: int, bundle: int) -> int:
         """Worker `worker_id` (a spare taking its place) is in `bundle` now; returns the one it left."""

@@ -9,8 +9,8 @@ from typing import Any
 
 import ray
 
-from towerflow.runtime.actors import ACTOR_GONE
-from towerflow.runtime.run_keeper import LiveShards, compatibility
+from towerflow.runtime.actors import ACTOR_GONE, kill_quietly
+from towerflow.runtime.run_keeper import LiveRun, compatibility
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
 
@@ -23,7 +23,7 @@ class RunActors:
 
     def _create_actors(self, count: int) -> None:
         session = self.session
-        live = self.initial_state if isinstance(self.initial_state, LiveShards) else None
+        live = self.initial_state if isinstance(self.initial_state, LiveRun) else None
         if live is not None:  # a lost driver's shards, in their placement groups, taken over
             self.actor_placement = self.shard_group.actor_placement = live.handover.placement
         else:
@@ -33,7 +33,8 @@ class RunActors:
             if kept:
                 self.control.keep()
         self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
-        self.group.start(list(range(count)))
+        self._take_kept_workers(live.workers if live is not None else {}, count)
+        self.group.start([i for i in range(count) if i not in self.group.slots])
         self.worker_spares.start(self.actor_placement.spare_worker_bundles())  # beside the workers
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
@@ -63,6 +64,24 @@ class RunActors:
         if self.elastic.elastic:
             session.log_metrics({"workers": float(count)}, session.start_step)
 
+    def _take_kept_workers(self, kept: dict[int, Any], count: int) -> None:
+        """A lost driver's workers, at rest (runtime/run_keeper.py), take their ids again under
+        this driver's worker config; those beyond `count`, or built for another (a changed
+        `data.train.label`, say), end, and new workers start in their places."""
+        for worker_id, worker in sorted(kept.items()):
+            try:
+                taken = worker_id < count and ray.get(
+                    worker.actor.assume.remote(self._worker_config(worker_id))
+                )
+            except ACTOR_GONE:
+                taken = False
+            if taken:
+                self.group.take_over(worker_id, worker.actor, worker.last_run)
+            else:
+                kill_quietly(worker.actor)  # a new worker takes its bundle once Ray frees it
+        if self.group.slots:
+            log.info("worker(s) %s of the lost driver train on", sorted(self.group.slots))
+
     def _load_shards(self, state: Any, version: int, *, rollback: bool = False) -> None:
         session, workers = self.session, len(self.group.slots)
         self.shard_group.load(
@@ -79,12 +98,12 @@ class RunActors:
     def _stored_start(self) -> Any:
         """The stored state the run started from (a resume's checkpoint), or None: the model's own."""
         state = self.initial_state
-        return state.stored if isinstance(state, LiveShards) else state
+        return state.stored if isinstance(state, LiveRun) else state
 
     def _kept_beyond_the_driver(self) -> bool:
         """Whether this run's shards outlive a lost driver (`training.failure.driver_grace_s`): a
         tracked run's, which a driver can resume; a run that took a lost driver's over."""
-        if isinstance(self.initial_state, LiveShards):
+        if isinstance(self.initial_state, LiveRun):
             return True
         return bool(self.session.tags.get("run_id")) and self.spec.training.failure.driver_grace_s is not None
 
@@ -92,11 +111,20 @@ class RunActors:
         """Tell a kept run's control point of its shards and spares whenever they change."""
         if self.control is None or not self._kept_beyond_the_driver():
             return
-        spares = self.shard_group.spares.spares
-        now = tuple(a._actor_id for a in self.shards) + tuple(a._actor_id for a, _ in spares)
+        workers = {i: s.actor for i, s in self.group.slots.items() if self._kept_worker(i) and not s.lost}
+        spare_workers = [actor for actor, _ in self.worker_spares.spares]
+        actors = [*self.shards, *(a for a, _ in self.shard_group.spares.spares), *spare_workers]
+        now = tuple(a._actor_id for a in actors) + tuple((i, a._actor_id) for i, a in workers.items())
         if now != self._handed_over:
             self._handed_over = now
-            self.control.remember(self.shard_group.handover(compatibility(self.spec)))
+            handover = self.shard_group.handover(compatibility(self.spec))
+            handover.workers, handover.spare_workers = workers, spare_workers
+            self.control.remember(handover)
+
+    def _kept_worker(self, worker_id: int) -> bool:
+        """Whether this worker id's actors outlive a lost driver: a kept run's, in a bundle of its
+        placement groups (an elastic run's are not: their removal would not end them)."""
+        return self.actor_placement.detached and self.actor_placement.holds_worker(worker_id)
 
     @property
     def shards(self) -> list[Any]:
@@ -143,13 +171,15 @@ class RunActors:
         if spare:
             config.ready_node_for_reading = self._ready_node_for_reading
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
-        return actor.options(**self.actor_placement.worker_options(worker_id)).remote(config)
+        lifetime = {"lifetime": "detached"} if self._kept_worker(worker_id) else {}
+        return actor.options(**self.actor_placement.worker_options(worker_id), **lifetime).remote(config)
 
     def _new_spare_worker(self, bundle: int) -> Any:
         """A warm spare worker in this bundle, with no id yet: it takes a lost one's (`assume`)."""
         cluster = self.spec.cluster
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
-        return actor.options(**self.actor_placement.bundle_options(bundle)).remote(
+        lifetime = {"lifetime": "detached"} if self.actor_placement.detached else {}
+        return actor.options(**self.actor_placement.bundle_options(bundle), **lifetime).remote(
             self._idless_worker_config()
         )
 

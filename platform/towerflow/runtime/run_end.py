@@ -14,7 +14,7 @@ import ray
 from towerflow.errors import DataError
 from towerflow.runtime.actors import kill_quietly
 from towerflow.runtime.result import TrainResult, staleness_summary
-from towerflow.runtime.run_keeper import LiveShards
+from towerflow.runtime.run_keeper import LiveRun
 from towerflow.shared_types import join_pieces
 
 
@@ -79,7 +79,7 @@ class RunEnd:
             kill_quietly(self._evaluator)
         self._evaluator = None
         live = self.initial_state
-        if isinstance(live, LiveShards) and self.actor_placement is not live.handover.placement:
+        if isinstance(live, LiveRun) and self.actor_placement is not live.handover.placement:
             # a lost driver's shards, which this run ended before it took them in
             with contextlib.suppress(Exception):
                 if self.control is not None:

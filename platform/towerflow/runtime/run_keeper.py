@@ -1,12 +1,13 @@
-"""A tracked run's shards outlive a lost driver (`training.failure.driver_grace_s`), so that a
-driver resuming the run takes them over instead of starting again from the stored checkpoint.
+"""A tracked run's shards and workers outlive a lost driver (`training.failure.driver_grace_s`), so
+that a driver resuming the run takes them over instead of starting again from the stored checkpoint.
 
-The shards and the run's placement groups are detached from the driver that made them; the run's
-control point (run_control.py), detached too, holds what a new driver needs to take them over (a
-`Handover`) and ends them once the run has had no driver for the grace period. The workers are not
-kept: they end with their driver (their batches come from its data pipeline, which ends with it),
-and a new driver starts its own. A new driver goes on from the shards' version and from the data
-position the gradients they took tell; no step is redone.
+The shards, the workers in the run's placement groups and the groups themselves are detached from
+the driver that made them; the run's control point (run_control.py), detached too, holds what a
+new driver needs to take them over (a `Handover`) and ends them once the run has had no driver for
+the grace period. A new driver first brings the workers to rest (their data pipeline ended with the
+old driver: each ends its run after its step), then goes on from the shards' version and from the
+data position the gradients they took tell, with the workers' own model state; no step is redone,
+and only the driver and its data pipeline start again. Warm spares end; new ones start.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ from typing import Any
 import ray
 
 from towerflow.errors import ClusterError
-from towerflow.runtime.actors import ACTOR_GONE, first_line
+from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.run_control import LEASE_FRESH_S, find_control
 
 log = logging.getLogger(__name__)
+# How long a lost driver's workers get to end their runs (a step, where their data has not ended
+# already) before the shards are finished to release them, and again after that before they are
+# killed (new workers start in their places).
+REST_S = 30.0
+RELEASED_REST_S = 10.0
 
 
 @dataclass
@@ -35,23 +41,38 @@ class Handover:
     shard_bundles: list[int]  # per shard, its bundle
     spares: list[Any] = field(default_factory=list)  # the spare shards: they end, new ones start
     compatible: dict[str, Any] = field(default_factory=dict)  # what a taker's spec must match
+    workers: dict[int, Any] = field(default_factory=dict)  # worker id -> its actor (in a bundle)
+    spare_workers: list[Any] = field(default_factory=list)  # they end, new ones start
 
 
 @dataclass
-class LiveShards:
-    """Where a run goes on from when its new driver took its live shards over: their version and
-    the data position the gradients they took tell, with the stored checkpoint it would otherwise
-    have gone on from (a later rollback's fallback, and the non-trainable model state: the workers
-    that held a newer one ended with their driver)."""
+class KeptWorker:
+    """A lost driver's worker, at rest and taken over: its actor and the number of its last run."""
+
+    actor: Any
+    last_run: int
+
+
+@dataclass
+class LiveRun:
+    """Where a run goes on from when its new driver took its live shards and workers over: the
+    shards' version and the data position the gradients they took tell, the workers kept, and the
+    stored checkpoint it would otherwise have gone on from (a later rollback's fallback)."""
 
     global_step: int
     examples_seen: int
     handover: Handover
     control: Any  # the run's control point (its actor), now this driver's
     stored: Any = None  # the run's newest stored checkpoint, or None
+    workers: dict[int, KeptWorker] = field(default_factory=dict)  # by worker id
+    kept_model_state: dict[str, Any] | None = None  # a kept worker's non-trainable state
 
     @property
     def model_state(self) -> dict[str, Any]:
+        """The non-trainable model state new workers take: a kept worker's (the newest), else the
+        stored checkpoint's."""
+        if self.kept_model_state is not None:
+            return self.kept_model_state
         return self.stored.model_state if self.stored is not None else {}
 
 
@@ -72,11 +93,11 @@ def has_live_shards(run_id: str) -> bool:
     return ray.is_initialized() and find_control(run_id) is not None
 
 
-def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None:
-    """Run `run_id`'s live shards (its driver lost), now this driver's, and where the run stands;
-    None where it has none to take (the run goes on from `stored`, its newest stored checkpoint):
-    none were kept, they have ended, one was lost meanwhile, or they were laid out for another spec
-    (then they end here)."""
+def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
+    """Run `run_id`'s live shards and workers (its driver lost), now this driver's, and where the
+    run stands; None where it has none to take (the run goes on from `stored`, its newest stored
+    checkpoint): none were kept, they have ended, one was lost meanwhile, or they were laid out for
+    another spec (then they end here)."""
     if spec.training.failure.driver_grace_s is None:
         return None
     control = find_control(run_id)
@@ -91,7 +112,11 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
     if handover is None:  # restarted since (its node lost): it knows the groups, not the shards
         control.end.remote()
         return None
-    positions, why_not = _where_they_stand(handover, spec)
+    why_not = _changed(handover, spec)
+    workers: dict[int, KeptWorker] = {}
+    if why_not is None:
+        workers = _bring_to_rest(handover)
+        positions, why_not = _where_they_stand(handover, spec)
     if why_not is not None:
         log.info(
             "run %s's shards %s: they end, and the run goes on from its stored checkpoint", run_id, why_not
@@ -107,19 +132,68 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveShards | None
             versions,
             step,
         )
-    log.info("took over run %s's live shards at step %d: no step is redone", run_id, step)
-    return LiveShards(step, positions[-1][1], handover, control, stored)
+    log.info(
+        "took over run %s's live shards at step %d and %d of its workers: no step is redone",
+        run_id,
+        step,
+        len(workers),
+    )
+    return LiveRun(step, positions[-1][1], handover, control, stored, workers, _model_state_of(workers))
+
+
+def _changed(handover: Handover, spec: Any) -> str | None:
+    """Why the shards cannot serve this spec (what changed), or None."""
+    ours = compatibility(spec)
+    changed = sorted(
+        k for k in ours.keys() | handover.compatible.keys() if ours.get(k) != handover.compatible.get(k)
+    )
+    return f"were made for another {', '.join(changed)}" if changed else None
+
+
+def _bring_to_rest(handover: Handover) -> dict[int, KeptWorker]:
+    """The lost driver's workers, each with its run ended: asked to stop after their step (sync
+    workers end a step together, so the shards end at one version); those still running after
+    `REST_S` are released by finishing the shards, and killed `RELEASED_REST_S` later (new workers
+    take their places). Its warm spares end (new ones start)."""
+    for actor in handover.spare_workers:
+        kill_quietly(actor)
+    kept: dict[int, KeptWorker] = {}
+    waiting = dict(handover.workers)
+    for round_, wait_s in enumerate((REST_S, RELEASED_REST_S)):
+        if not waiting:
+            break
+        if round_:
+            log.info("worker(s) %s still running: the shards are finished to release them", sorted(waiting))
+            for shard in handover.shards:
+                shard.finish.remote()
+        asked = {worker_id: actor.rest.remote(wait_s) for worker_id, actor in waiting.items()}
+        ray.wait(list(asked.values()), num_returns=len(asked), timeout=wait_s + 5)
+        for worker_id, ref in asked.items():
+            try:
+                last_run = ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:  # gone, or not answering at all: not asked again
+                kill_quietly(waiting.pop(worker_id))
+                continue
+            if last_run is not None:
+                kept[worker_id] = KeptWorker(waiting.pop(worker_id), last_run)
+    for actor in waiting.values():
+        kill_quietly(actor)
+    return kept
+
+
+def _model_state_of(workers: dict[int, KeptWorker]) -> dict[str, Any] | None:
+    """The non-trainable model state of the first kept worker that answers, or None."""
+    for _, kept in sorted(workers.items()):
+        try:
+            return ray.get(kept.actor.model_state.remote(), timeout=30)
+        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
+            continue
+    return None
 
 
 def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, int]], str | None]:
     """Each shard's version and data position (`ParameterShard.live_position`), and why the run
     cannot go on from them, or None where it can."""
-    ours = compatibility(spec)
-    changed = sorted(
-        k for k in ours.keys() | handover.compatible.keys() if ours.get(k) != handover.compatible.get(k)
-    )
-    if changed:
-        return [], f"were made for another {', '.join(changed)}"
     try:
         positions = ray.get([shard.live_position.remote() for shard in handover.shards], timeout=30)
     except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:

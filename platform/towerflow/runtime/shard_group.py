@@ -19,7 +19,7 @@ from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, peer_ring
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
-from towerflow.runtime.run_keeper import Handover, LiveShards
+from towerflow.runtime.run_keeper import Handover, LiveRun
 from towerflow.runtime.shard_parts import LiveState, OwnCopy, PartSource
 from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sharding, shard_variables
 from towerflow.runtime.spares import SparePool
@@ -92,7 +92,7 @@ class ShardGroup:
         """Give every shard its pieces at `version` and wait until all have them: from `state` (a
         StoredCheckpoint, a whole TrainingState or a MemoryCheckpoint), else from the model's initial values, for
         `workers` workers of which sync steps aggregate `replicas`, the data read from `examples_seen`
-        on; from what each holds, for a LiveShards state (runtime/run_keeper.py). A checkpoint laid
+        on; from what each holds, for a LiveRun state (runtime/run_keeper.py). A checkpoint laid
         out as these shards are is read by each shard itself, part by part; any other is re-cut
         here. A shard loaded again starts afresh."""
         spec = self.spec
@@ -135,7 +135,7 @@ class ShardGroup:
     def _initial_pieces(self, state: Any, optimizer: str, rollback: bool) -> list[tuple[Any, Any]]:
         """Per shard: (values or a PartSource, slots or None)."""
         pieces, assignment = self.pieces, self.assignment
-        if isinstance(state, LiveShards):
+        if isinstance(state, LiveRun):
             return [(LiveState(), None) for _ in assignment]
         if isinstance(state, MemoryCheckpoint):  # a rollback: each its own copy, a new shard its peer's
             version = state.global_step

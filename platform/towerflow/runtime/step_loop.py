@@ -87,6 +87,11 @@ class StepLoop:
             self.stop.set()
         return self.stop
 
+    @property
+    def run_number(self) -> int:
+        """The current run's number (the last one's, between runs)."""
+        return self._run_number
+
     def request_stop(self, run_number: int) -> None:
         """Stop run `run_number` after its step, even one not begun yet: the worker's calls run on
         threads, so a stop sent after a run may start first (a replacement's, stopped as it starts)."""

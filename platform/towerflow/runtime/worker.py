@@ -75,17 +75,23 @@ class TowerWorker:
         self.adapter = BatchAdapter(input_names, config.label, config.feature_scales)
         self._profiler = StepWindowProfiler(config.profile_steps)
         self._loop = StepLoop(config, self.model, self.towers, self.adapter, self._profiler)
+        self._running = threading.Lock()  # held while a run is under way (`rest` waits for it)
 
     # -- called by the driver --------------------------------------------------------------------
-    def assume(self, config: WorkerConfig) -> None:
-        """A warm spare takes a lost worker's place: its id, seed, start step, faults and profile
-        from `config`. The model, the towers, its step loop and what they traced stay: the spare's own start."""
+    def assume(self, config: WorkerConfig) -> bool:
+        """Take a worker's place under `config` (a warm spare a lost worker's; a lost driver's worker
+        its own under the new driver): its id, seed, start step, faults and profile. The model, the
+        towers, its step loop and what they traced stay: the actor's own start. False, and nothing
+        taken, where `config` would build another model or towers (`WorkerConfig.built_alike`)."""
+        if not config.built_alike(self.config):
+            return False
         import keras
 
         keras.utils.set_random_seed(config.seed + max(config.worker_id, 0))
         self.config = config
         self._profiler = StepWindowProfiler(config.profile_steps)
         self._loop.assume(config, self._profiler)
+        return True
 
     def describe(self) -> tuple[list[VariableInfo], list[np.ndarray]]:
         """The trainable variables (in model order) and their initial values."""
@@ -148,6 +154,20 @@ class TowerWorker:
     def request_stop(self, run_number: int) -> None:
         self._loop.request_stop(run_number)
 
+    def rest(self, timeout_s: float) -> int | None:
+        """Come to rest for a new driver (runtime/run_keeper.py): the run under way, whose driver
+        was lost, stops after its step; wait up to `timeout_s` for it to end, then drop the records
+        no driver will drain. Returns the number of the last run (the next must be higher), or
+        None where it is still running."""
+        self._loop.request_stop(self._loop.run_number)
+        if not self._running.acquire(timeout=timeout_s):
+            return None
+        try:
+            self._loop.drain()
+            return self._loop.run_number
+        finally:
+            self._running.release()
+
     def evaluate(
         self,
         shards: list[Any],
@@ -204,15 +224,16 @@ class TowerWorker:
         A replacement worker gets `rejoin`: the rows its lost predecessor had received and not
         trained on (data/splits.py), read before its split, and the model's non-trainable state.
         """
-        loop = self._loop
-        stop = loop.new_run(run_number)
-        loop.attach(PushPlan(shards, placement, buckets))
-        start = time.perf_counter()
-        stream = as_stream(data)
-        self.adapter.varlen = stream.options.varlen
-        self._wrap_towers(stream.options.tower_preprocess)
-        traces = self.towers.traces
-        steps, examples = loop.run(self._batches(stream, rejoin, stop), stream.options.tower_preprocess)
+        with self._running:
+            loop = self._loop
+            stop = loop.new_run(run_number)
+            loop.attach(PushPlan(shards, placement, buckets))
+            start = time.perf_counter()
+            stream = as_stream(data)
+            self.adapter.varlen = stream.options.varlen
+            self._wrap_towers(stream.options.tower_preprocess)
+            traces = self.towers.traces
+            steps, examples = loop.run(self._batches(stream, rejoin, stop), stream.options.tower_preprocess)
         return {
             "worker": self.config.worker_id,
             "steps": steps,
@@ -263,5 +284,5 @@ def _loss_config(config: WorkerConfig) -> dict[str, Any]:
 
 
 def worker_actor(cpus: float, gpus: float):
-    """The Ray actor class for a worker with this reservation (two threads: run, and drain/stop)."""
+    """The Ray actor class for a worker with this reservation (threads: run, drain/stop, rest)."""
     return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_concurrency=3)(TowerWorker)

@@ -39,6 +39,25 @@ class WorkerConfig:
     # (data/reader_warmup.py), called as it starts; its `warm_up` waits for it.
     ready_node_for_reading: Callable[[str], Any] | None = None
 
+    def built_alike(self, other: WorkerConfig) -> bool:
+        """Whether a worker built under `other` (its model, towers, batch adapter and TensorFlow
+        set-up) can run under this config as it is (`TowerWorker.assume`)."""
+        return all(getattr(self, name) == getattr(other, name) for name in _BUILT_WITH)
+
+
+# What a worker's start fixes: a config that differs in any of these needs a new worker.
+_BUILT_WITH = (
+    "model_ref",
+    "model_params",
+    "loss",
+    "from_logits",
+    "metrics",
+    "label",
+    "feature_scales",
+    "tf",
+    "clip_global_norm",
+)
+
 
 def worker_config(
     spec: Any,

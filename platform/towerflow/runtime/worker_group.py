@@ -112,6 +112,12 @@ class WorkerGroup(WorkerWatchdogs):
             actor, _ = self.spares.pop(worker_id)
             kill_quietly(actor)
 
+    def take_over(self, worker_id: int, actor: Any, last_run: int) -> None:
+        """A lost driver's worker, at rest, becomes a member under its id, as `start` makes one;
+        its runs are numbered on from `last_run`."""
+        self.slots[worker_id] = WorkerSlot(worker_id, actor, runs=last_run, stopped_run=last_run)
+        self._next_id = max(self._next_id, worker_id + 1)
+
     def adopt(self, worker_id: int) -> None:
         """A started spare becomes a member (run it next)."""
         actor, _ = self.spares.pop(worker_id)
