@@ -108,10 +108,10 @@ class FailureSpec(StrictModel):
     driver_grace_s: float | None = Field(
         300.0,
         gt=0,
-        description="A tracked run's shards outlive a lost driver by this long: a driver that resumes the "
-        "run meanwhile (`--resume auto` or the run id, on the same Ray cluster) goes on from the shards' "
-        "live state, with no step redone, instead of from the stored checkpoint. Past it they are ended "
-        "and their resources freed. null: the shards end with their driver.",
+        description="A tracked run's shards and workers outlive a lost driver by this long: a driver that "
+        "resumes the run meanwhile (`--resume auto` or the run id, on the same Ray cluster) takes them over "
+        "and goes on from the shards' live state, with no step redone, instead of from the stored "
+        "checkpoint. Past it they are ended and their resources freed. null: they end with their driver.",
     )
 
 
