@@ -15,7 +15,7 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   loss noticed to the replacement's first step).
 - driver killed (sync): the driver, started with `--resume auto`, is SIGKILLed (its process group)
   at step `--at` (or at the run's first checkpoint, if that comes later: without one `--resume auto`
-  starts a new run), and `--resume auto` started again: it takes the live shards over (runtime/
+  starts a new run), and `--resume auto` started again: it takes the live shards and workers over (runtime/
   run_keeper.py). Steps redone: the step MLflow had heard of at the kill (the driver may have been
   a step or two further) less `towerflow.resumed_from_step`, 0 where it resumed past it;
   seconds lost: both drivers' wall time less the clean run's; recovery: the second driver's start

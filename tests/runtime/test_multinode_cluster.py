@@ -3,7 +3,7 @@ module holds every test that needs one). The cluster itself: three real nodes, t
 across nodes, a lost node, the strict placements. Runs spread over its nodes against the same
 training in one process. Faults, the driver run as users run it (`python -m towerflow train` with
 RAY_ADDRESS): a node holding a worker is lost (its raylet killed); the driver itself is SIGKILLed
-and `--resume auto` continues its run; an elastic run grows onto a node that joins, shrinks when
+and `--resume auto` continues its run with the same shard and worker processes; an elastic run grows onto a node that joins, shrinks when
 that node is lost, and shrinks again on `towerflow scale`.
 
 Everything reaches Ray through client subprocesses and the dashboard's HTTP API: this process never
