@@ -379,15 +379,19 @@ class KillShardAfterMemoryCheckpoint(KillShardAt):
         super().after_run(context, event)
 
 
+# Two shards hold each other's copies; one shard's copy is held by its warm spare, which takes the
+# lost one's place and loads the copy it holds.
+@pytest.mark.parametrize("ps, spares", [(2, 0), (1, 1)])
 def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
-    ray_cluster, blob_data, tmp_path
+    ray_cluster, blob_data, tmp_path, ps, spares
 ):
     raw = blob_spec(
         blob_data,
         # batch-norm statistics: the workers' state, asked for with each memory checkpoint
         model={"params": {"input_dim": 8, "num_classes": 2, "hidden": [16], "seed": 1, "batch_norm": True}},
         data={"batch_size": BATCH, "epochs": None},
-        cluster={"workers": 2, "ps": 2, "min_slice_bytes": 64},  # every variable on both shards
+        # every variable on both shards, where there are two
+        cluster={"workers": 2, "ps": ps, "min_slice_bytes": 64, "spare_shards": spares},
         training={
             "max_steps": 80,
             "optimizer": {"name": "adam", "learning_rate": 0.01},
@@ -395,7 +399,7 @@ def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
         },
         supervision={"checkpoint": {"every_steps": 50}},  # none stored before the loss
     )
-    hook = KillShardAfterMemoryCheckpoint(memory_step=15, worker=1)
+    hook = KillShardAfterMemoryCheckpoint(memory_step=15, worker=ps - 1)
     slow = FaultInjector(step_delay_s={0: 0.04, 1: 0.04})
     result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
     assert hook.killed_at and hook.memory_at_kill is not None
@@ -408,11 +412,13 @@ def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
     step = int(back_to.group(1))
     # the one committed when the kill was decided, or one whose parts were all held before the loss
     assert hook.memory_at_kill <= step <= hook.version_at_kill + 1
-    # The survivor reloaded its own copy; the new shard the copy shard 0 held of shard 1's state.
-    assert [s["loaded_from"] for s in result.shards] == [
-        f"its own copy of step {step}",
-        f"a peer's copy of step {step}",
-    ]
+    # The survivor reloaded its own copy; the new shard the copy shard 0 (or the spare) held of
+    # the lost one's state.
+    survivor = [f"its own copy of step {step}"] if ps == 2 else []
+    assert [s["loaded_from"] for s in result.shards] == [*survivor, f"a peer's copy of step {step}"]
+    if spares:  # the spare that held the copy took the place
+        assert fault.action.endswith("a warm spare in its place"), fault.action
+        assert hook.after_kill["shard_pid"] == hook.spare_pids[0]
     assert 0 <= hook.metrics["steps_redone"] <= hook.version_at_kill + 1 - step
     assert _falls([e.loss for e in hook.events])
     assert all(np.isfinite(p).all() for p in result.parameters)

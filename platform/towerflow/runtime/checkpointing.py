@@ -130,18 +130,19 @@ class CheckpointActions:
         part (runtime/memory_checkpoints.py); neither waits. A shard that does not answer is left to
         the loop's own look at the shards."""
         memory, shards = self.memory_checkpoints, self.shards
-        if memory.due(len(shards)):
+        if memory.due() and (holders := self.shard_group.memory_holders()):
             try:
                 version = self._next_version(timeout_s=10)
             except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
                 return
-            holders = self.shard_group.peer_holders()
             memory.begin(shards, version, self.aggregator.examples_seen, holders, self._ask_model_state())
         version = memory.ready()
         if version is not None:
-            memory.commit(lambda refs: self._averaged_model_state(refs, timeout_s=0))
-            for shard in shards:  # older copies, their own and their peers', can go
-                shard.checkpoint_committed.remote(version)
+            committed = memory.commit(lambda refs: self._averaged_model_state(refs, timeout_s=0))
+            shard_ids = {shard._actor_id for shard in shards}
+            spare_holders = {h._actor_id: h for h in committed.holders if h._actor_id not in shard_ids}
+            for actor in [*shards, *spare_holders.values()]:  # older copies, their own and peers', can go
+                actor.checkpoint_committed.remote(version)
 
     def _next_version(self, timeout_s: float | None = None) -> int:
         return max(ray.get([s.ping.remote() for s in self.shards], timeout=timeout_s)) + 1

@@ -1,8 +1,10 @@
 """Memory checkpoints (`training.failure.memory_checkpoint_every_s`): every few seconds, a cut of
 every shard at one version that the shards keep in memory, each shard its own state and another
-shard a copy of it (on another node wherever the placement allows). A lost shard then rolls the
-shards back to that version, the shard in its place loading the copy its peer held, rather than to
-the last stored checkpoint: seconds of steps to redo instead of up to a checkpoint interval's.
+actor a copy of it: another shard (on another node wherever the placement allows), or, where the
+run has one shard, its first warm spare shard. A lost shard then rolls the shards back to that
+version, the shard in its place loading the copy its holder kept (a spare that takes the place
+loads its own), rather than to the last stored checkpoint: seconds of steps to redo instead of up
+to a checkpoint interval's.
 
 One is begun on one turn of the controller and committed on a later one, once every shard holds its
 part: neither the training nor the controller's loop waits for it. Only a stored checkpoint outlives
@@ -30,16 +32,17 @@ class MemoryCheckpoint:
 
     global_step: int
     examples_seen: int  # the data position heard of when it was begun: a little early, never late
-    holders: tuple[int, ...]  # per shard, the shard that holds a copy of its part (`peer_ring`)
+    holders: tuple[Any, ...]  # per shard, the actor holding a copy of its part: a shard or a spare
     model_state: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def holder(self, shard: int) -> int:
-        """The shard that holds a copy of `shard`'s part."""
+    def holder(self, shard: int) -> Any:
+        """The actor that holds a copy of `shard`'s part."""
         return self.holders[shard]
 
-    def restores(self, lost: Collection[int]) -> bool:
-        """Whether every lost shard's part can be had from a live peer."""
-        return all(self.holder(shard) not in lost for shard in lost)
+    def restores(self, lost: Collection[int], lives: Callable[[Any], bool]) -> bool:
+        """Whether every lost shard's part can be had from its holder (`lives`: whether an actor
+        is alive and not among the lost)."""
+        return all(lives(self.holder(shard)) for shard in lost)
 
 
 def peer_ring(nodes: Sequence[Any]) -> list[int]:
@@ -76,10 +79,9 @@ class MemoryCheckpoints:
         self._begun: _Begun | None = None
         self._last_begun_at = clock()  # the first one falls due every_s into the run
 
-    def due(self, shards: int) -> bool:
-        """One is due (none under way, `every_s` since the last was begun) and means something:
-        with one shard there is no peer to hold a copy."""
-        if self.every_s is None or shards < 2 or self._begun is not None:
+    def due(self) -> bool:
+        """One is due: none under way, and `every_s` since the last was begun."""
+        if self.every_s is None or self._begun is not None:
             return False
         return self._clock() - self._last_begun_at >= self.every_s
 
@@ -88,12 +90,13 @@ class MemoryCheckpoints:
         shards: list[Any],
         version: int,
         examples_seen: int,
-        holders: Sequence[int],
+        holders: Sequence[Any],
         model_state_refs: list[Any],
     ) -> None:
-        """Every shard keeps its state at `version` and copies it to its holder (`peer_ring`); the
-        workers' non-trainable state, asked for meanwhile, goes with it."""
-        refs = [shard.copy_to_peer.remote(version, shards[holders[i]]) for i, shard in enumerate(shards)]
+        """Every shard keeps its state at `version` and copies it to its holder (an actor: another
+        shard, `peer_ring`, or a spare); the workers' non-trainable state, asked for meanwhile,
+        goes with it."""
+        refs = [shard.copy_to_peer.remote(version, holders[i]) for i, shard in enumerate(shards)]
         self._begun = _Begun(version, examples_seen, tuple(holders), refs, model_state_refs)
         self._last_begun_at = self._clock()
 

@@ -265,7 +265,7 @@ class RecoveryActions:
         self.memory_checkpoints.forget()  # whichever is taken, what the shards kept is left behind
         if memory is None:
             return stored, source
-        if not memory.restores(lost):
+        if not memory.restores(lost, lambda holder: self.shard_group.holder_lives(holder, lost)):
             log.warning(
                 "shards %s lost with the peers holding their copies: back to %s, not to the memory "
                 "checkpoint of step %d",

@@ -141,9 +141,7 @@ class ShardGroup:
             version = state.global_step
             return [
                 (
-                    self.actors[state.holder(s)].peer_copy.remote(s, version)
-                    if s in self._replaced
-                    else OwnCopy(version),
+                    state.holder(s).peer_copy.remote(s, version) if s in self._replaced else OwnCopy(version),
                     None,
                 )
                 for s in range(len(assignment))
@@ -201,6 +199,29 @@ class ShardGroup:
             ]
             for shard in self.assignment
         ]
+
+    def memory_holders(self) -> list[Any]:
+        """Per shard, the actor to hold a copy of its part of a memory checkpoint: another shard
+        (`peer_holders`), or, with one shard, the first warm spare (the one a loss takes first,
+        which then loads its own copy); none where there is neither."""
+        if len(self.actors) >= 2:
+            return [self.actors[holder] for holder in self.peer_holders()]
+        if self.actors and self.spares.spares:
+            return [self.spares.spares[0][0]]
+        return []
+
+    def holder_lives(self, holder: Any, lost: list[int]) -> bool:
+        """Whether a memory checkpoint's holder can give its copy back after shards `lost` were
+        lost: a shard not among them (the loss check asked them all), or a spare that answers."""
+        if holder._actor_id in {self.actors[index]._actor_id for index in lost}:
+            return False
+        if any(holder._actor_id == shard._actor_id for shard in self.actors):
+            return True
+        try:
+            ray.get(holder.__ray_ready__.remote(), timeout=10)
+        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
+            return False
+        return True
 
     def peer_holders(self) -> list[int]:
         """Per shard, the shard that holds a copy of its part of a memory checkpoint: on another node

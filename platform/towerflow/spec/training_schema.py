@@ -100,10 +100,11 @@ class FailureSpec(StrictModel):
     memory_checkpoint_every_s: float | None = Field(
         30.0,
         gt=0,
-        description="With 2 or more parameter servers: every this many seconds, each shard keeps its "
-        "state at one common version in memory and sends a copy to another shard (on another node "
-        "wherever the placement allows). A lost shard then rolls the shards back to that version, not to the last "
-        "stored checkpoint, unless the copy's holder was lost too. null: off.",
+        description="With 2 or more parameter servers, or 1 and a warm spare shard (cluster.spare_shards): "
+        "every this many seconds, each shard keeps its state at one common version in memory and sends "
+        "a copy to another shard, or the spare (on another node wherever the placement allows). A lost "
+        "shard then rolls the shards back to that version, not to the last stored checkpoint, unless "
+        "the copy's holder was lost too. null: off.",
     )
     driver_grace_s: float | None = Field(
         300.0,
