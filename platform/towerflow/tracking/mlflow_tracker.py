@@ -146,9 +146,12 @@ class MLflowTracker(Hook):
         self._faults = sum(1 for key in run.data.tags if key.startswith("towerflow.fault."))
         if run.info.status == "RUNNING":  # a driver that ends its run marks it FINISHED, FAILED or KILLED
             went_on = f"a new driver went on from {session.resumed_from}"
-            self.on_fault(
-                FaultEvent(session.start_step, "the driver lost (the run was left RUNNING)", went_on)
-            )
+            # Where its metrics end: steps past it were trained, and not logged, by no driver or a
+            # dying one (a lost driver's kept workers train on for a moment, runtime/run_keeper.py).
+            last = run.data.metrics.get("global_step")
+            what = "the driver lost (the run was left RUNNING"
+            what += f", its metrics ending at step {last:g})" if last is not None else ")"
+            self.on_fault(FaultEvent(int(last) if last is not None else session.start_step, what, went_on))
 
     def after_create_session(self, session: SessionInfo) -> None:
         from mlflow.entities import Param
