@@ -72,3 +72,24 @@ def test_scaling_a_kept_run_whose_driver_is_gone_is_refused(ray_cluster):
             request_scale(run_id, 2)
     finally:
         ray.kill(keeper)
+
+
+def test_a_control_point_restarted_by_ray_is_told_the_run_again_by_its_driver(ray_cluster):
+    run_id = uuid.uuid4().hex
+    control = ControlPoint(run_id, grace_s=60.0)  # the driver's side renews every 2 s
+    job = ray.get_runtime_context().get_job_id()
+    try:
+        control.keep()
+        control.remember({"shards": ["the run's"]})  # what a new driver would take over
+        os.kill(ray.get(control.actor.pid.remote()), signal.SIGKILL)  # Ray starts it again, knowing nothing
+        deadline, told = time.monotonic() + 30, None
+        while told != job and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                told = ray.get(control.actor.driver_job.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # still restarting
+                continue
+        assert told == job
+        assert ray.get(control.actor.take_over.remote(job)) == {"shards": ["the run's"]}
+    finally:
+        control.close()

@@ -10,7 +10,9 @@ Where the run's shards are kept, it is detached from its driver, holds what a ne
 take them over (`remember`, `take_over`), and knows its driver is there by the lease a thread of
 the driver's process renews every few seconds: a driver stuck in a long wait still renews it, a
 lost one does not. After `grace_s` without a renewal it removes the run's placement groups, which
-ends every shard placed in them, and then itself. Otherwise it lives as long as its driver.
+ends every shard and worker placed in them, and then itself. Otherwise it lives as long as its
+driver. Restarted by Ray (its node lost), it knows the groups (its constructor's arguments) and
+is told the rest again at its driver's next renewal.
 """
 
 from __future__ import annotations
@@ -80,8 +82,11 @@ class RunControl:
 
         return os.getpid()
 
-    def renew(self) -> None:
+    def renew(self) -> bool:
+        """The driver is there; returns whether this actor knows the run's handover (one restarted
+        by Ray, its node lost, does not until the driver tells it again)."""
         self._renewed = time.monotonic()
+        return self._handover is not None
 
     def driver_seen_s_ago(self) -> float:
         """Since the driver last renewed its lease; 0 for a run not kept, whose control point ends
@@ -141,14 +146,17 @@ class ControlPoint:
         self._asked: Any = None
         self._seen: int | None = None
         self._renewing: threading.Event | None = None
+        self._handover: Any = None  # the last told, told again to a control point Ray restarted
+        self._job = ray.get_runtime_context().get_job_id()
         if actor is not None or grace_s is not None:
             self._start_renewing()
 
     def keep(self) -> None:
         """Have the control point keep the run's shards: their placement groups are made."""
-        ray.get(self.actor.keep.remote(ray.get_runtime_context().get_job_id()))
+        ray.get(self.actor.keep.remote(self._job))
 
     def remember(self, handover: Any) -> None:
+        self._handover = handover
         self.actor.remember.remote(handover)
 
     def new_worker_count(self) -> int | None:
@@ -189,7 +197,10 @@ class ControlPoint:
         def renew() -> None:  # a thread of its own: a driver busy or waiting in its loop renews too
             while not stop.wait(RENEW_EVERY_S):
                 with contextlib.suppress(Exception):
-                    actor.renew.remote()
+                    knows = ray.get(actor.renew.remote(), timeout=LEASE_FRESH_S)
+                    if not knows and self._handover is not None:  # restarted by Ray: tell it again
+                        actor.keep.remote(self._job)
+                        actor.remember.remote(self._handover)
 
         threading.Thread(target=renew, name="towerflow-lease", daemon=True).start()
 
