@@ -33,7 +33,7 @@ class RunActors:
             if kept:
                 self.control.keep()
         self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
-        self._take_kept_workers(live.workers if live is not None else {}, count)
+        taken = self._take_kept_workers(live.workers if live is not None else {}, count)
         self.group.start([i for i in range(count) if i not in self.group.slots])
         self.worker_spares.start(self.actor_placement.spare_worker_bundles())  # beside the workers
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
@@ -57,30 +57,49 @@ class RunActors:
         # Wait until every actor has started (TensorFlow imported, model built, pieces loaded)
         # before the clock runs.
         ray.get([w.devices_used.remote() for w in self.workers])
-        if self.initial_state is not None and self.initial_state.model_state:
-            ray.get([w.load_model_state.remote(self.initial_state.model_state) for w in self.workers])
+        self._load_starting_model_state(taken)
         for _ in range(self.elastic.target - count):  # Ray starts them as room appears
             self.group.request_spare()
         if self.elastic.elastic:
             session.log_metrics({"workers": float(count)}, session.start_step)
 
-    def _take_kept_workers(self, kept: dict[int, Any], count: int) -> None:
+    def _take_kept_workers(self, kept: dict[int, Any], count: int) -> list[Any]:
         """A lost driver's workers, at rest (runtime/run_keeper.py), take their ids again under
         this driver's worker config; those beyond `count`, or built for another (a changed
-        `data.train.label`, say), end, and new workers start in their places."""
+        `data.train.label`, say), end, and new workers start in their places. Returns the actors
+        taken."""
+        asked = {
+            worker_id: worker.actor.assume.remote(self._worker_config(worker_id))
+            for worker_id, worker in kept.items()
+            if worker_id < count
+        }
+        taken = []
         for worker_id, worker in sorted(kept.items()):
             try:
-                taken = worker_id < count and ray.get(
-                    worker.actor.assume.remote(self._worker_config(worker_id))
-                )
+                assumed = worker_id in asked and ray.get(asked[worker_id])
             except ACTOR_GONE:
-                taken = False
-            if taken:
+                assumed = False
+            if assumed:
                 self.group.take_over(worker_id, worker.actor, worker.last_run)
+                taken.append(worker.actor)
             else:
                 kill_quietly(worker.actor)  # a new worker takes its bundle once Ray frees it
-        if self.group.slots:
+        if taken:
             log.info("worker(s) %s of the lost driver train on", sorted(self.group.slots))
+        return taken
+
+    def _load_starting_model_state(self, taken: list[Any]) -> None:
+        """Give the new workers the run's non-trainable state: the kept workers', averaged (theirs
+        is the newest; they keep their own), else the state the run resumed from."""
+        fresh = [w for w in self.workers if all(w is not kept for kept in taken)]
+        if not fresh:
+            return
+        if taken:
+            state = self._averaged_model_state([w.model_state.remote() for w in taken], timeout_s=30)
+        else:
+            state = self.initial_state.model_state if self.initial_state is not None else {}
+        if state:
+            ray.get([w.load_model_state.remote(state) for w in fresh])
 
     def _load_shards(self, state: Any, version: int, *, rollback: bool = False) -> None:
         session, workers = self.session, len(self.group.slots)

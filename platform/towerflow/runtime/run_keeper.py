@@ -65,14 +65,11 @@ class LiveRun:
     control: Any  # the run's control point (its actor), now this driver's
     stored: Any = None  # the run's newest stored checkpoint, or None
     workers: dict[int, KeptWorker] = field(default_factory=dict)  # by worker id
-    kept_model_state: dict[str, Any] | None = None  # a kept worker's non-trainable state
 
     @property
     def model_state(self) -> dict[str, Any]:
-        """The non-trainable model state new workers take: a kept worker's (the newest), else the
-        stored checkpoint's."""
-        if self.kept_model_state is not None:
-            return self.kept_model_state
+        """The stored checkpoint's non-trainable state: new workers take it where none was kept
+        (kept workers hold a newer one)."""
         return self.stored.model_state if self.stored is not None else {}
 
 
@@ -138,7 +135,7 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         step,
         len(workers),
     )
-    return LiveRun(step, positions[-1][1], handover, control, stored, workers, _model_state_of(workers))
+    return LiveRun(step, positions[-1][1], handover, control, stored, workers)
 
 
 def _changed(handover: Handover, spec: Any) -> str | None:
@@ -179,16 +176,6 @@ def _bring_to_rest(handover: Handover) -> dict[int, KeptWorker]:
     for actor in waiting.values():
         kill_quietly(actor)
     return kept
-
-
-def _model_state_of(workers: dict[int, KeptWorker]) -> dict[str, Any] | None:
-    """The non-trainable model state of the first kept worker that answers, or None."""
-    for _, kept in sorted(workers.items()):
-        try:
-            return ray.get(kept.actor.model_state.remote(), timeout=30)
-        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
-            continue
-    return None
 
 
 def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, int]], str | None]:
