@@ -334,7 +334,9 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     while resumed.poll() is None:
         seen.append({a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)})
         time.sleep(0.5)
-    assert actors in seen and all(alive in ({}, actors) for alive in seen), seen
+    # All of them at once, and never another process; the run's end kills the workers, then the
+    # shards, so a look in between sees some of them.
+    assert actors in seen and all(alive.items() <= actors.items() for alive in seen), seen
     again = finish(resumed)
     assert f"continuing run {run_id}" in again
     took = re.search(rf"took over run {run_id}'s live shards at step (\d+) and 2 of its workers", again)
