@@ -9,7 +9,8 @@ local Ray instance (the training run in this process):
   checkpoints off); again with no stored checkpoint within the run, with memory checkpoints every
   `--memory-every-s` and without (a rollback to the start), each against a clean run of its own,
   and the clean run with memory checkpoints against the one without, for what taking them costs;
-  and (sync) the same two with one shard and a warm spare shard, which holds the copy;
+  and (sync) the same two with one shard and a warm spare shard, which holds the copy, and with
+  one shard alone, whose copy a worker holds;
 - worker and parameter server killed again with a warm spare (`cluster.spare_workers=1`,
   `cluster.spare_shards=1`), each against a clean run with that spare, and that clean run against
   one without, for what the idle spare costs;
@@ -179,27 +180,28 @@ def cases(args: argparse.Namespace) -> list[dict]:
             {"name": with_memory, "mode": mode, "overrides": [NO_STORED, memory], "baseline": bare},
             {"name": bare, "mode": mode, "overrides": [NO_STORED, NO_MEMORY]},
         ]
-        if mode == "sync":  # one shard: its warm spare holds the memory checkpoint's copy
-            one = ["cluster.ps=1", "cluster.spare_shards=1", NO_STORED]
-            clean_one = "clean sync, one shard and a spare, none stored"
-            listed += [
-                {
-                    "name": "parameter server killed, one shard and a spare, none stored, memory checkpoints (sync)",
-                    "mode": mode,
-                    "target": "ps",
-                    "overrides": [*one, memory],
-                    "baseline": f"{clean_one}, memory checkpoints",
-                },
-                {
-                    "name": "parameter server killed, one shard and a spare, none stored (sync)",
-                    "mode": mode,
-                    "target": "ps",
-                    "overrides": [*one, NO_MEMORY],
-                    "baseline": clean_one,
-                },
-                {"name": f"{clean_one}, memory checkpoints", "mode": mode, "overrides": [*one, memory]},
-                {"name": clean_one, "mode": mode, "overrides": [*one, NO_MEMORY]},
-            ]
+        if mode == "sync":  # one shard: its warm spare holds the memory checkpoint's copy, else a worker
+            for spares, layout in ((1, "one shard and a spare"), (0, "one shard")):
+                one = ["cluster.ps=1", f"cluster.spare_shards={spares}", NO_STORED]
+                clean_one = f"clean sync, {layout}, none stored"
+                listed += [
+                    {
+                        "name": f"parameter server killed, {layout}, none stored, memory checkpoints (sync)",
+                        "mode": mode,
+                        "target": "ps",
+                        "overrides": [*one, memory],
+                        "baseline": f"{clean_one}, memory checkpoints",
+                    },
+                    {
+                        "name": f"parameter server killed, {layout}, none stored (sync)",
+                        "mode": mode,
+                        "target": "ps",
+                        "overrides": [*one, NO_MEMORY],
+                        "baseline": clean_one,
+                    },
+                    {"name": f"{clean_one}, memory checkpoints", "mode": mode, "overrides": [*one, memory]},
+                    {"name": clean_one, "mode": mode, "overrides": [*one, NO_MEMORY]},
+                ]
         for target, spare in SPARE.items():
             clean = f"clean {mode}, a warm spare {spare['kind']}"
             listed += [

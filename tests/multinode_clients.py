@@ -108,3 +108,31 @@ for strategy, workers in (("spread", 2), ("strict_pack", 2), ("strict_spread", 1
     placement.release()
 print(json.dumps(nodes))
 """
+
+# Holds every CPU of node argv[1] until this client is killed (its actor goes with it): keeps a
+# run's actors off that node. Prints {"held": cpus} once the actor holds them.
+HOLD_NODE_CLIENT = """
+import json
+import os
+import sys
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init(logging_level="ERROR", log_to_driver=False)
+node = sys.argv[1]
+cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node)
+
+
+@ray.remote
+class Holder:
+    def pid(self):
+        return os.getpid()
+
+
+holder = Holder.options(num_cpus=cpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+ray.get(holder.pid.remote())
+print(json.dumps({"held": cpus}), flush=True)
+time.sleep(3600)
+"""

@@ -4,15 +4,18 @@ test_multinode_cluster.py's fault tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from multinode import LocalCluster, cluster_spec_file
+from multinode import LocalCluster, Node, cluster_spec_file
+from multinode_clients import HOLD_NODE_CLIENT
 
 
 def client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
@@ -22,6 +25,26 @@ def client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def node_held(cluster: LocalCluster, node: Node) -> Iterator[None]:
+    """Every CPU of `node` held by a client's actor meanwhile: a run started then places nothing there."""
+    client = subprocess.Popen(
+        [sys.executable, "-c", HOLD_NODE_CLIENT, node.node_id],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        line = client.stdout.readline()
+        assert line.startswith('{"held"'), line + client.stdout.read()
+        yield
+    finally:
+        client.kill()
+        client.wait()
 
 
 def spec_file(

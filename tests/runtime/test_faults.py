@@ -376,12 +376,15 @@ class KillShardAfterMemoryCheckpoint(KillShardAt):
                 self.data_steps.append(context.session.data_steps)
                 return
             self.memory_at_kill, self.memory_model_state = latest.global_step, latest.model_state
+            runtime = context.session.runtime
+            workers = {slot.actor._actor_id: worker for worker, slot in runtime.group.slots.items()}
+            self.worker_holders = [workers.get(holder._actor_id) for holder in latest.holders]
         super().after_run(context, event)
 
 
 # Two shards hold each other's copies; one shard's copy is held by its warm spare, which takes the
-# lost one's place and loads the copy it holds.
-@pytest.mark.parametrize("ps, spares", [(2, 0), (1, 1)])
+# lost one's place and loads the copy it holds, or, with no spare, by a worker.
+@pytest.mark.parametrize("ps, spares", [(2, 0), (1, 1), (1, 0)])
 def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
     ray_cluster, blob_data, tmp_path, ps, spares
 ):
@@ -419,6 +422,8 @@ def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
     if spares:  # the spare that held the copy took the place
         assert fault.action.endswith("a warm spare in its place"), fault.action
         assert hook.after_kill["shard_pid"] == hook.spare_pids[0]
+    # the copy's holder: a worker only where there is no other shard or spare to hold it
+    assert hook.worker_holders == ([0] if ps == 1 and not spares else [None] * ps), hook.worker_holders
     assert 0 <= hook.metrics["steps_redone"] <= hook.version_at_kill + 1 - step
     assert _falls([e.loss for e in hook.events])
     assert all(np.isfinite(p).all() for p in result.parameters)

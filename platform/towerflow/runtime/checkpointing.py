@@ -130,7 +130,7 @@ class CheckpointActions:
         part (runtime/memory_checkpoints.py); neither waits. A shard that does not answer is left to
         the loop's own look at the shards."""
         memory, shards = self.memory_checkpoints, self.shards
-        if memory.due() and (holders := self.shard_group.memory_holders()):
+        if memory.due() and (holders := self.shard_group.memory_holders(self._worker_actors())):
             try:
                 version = self._next_version(timeout_s=10)
             except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
@@ -140,9 +140,13 @@ class CheckpointActions:
         if version is not None:
             committed = memory.commit(lambda refs: self._averaged_model_state(refs, timeout_s=0))
             shard_ids = {shard._actor_id for shard in shards}
-            spare_holders = {h._actor_id: h for h in committed.holders if h._actor_id not in shard_ids}
-            for actor in [*shards, *spare_holders.values()]:  # older copies, their own and peers', can go
+            other_holders = {h._actor_id: h for h in committed.holders if h._actor_id not in shard_ids}
+            for actor in [*shards, *other_holders.values()]:  # older copies, their own and held, can go
                 actor.checkpoint_committed.remote(version)
+
+    def _worker_actors(self) -> list[Any]:
+        """The running workers' actors, by id (one may hold a lone shard's memory checkpoint)."""
+        return [self.group.slots[worker].actor for worker in self.group.running]
 
     def _next_version(self, timeout_s: float | None = None) -> int:
         return max(ray.get([s.ping.remote() for s in self.shards], timeout=timeout_s)) + 1

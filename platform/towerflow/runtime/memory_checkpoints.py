@@ -1,10 +1,11 @@
 """Memory checkpoints (`training.failure.memory_checkpoint_every_s`): every few seconds, a cut of
 every shard at one version that the shards keep in memory, each shard its own state and another
-actor a copy of it: another shard (on another node wherever the placement allows), or, where the
-run has one shard, its first warm spare shard. A lost shard then rolls the shards back to that
-version, the shard in its place loading the copy its holder kept (a spare that takes the place
-loads its own), rather than to the last stored checkpoint: seconds of steps to redo instead of up
-to a checkpoint interval's.
+actor a copy of it (runtime/held_copies.py): another shard (on another node wherever the placement
+allows), or, where the run has one shard, its first warm spare shard, else one of its workers (on
+another node where one is). A lost shard then rolls the shards back to that version, the shard in
+its place loading the copy its holder kept (a spare that takes the place loads its own), rather
+than to the last stored checkpoint: seconds of steps to redo instead of up to a checkpoint
+interval's.
 
 One is begun on one turn of the controller and committed on a later one, once every shard holds its
 part: neither the training nor the controller's loop waits for it. Only a stored checkpoint outlives
@@ -32,7 +33,7 @@ class MemoryCheckpoint:
 
     global_step: int
     examples_seen: int  # the data position heard of when it was begun: a little early, never late
-    holders: tuple[Any, ...]  # per shard, the actor holding a copy of its part: a shard or a spare
+    holders: tuple[Any, ...]  # per shard, the actor holding a copy of its part: a shard, a spare, a worker
     model_state: dict[str, np.ndarray] = field(default_factory=dict)
 
     def holder(self, shard: int) -> Any:
@@ -94,8 +95,8 @@ class MemoryCheckpoints:
         model_state_refs: list[Any],
     ) -> None:
         """Every shard keeps its state at `version` and copies it to its holder (an actor: another
-        shard, `peer_ring`, or a spare); the workers' non-trainable state, asked for meanwhile,
-        goes with it."""
+        shard, `peer_ring`, a spare or a worker); the workers' non-trainable state, asked for
+        meanwhile, goes with it."""
         refs = [shard.copy_to_peer.remote(version, holders[i]) for i, shard in enumerate(shards)]
         self._begun = _Begun(version, examples_seen, tuple(holders), refs, model_state_refs)
         self._last_begun_at = self._clock()

@@ -271,5 +271,12 @@ def declared_dead(actor: Any) -> bool:
     return actors(actor_id=actor._actor_id.hex()).get("State") == "DEAD"
 
 
+def actor_node(actor: Any) -> str | None:
+    """The node an actor runs on, as Ray's actor table says (None where it has none yet)."""
+    from ray._private.state import actors
+
+    return actors(actor_id=actor._actor_id.hex()).get("Address", {}).get("NodeID") or None
+
+
 def _resources(bundle: dict[str, float]) -> str:
     return ", ".join(f"{amount:g} {name}" for name, amount in bundle.items())

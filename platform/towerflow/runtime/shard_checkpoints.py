@@ -5,11 +5,11 @@ writes from its own node. The shard provides its variables, slots, optimizer and
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import numpy as np
 
+from towerflow.runtime.held_copies import HeldCopies
 from towerflow.runtime.shard_parts import (
     LiveState,
     OwnCopy,
@@ -22,7 +22,7 @@ from towerflow.runtime.shard_parts import (
 _SNAPSHOTS_KEPT = 3  # periodic snapshots a shard holds until the chief collects them
 
 
-class ShardCheckpoints:
+class ShardCheckpoints(HeldCopies):
     def _reset_snapshots(self, snapshot_every: int | None) -> None:
         self._snapshot_at: set[int] = set()
         self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
@@ -42,9 +42,7 @@ class ShardCheckpoints:
         self._loaded_from = "values from the driver"
         # Copies from beyond the version loaded belong to a timeline abandoned by a rollback.
         self._written = {v: kept for v, kept in self._written.items() if v <= initial_version}
-        self._peer_copies = {
-            key: kept for key, kept in self._peer_copies.items() if key[1] <= initial_version
-        }
+        self._drop_copies_after(initial_version)
         if isinstance(initial_values, LiveState):
             if list(self._names) != list(names):
                 raise RuntimeError(f"shard {self.shard_id} holds other pieces than the run's layout gives it")
@@ -113,8 +111,9 @@ class ShardCheckpoints:
 
     async def copy_to_peer(self, version: int, holder: Any) -> int:
         """This shard's part of a memory checkpoint: its state at `version` (as `snapshot` finds
-        it), kept here and copied to `holder`, the shard that gives it back should this one be
-        lost. Returns the version kept; another than `version`: nothing was kept."""
+        it), kept here and copied to `holder` (another shard, a spare shard or a worker:
+        `HeldCopies`), which gives it back should this one be lost. Returns the version kept;
+        another than `version`: nothing was kept."""
         kept = await self.snapshot(version)
         if kept.version != version:
             return kept.version
@@ -122,30 +121,11 @@ class ShardCheckpoints:
         self._written[version] = kept
         return version
 
-    def hold_peer_copy(self, kept: ShardSnapshot) -> None:
-        """Keep another shard's state (its part of a memory checkpoint), copied out of the object
-        store: the copy must outlive the shard that sent it, which owns the store's."""
-        self._peer_copies[(kept.shard_id, kept.version)] = dataclasses.replace(
-            kept,
-            values=[np.array(v) for v in kept.values],
-            slots={slot: [np.array(a) for a in arrays] for slot, arrays in kept.slots.items()},
-        )
-
-    def peer_copy(self, shard_id: int, version: int) -> ShardSnapshot:
-        """Shard `shard_id`'s state at `version`, as it sent it here, for the shard in its place."""
-        kept = self._peer_copies.get((shard_id, version))
-        if kept is None:
-            held = sorted(self._peer_copies)
-            raise KeyError(
-                f"shard {self.shard_id} holds no copy of shard {shard_id} at {version} (holds {held})"
-            )
-        return kept
-
     def checkpoint_committed(self, version: int) -> None:
         """The checkpoint of `version` (stored, or held in the shards' memory) is complete: older
         copies of this shard's state, and of the others' it holds, can go."""
         self._written = {v: kept for v, kept in self._written.items() if v >= version}
-        self._peer_copies = {key: kept for key, kept in self._peer_copies.items() if key[1] >= version}
+        super().checkpoint_committed(version)
 
     def _snapshot_if_due(self) -> None:
         """At a new version: capture it where a snapshot was asked for or falls due."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -16,6 +17,7 @@ from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
 from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, peer_ring
+from towerflow.runtime.placement import actor_node
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
@@ -200,19 +202,26 @@ class ShardGroup:
             for shard in self.assignment
         ]
 
-    def memory_holders(self) -> list[Any]:
+    def memory_holders(self, workers: Sequence[Any] = ()) -> list[Any]:
         """Per shard, the actor to hold a copy of its part of a memory checkpoint: another shard
         (`peer_holders`), or, with one shard, the first warm spare (the one a loss takes first,
-        which then loads its own copy); none where there is neither."""
+        which then loads its own copy), else one of `workers` (the run's worker actors, in the
+        order to prefer them), the first on another node than the shard's where one is; none
+        where there is none of these."""
         if len(self.actors) >= 2:
             return [self.actors[holder] for holder in self.peer_holders()]
         if self.actors and self.spares.spares:
             return [self.spares.spares[0][0]]
+        if self.actors and workers:
+            shard_node = actor_node(self.actors[0])
+            elsewhere = (worker for worker in workers if actor_node(worker) not in (shard_node, None))
+            return [next(elsewhere, workers[0])]
         return []
 
     def holder_lives(self, holder: Any, lost: list[int]) -> bool:
         """Whether a memory checkpoint's holder can give its copy back after shards `lost` were
-        lost: a shard not among them (the loss check asked them all), or a spare that answers."""
+        lost: a shard not among them (the loss check asked them all), or a spare shard or a
+        worker that answers."""
         if holder._actor_id in {self.actors[index]._actor_id for index in lost}:
             return False
         if any(holder._actor_id == shard._actor_id for shard in self.actors):

@@ -19,6 +19,7 @@ import ray
 
 from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
+from towerflow.runtime.held_copies import HeldCopies
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.pushes import Placement, PushPlan
 from towerflow.runtime.shard_replies import parameter_values
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 READER_READY_TIMEOUT_S = 120.0
 
 
-class TowerWorker:
+class TowerWorker(HeldCopies):
     def __init__(self, config: WorkerConfig) -> None:
         # First, so that the node's reader starts alongside this worker (both import TensorFlow).
         ready = config.ready_node_for_reading
@@ -76,6 +77,8 @@ class TowerWorker:
         self._profiler = StepWindowProfiler(config.profile_steps)
         self._loop = StepLoop(config, self.model, self.towers, self.adapter, self._profiler)
         self._running = threading.Lock()  # held while a run is under way (`rest` waits for it)
+        # the copy of a lone shard's state it holds for a memory checkpoint (with no spare shard)
+        self._peer_copies = {}
 
     # -- called by the driver --------------------------------------------------------------------
     def assume(self, config: WorkerConfig) -> bool:
@@ -284,5 +287,6 @@ def _loss_config(config: WorkerConfig) -> dict[str, Any]:
 
 
 def worker_actor(cpus: float, gpus: float):
-    """The Ray actor class for a worker with this reservation (threads: run, drain/stop, rest)."""
+    """The Ray actor class for a worker with this reservation (threads: run, drain/stop, rest or a
+    memory checkpoint's copy)."""
     return ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_concurrency=3)(TowerWorker)
