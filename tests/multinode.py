@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -132,6 +133,7 @@ class Node:
     worker_ports: int  # first of its 100 worker ports
     resources: dict[str, float] | None = None
     args: tuple[str, ...] = ()  # its `ray start` options beyond the ones every node gets
+    hidden: tuple[str, ...] = ()  # folders it cannot see (`LocalCluster.add_node`)
     node_id: str = ""  # known once its raylet runs
     killed: bool = False
 
@@ -231,10 +233,19 @@ class LocalCluster:
         return self
 
     def add_node(
-        self, num_cpus: float = 2, resources: dict[str, float] | None = None, wait: bool = True
+        self,
+        num_cpus: float = 2,
+        resources: dict[str, float] | None = None,
+        wait: bool = True,
+        hidden: Sequence[str] = (),
     ) -> Node:
-        """Join one more node to the cluster; with `wait`, return once the GCS reports it alive."""
-        node = self._launch(f"node{len(self.nodes)}", num_cpus, resources, f"--address={self.address}")
+        """Join one more node to the cluster; with `wait`, return once the GCS reports it alive.
+        `hidden`: folders the node does not see (an empty one mounted over each, in a mount
+        namespace of its own), as a machine without the others' disks; `can_hide_folders()` says
+        whether this machine allows it."""
+        node = self._launch(
+            f"node{len(self.nodes)}", num_cpus, resources, f"--address={self.address}", hidden=tuple(hidden)
+        )
         if wait:
             (node,) = self._wait_alive([node])
         return node
@@ -246,6 +257,7 @@ class LocalCluster:
         resources: dict[str, float] | None,
         *args: str,
         replacing: Node | None = None,
+        hidden: tuple[str, ...] = (),
     ) -> Node:
         """Start a node's `ray start --block`; it takes `replacing`'s place in `nodes`, if given."""
         manager, objects, metrics, agent, agent_grpc, runtime_env = free_ports(6)
@@ -273,6 +285,9 @@ class LocalCluster:
         ]
         if resources:
             command.append(f"--resources={json.dumps(resources)}")
+        if hidden:  # `ray start` in a mount namespace of its own, an empty folder over each hidden one
+            mounts = " && ".join(f"mount -t tmpfs -o size=1m none {shlex.quote(d)}" for d in hidden)
+            command = [*_MOUNT_NAMESPACE, "sh", "-c", f'{mounts} && exec "$@"', "sh", *command]
         with open(Path(temp_dir) / "ray-start.log", "wb") as log:
             process = subprocess.Popen(
                 command,
@@ -282,7 +297,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, to be stopped or killed alone
             )
-        node = Node(name, process, temp_dir, num_cpus, workers, resources, args)
+        node = Node(name, process, temp_dir, num_cpus, workers, resources, args, hidden)
         if replacing is None:
             self.nodes.append(node)
         else:
@@ -323,7 +338,9 @@ class LocalCluster:
         """Start `node` again (its `ray start` stopped what it had started before it exited)."""
         _log.warning("%s: `ray start` gave up on its raylet's registration; starting it again", node.name)
         shutil.rmtree(node.temp_dir, ignore_errors=True)
-        return self._launch(node.name, node.num_cpus, node.resources, *node.args, replacing=node)
+        return self._launch(
+            node.name, node.num_cpus, node.resources, *node.args, replacing=node, hidden=node.hidden
+        )
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -391,6 +408,18 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+_MOUNT_NAMESPACE = ["unshare", "--mount", "--propagation", "private"]
+
+
+def can_hide_folders() -> bool:
+    """Whether nodes may be started with folders hidden from them (a mount namespace needs root,
+    or CAP_SYS_ADMIN)."""
+    probe = [*_MOUNT_NAMESPACE, "sh", "-c", "mount -t tmpfs -o size=1m none /mnt"]
+    with contextlib.suppress(OSError):
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    return False
 
 
 def _descendants(node: Node) -> list[psutil.Process]:

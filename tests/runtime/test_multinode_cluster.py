@@ -31,6 +31,7 @@ from multinode import (  # noqa: F401
     IDLE_WORKER_CLIENT,
     RAY_CLI,
     LocalCluster,
+    can_hide_folders,
     cluster_spec_file,
     multinode_cluster_fixture,
 )
@@ -440,3 +441,25 @@ def test_a_new_node_readied_for_reading_runs_its_first_read_task_without_startin
     finally:
         multinode_cluster.kill_node(node)
     assert report["read_pid"] == report["warmed"] and report["tensorflow"], report
+
+
+@pytest.mark.skipif(
+    not can_hide_folders(), reason="hiding a folder from a node takes a mount namespace (root)"
+)
+def test_a_node_that_cannot_see_the_data_fails_the_run_at_its_start_naming_the_node_and_file(
+    multinode_cluster, blob_data, tmp_path
+):
+    """A node without the data (no shared disk, the files copied to the others only) would fail its
+    read tasks mid-run; the run fails at its start instead, saying which node lacks which file."""
+    cluster = multinode_cluster
+    blind = cluster.add_node(num_cpus=2, hidden=[str(blob_data)])
+    try:
+        spec, uri = spec_file(
+            tmp_path, blob_data, "unseen-data", cluster={"placement": "spread"}, max_steps=40
+        )
+        driver = start_driver(cluster, spec)
+        out, _ = driver.communicate(timeout=300)
+        print(out[-5000:])
+        assert driver.returncode != 0, out[-3000:]
+    finally:
+        cluster.kill_node(blind)
