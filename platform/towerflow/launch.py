@@ -134,7 +134,9 @@ def train(
         seen = initial_state.examples_seen if initial_state is not None else 0
         seen = seen if examples_seen is None else examples_seen  # a rollback's checkpoint position
         ledger = skipped.ledger if skipped is not None else None
-        data = build_training_data(spec, num_workers, shape, examples_seen=seen, ledger=ledger)
+        data = build_training_data(
+            spec, num_workers, shape, examples_seen=seen, ledger=ledger, check_nodes=examples_seen is None
+        )
         if data.resume_note:
             print(f"towerflow: {data.resume_note}")
         if skipped is not None:

@@ -214,3 +214,23 @@ def test_csv_header_without_a_spec_column_and_empty_file(tmp_path):
     path.write_text("")
     with pytest.raises(DataError, match=r"a\.csv: the file is empty"):
         _read_csv(path)
+
+
+@pytest.mark.parametrize("kind", ["tfrecord", "csv"])
+def test_a_file_gone_since_the_start_is_named_with_the_node_that_missed_it(ray_cluster, tmp_path, kind):
+    """A reader (a Ray Data task, on any node: here this process, connected to Ray as a task's is)
+    that does not find a file the driver found: on a cluster without a shared disk, its node lacks
+    it; the error names the file and the node."""
+    import ray
+
+    gone = str(tmp_path / f"gone.{kind}")
+    with pytest.raises(DataError) as failed:
+        if kind == "csv":
+            list(read_csv_file(gone, CsvLayout(), CSV_FEATURES, BadRecords("error")))
+        else:
+            _read(gone)
+    node = ray.get_runtime_context().get_node_id()
+    assert str(failed.value) == (
+        f"{gone}: file not found on node {ray.util.get_node_ip_address()} (Ray node {node[:12]}); the driver "
+        "found it as the job started: every node that reads data needs it at this path (docs/cluster.md)"
+    )

@@ -4,7 +4,8 @@ across nodes, a lost node, the strict placements. Runs spread over its nodes aga
 training in one process. Faults, the driver run as users run it (`python -m towerflow train` with
 RAY_ADDRESS): a node holding a worker is lost (its raylet killed); the driver itself is SIGKILLed
 and `--resume auto` continues its run with the same shard and worker processes; an elastic run grows onto a node that joins, shrinks when
-that node is lost, and shrinks again on `towerflow scale`.
+that node is lost, and shrinks again on `towerflow scale`; a node that cannot see the data fails the
+run as it starts.
 
 Everything reaches Ray through client subprocesses and the dashboard's HTTP API: this process never
 calls `ray.init` (another module's in-process Ray may be running).
@@ -449,17 +450,25 @@ def test_a_new_node_readied_for_reading_runs_its_first_read_task_without_startin
 def test_a_node_that_cannot_see_the_data_fails_the_run_at_its_start_naming_the_node_and_file(
     multinode_cluster, blob_data, tmp_path
 ):
-    """A node without the data (no shared disk, the files copied to the others only) would fail its
-    read tasks mid-run; the run fails at its start instead, saying which node lacks which file."""
+    """A node without the data (no shared disk; the files on the other nodes only) would fail a
+    read task sent there mid-run, or never get one while the driver's node has room (this run
+    finished before the check); the run fails at its start instead, naming the node and a file."""
     cluster = multinode_cluster
     blind = cluster.add_node(num_cpus=2, hidden=[str(blob_data)])
     try:
-        spec, uri = spec_file(
-            tmp_path, blob_data, "unseen-data", cluster={"placement": "spread"}, max_steps=40
-        )
+        spec, uri = spec_file(tmp_path, blob_data, "unseen-data", max_steps=40)
         driver = start_driver(cluster, spec)
         out, _ = driver.communicate(timeout=300)
-        print(out[-5000:])
-        assert driver.returncode != 0, out[-3000:]
     finally:
         cluster.kill_node(blind)
+    assert driver.returncode != 0, out[-3000:]
+    first = sorted(str(p) for p in blob_data.glob("train-*"))[0]
+    said = re.search(
+        rf"data\.train\.paths: node \S+ \(Ray node {blind.node_id[:12]}\) lacks 4 of the 4 files, e\.g\. {re.escape(first)}\. ",
+        out,
+    )
+    assert said, out[-3000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("unseen-data").experiment_id])
+    assert run.info.status == "FAILED" and said.group(0) in run.data.tags["towerflow.error"], run.data.tags
+    assert not client.get_metric_history(run.info.run_id, "loss")  # failed before any step

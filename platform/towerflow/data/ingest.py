@@ -37,6 +37,7 @@ from towerflow.data.bad_records import BadRecords, make_ledger
 from towerflow.data.csv import CsvLayout, read_csv_file
 from towerflow.data.features import ColumnPlan, expand_groups
 from towerflow.data.infer import resolve_features
+from towerflow.data.node_files import check_every_node_sees
 from towerflow.data.sources import examples_per_file, read_manifest, resolve_files
 from towerflow.data.splits import resumable_streaming_split
 from towerflow.data.tfrecord import read_tfrecord_file, tensorflow_for_reading
@@ -130,9 +131,14 @@ class PreparedSplit:
         }
 
 
-def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: Any = None) -> PreparedSplit:
-    """Resolve `data.train` or `data.eval` (`key`); every error names the key it is about."""
+def prepare_split(
+    source: Any, key: str, on_bad_record: str = "error", ledger: Any = None, *, check_nodes: bool = True
+) -> PreparedSplit:
+    """Resolve `data.train` or `data.eval` (`key`); every error names the key it is about. With
+    `check_nodes`, the cluster's other nodes are asked whether they see the files too."""
     files = resolve_files(source.path_list, key=f"{key}.paths")
+    if check_nodes:
+        check_every_node_sees(files, f"{key}.paths")
     manifest = read_manifest(files)
     layout = csv_layout(source, manifest)
     features = resolve_features(source, files, manifest, layout, key=key)
@@ -149,11 +155,19 @@ def prepare_split(source: Any, key: str, on_bad_record: str = "error", ledger: A
 
 
 def build_training_data(
-    spec: Any, num_workers: int, shape: StepShape, *, examples_seen: int = 0, ledger: Any = None
+    spec: Any,
+    num_workers: int,
+    shape: StepShape,
+    *,
+    examples_seen: int = 0,
+    ledger: Any = None,
+    check_nodes: bool = True,
 ) -> TrainingData:
     """The workers' streams for updates of `shape`; `examples_seen` (a resumed checkpoint's) makes
     them start after those. `ledger`: the run's skipped-records ledger, from its first pipeline (a
-    re-planned one counts on in it: files read only before the re-plan keep their counts)."""
+    re-planned one counts on in it: files read only before the re-plan keep their counts).
+    `check_nodes`: ask the other nodes whether they see the files (data/node_files.py); a re-plan
+    need not ask again, within a resize's pause."""
     import ray
 
     from towerflow.data.pacing import pace_scheduling_loop
@@ -161,7 +175,7 @@ def build_training_data(
     source, data = spec.data.train, spec.data
     if data.on_bad_record == "skip" and ledger is None:
         ledger = make_ledger()
-    split = prepare_split(source, "data.train", data.on_bad_record, ledger)
+    split = prepare_split(source, "data.train", data.on_bad_record, ledger, check_nodes=check_nodes)
     files, features, groups, reader = split.files, split.features, split.groups, split.reader
 
     counts = examples_per_file(files, split.manifest)

@@ -75,9 +75,24 @@ def open_binary(path: str) -> IO[bytes]:
     try:
         return fs.open(stripped, "rb")
     except FileNotFoundError:
-        raise DataError(f"{path}: file not found (it was there when the job started)") from None
+        raise vanished(path) from None
     except OSError as exc:
         raise DataError(f"{path}: cannot open: {exc}") from None
+
+
+def vanished(path: str) -> DataError:
+    """The error for a file the driver found as the job started and a reader now does not: gone
+    since, or not on the reader's node (a cluster without a shared disk), which it names."""
+    import ray
+
+    where = ""
+    if ray.is_initialized():
+        node = ray.get_runtime_context().get_node_id()
+        where = f" on node {ray.util.get_node_ip_address()} (Ray node {node[:12]})"
+    return DataError(
+        f"{path}: file not found{where}; the driver found it as the job started: every node that reads "
+        "data needs it at this path (docs/cluster.md)"
+    )
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from towerflow.data.bad_records import BadRecords
-from towerflow.data.sources import local_copy
+from towerflow.data.sources import local_copy, vanished
 from towerflow.errors import DataError
 
 READ_BATCH = 2048
@@ -70,7 +70,7 @@ def _read_local(tf, path, local, first, parsers, features, bad: BadRecords, *, r
             yield from _corrupt(tf, path, local, first, records, parsers, features, bad, exc, resynced)
             return
         except tf.errors.NotFoundError:
-            raise DataError(f"{path}: file not found (it was there when the job started)") from None
+            raise vanished(path) from None
         except tf.errors.OpError as exc:
             raise DataError(f"{path}: cannot read after record {records} ({_parse_reason(exc)})") from None
         columns = _parse(tf, path, serialized, records, parsers, features, bad)
