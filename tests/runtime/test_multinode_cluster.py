@@ -25,6 +25,7 @@ import urllib.error
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
@@ -371,6 +372,47 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     # The run's end ended the kept shards and workers, its control point and its placement groups.
     assert not any(alive_actors(cluster, kind) for kind in (*KEPT, "RunControl"))
     assert not placement_groups(cluster, name)
+
+
+def test_a_driver_killed_under_driver_restarts_is_started_again_by_its_command_and_takes_its_run_over(
+    multinode_cluster, blob_data, tmp_path
+):
+    """`training.failure.driver_restarts`: the command (a Ray job's entrypoint, say) runs the
+    driver as its child; a SIGKILL of that child is followed by a new one that resumes the run,
+    taking its live shards and workers over, and the command ends as if nothing had happened."""
+    cluster = multinode_cluster
+    spec, uri = spec_file(
+        tmp_path,
+        blob_data,
+        "driver-restart",
+        max_steps=300,
+        checkpoint_every=10_000,
+        failure={"driver_restarts": 1},
+    )
+    command = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "driver-restart", 30, command)
+    (driver,) = psutil.Process(command.pid).children()
+    actors = {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
+    assert len(actors) == 3, actors  # (a shard and 2 workers)
+    driver.kill()  # SIGKILL, as the OOM killer sends it; not the command
+    seen = []
+    while command.poll() is None:
+        seen.append({a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)})
+        time.sleep(0.5)
+    assert actors in seen and all(alive.items() <= actors.items() for alive in seen), seen
+    out = finish(command)
+    assert (
+        f"the driver (pid {driver.pid}) was killed (SIGKILL); starting it again to resume run {run_id}" in out
+    )
+    assert re.search(rf"took over run {run_id}'s live shards at step \d+ and 2 of its workers", out), out[
+        -3000:
+    ]
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("driver-restart")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 300
+    assert run.data.tags["towerflow.resumed_from"].startswith("its live shards at step ")
 
 
 def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blob_data, tmp_path):

@@ -6,8 +6,10 @@ import argparse
 import os
 import shlex
 import sys
+from functools import partial
 from pathlib import Path
 
+from towerflow.cli.driver_restarts import is_supervised_child, note_run_id, supervise_driver
 from towerflow.cli.options import add_overrides_option, runnable
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
@@ -43,6 +45,9 @@ def _train(args: argparse.Namespace) -> int:
     from towerflow.spec import load_spec
 
     spec = load_spec(args.spec, args.overrides)
+    restarts = spec.training.failure.driver_restarts
+    if restarts and not is_supervised_child():
+        return supervise_driver(partial(_driver_command, args), restarts, args.resume)
     run = _RunIdHook()
     hooks = [run] if args.no_progress else [run, ProgressHook(spec.training.max_steps)]
     try:
@@ -72,6 +77,14 @@ def _where_to_see(store: str, experiment_id: str, run_id: str) -> str:
     return f"browse it with: {command}  (then open {page})"
 
 
+def _driver_command(args: argparse.Namespace, resume: str | None) -> list[str]:
+    """This train command, as the child that runs the driver (`training.failure.driver_restarts`)."""
+    overrides = ["--set", *args.overrides] if args.overrides else []
+    progress = ["--no-progress"] if args.no_progress else []
+    resuming = ["--resume", resume] if resume else []
+    return [sys.executable, "-m", "towerflow", "train", str(args.spec), *overrides, *progress, *resuming]
+
+
 def _resume_command(args: argparse.Namespace, run_id: str) -> str:
     """This train command again, resuming `run_id`, started as this one was: a Ray job runs
     `python -m towerflow`, a shell the console script."""
@@ -93,6 +106,7 @@ class _RunIdHook(Hook):
         self.run_id = session.tags.get("run_id")
         if self.run_id:  # for `towerflow scale`, and for `towerflow submit` to find in the job's log
             print(f"towerflow: MLflow run {self.run_id}", flush=True)
+            note_run_id(self.run_id)  # a driver started again resumes it
 
 
 def _compare(args: argparse.Namespace) -> int:

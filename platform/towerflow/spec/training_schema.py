@@ -114,6 +114,15 @@ class FailureSpec(StrictModel):
         "and goes on from the shards' live state, with no step redone, instead of from the stored "
         "checkpoint. Past it they are ended and their resources freed. null: they end with their driver.",
     )
+    driver_restarts: int = Field(
+        0,
+        ge=0,
+        description="`towerflow train` runs the driver as a child process and starts it again, up to this "
+        "many times, where a signal killed it (the kernel's OOM killer, SIGKILL, a crash), resuming the "
+        "same run: on a Ray cluster it takes the live shards and workers over (driver_grace_s). A driver "
+        "that exits, with an error or not, or a command that was stopped, is not started again. 0: the "
+        "command is the driver.",
+    )
 
 
 class TrainingSpec(StrictModel):
