@@ -21,7 +21,10 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   seconds lost: both drivers' wall time less the clean run's; recovery: the second driver's start
   to its first step in MLflow. Row "shards not kept": the same with `driver_grace_s: null` (the
   shards end with the driver; the new one goes on from the stored checkpoint, as before the
-  takeover).
+  takeover). Row "started again by its command": the command's child, the driver alone, SIGKILLed
+  at the same point with `training.failure.driver_restarts: 1`; the command starts it again and it
+  takes the shards and workers over. Seconds lost: the command's wall time less the clean run's;
+  recovery: the kill to the first step in MLflow after it.
 - elastic: one run of `workers: {min: 1, max: 4}` over `--elastic-steps` steps (1.5 CPUs a worker:
   a 2-CPU node holds one, so the three nodes hold three and a fourth waits as a pending spare). At
   step `--at` a 2-CPU node joins; row "elastic: node joins": survived when the run grew (MLflow's
@@ -77,11 +80,13 @@ ELASTIC = {**SYNC, "workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
 ELASTIC_STEPS = 200  # room for a spare's start (10-40 s here) and two resizes before max_steps
 DRIVER_KILLED = "driver killed (sync)"
 DRIVER_KILLED_NOT_KEPT = "driver killed (sync), shards not kept"  # driver_grace_s: null, as before
+DRIVER_RESTARTED = "driver killed (sync), started again by its command"  # training.failure.driver_restarts
 # Which rows each kind of run gives, and each faulted row's clean run.
 BASELINE = {
     "node lost (sync)": "clean sync",
     DRIVER_KILLED: "clean sync",
     DRIVER_KILLED_NOT_KEPT: "clean sync",
+    DRIVER_RESTARTED: "clean sync",
     "elastic: node joins": "clean elastic",
     "elastic: node lost": "clean elastic",
 }
@@ -258,6 +263,46 @@ def driver_killed(cluster, args, tmp: Path, log: Log, *, kept: bool = True) -> d
     }
 
 
+def driver_restarted(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    """The command's child (its driver) SIGKILLed at the point `driver_killed` kills the whole
+    driver; the command starts it again (`training.failure.driver_restarts`), and it takes the
+    live shards and workers over."""
+    import psutil
+
+    client = mlflow_client(tmp)
+    spec = write_spec(tmp, "driver-restarted", args, SYNC, args.steps, "training.failure.driver_restarts=1")
+    command = start_driver(cluster, spec, tmp / "driver.log")
+    try:
+        run_id, heard = wait_for_step(client, "driver-restarted", args.at, command)
+        wait_for_checkpoint(client, run_id, command)  # killed where driver_killed kills, to compare
+        heard = max(heard, poll_store(lambda: client.get_run(run_id).data.metrics["global_step"]) or 0)
+        (driver,) = psutil.Process(command.process.pid).children()
+        killed = now_ms()
+        driver.kill()  # the driver alone, as the OOM killer picks it
+        log(f"  driver (pid {driver.pid}) killed at step {heard:g} (MLflow)")
+        recovery = seconds_after(wait_for_record(client, run_id, "global_step", killed, command), killed)
+        command.wait()
+    finally:
+        command.kill()
+    ok, run, notes = run_outcome(client, run_id, command, args.steps)
+    resumed = run.data.tags.get("towerflow.resumed_from_step")
+    if len(client.search_runs([run.info.experiment_id])) != 1 or resumed is None:
+        ok = False
+        notes.append(f"not one resumed run: resumed_from_step {resumed}")
+    notes += [
+        line for line in command.text().splitlines() if "starting it again" in line or "took over run" in line
+    ]
+    return {
+        DRIVER_RESTARTED: result(
+            command.wall_s,
+            ok,
+            steps_redone=max(0, heard - int(resumed)) if resumed is not None else None,
+            recovery_s=recovery,
+            notes=notes,
+        )
+    }
+
+
 def resize_seconds(client, run_id: str, workers: float, since_ms: int, driver: Driver) -> tuple[float, float]:
     """(seconds from `since_ms` to MLflow's `workers` record of `workers`, seconds from that record to
     the first step after the resize): the resize, and the pause before training goes on (the data
@@ -331,6 +376,7 @@ RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (node_lost, ("node lost (sync)",)),
     (driver_killed, (DRIVER_KILLED,)),
     (functools.partial(driver_killed, kept=False), (DRIVER_KILLED_NOT_KEPT,)),
+    (driver_restarted, (DRIVER_RESTARTED,)),
     (clean_elastic, ("clean elastic",)),
     (elastic, ("elastic: node joins", "elastic: node lost")),
 ]

@@ -123,8 +123,10 @@ def test_the_driver_imports_no_tensorflow_for_a_run_that_needs_none_there(cluste
     path = tmp_path / "job.yaml"
     spec = blob_spec(blob_data, cluster=ONE_OF_EACH, training={"max_steps": 4})
     path.write_text(yaml.safe_dump({**spec, "supervision": {"checkpoint": {"every_steps": 2}}}))
+    # driver_restarts 0: this process is the driver (on a cluster the command would supervise one).
     script = (
-        "import sys; from towerflow.cli.main import main; code = main(['train', sys.argv[1], '--no-progress']); "
+        "import sys; from towerflow.cli.main import main; "
+        "code = main(['train', sys.argv[1], '--no-progress', '--set', 'training.failure.driver_restarts=0']); "
         "print('imported:', sorted({m.partition('.')[0] for m in sys.modules} & {'tensorflow', 'keras'})); "
         "sys.exit(code)"
     )

@@ -128,3 +128,19 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie (not yet reaped by init) is dead
         return stat.read().split(") ")[1][0] != "Z"
+
+
+def test_auto_restarts_a_driver_on_a_cluster_and_not_on_the_embedded_ray(monkeypatch):
+    from towerflow.cli.driver_restarts import ON_A_CLUSTER, restarts_wanted
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a Ray job's entrypoint has it
+    assert restarts_wanted("auto") == ON_A_CLUSTER == 2
+    assert restarts_wanted(0) == 0 and restarts_wanted(5) == 5
+    monkeypatch.delenv("RAY_ADDRESS")
+    if not _joined_ray():  # (this session's own Ray, where a test before started one, is embedded)
+        assert restarts_wanted("auto") == 0
+
+
+def _joined_ray() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()

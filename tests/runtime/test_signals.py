@@ -55,7 +55,27 @@ def test_a_signal_is_noted_then_raised_between_steps_and_named_in_the_exit(signu
 
 def test_a_second_signal_interrupts_at_once():
     with StopSignals(), pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+    with StopSignals(), pytest.raises(KeyboardInterrupt, match="SIGINT"):
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
     assert not stopped_by_sigterm()  # the last signal decides the exit: Ctrl-C's
     assert EXIT_CODE == 128 + signal.SIGTERM
+
+
+def test_sigterm_twice_at_once_is_one_request_and_later_it_interrupts():
+    """`ray job stop` signals the train command and the driver it supervises alike, and the command
+    forwards its own: the driver gets SIGTERM twice within milliseconds, and must stop gracefully.
+    (Ctrl-C twice, however fast, interrupts at once: the test above.)"""
+    import time
+
+    from towerflow.runtime.signals import REPEAT_WINDOW_S
+
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same request again: noted once
+        assert stop.name == "SIGTERM"
+        time.sleep(REPEAT_WINDOW_S + 0.1)
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):  # asked again: at once
+            os.kill(os.getpid(), signal.SIGTERM)

@@ -8,10 +8,11 @@ job (whose retry starts a new cluster from the stored checkpoint). A driver that
 failed on bad input, stopped) is not started again, and neither is one after the command itself
 was told to stop.
 
-The child runs in a process group of its own, so a signal meant for the command reaches it once,
-forwarded from here: Ctrl-C at a terminal and `ray job stop` (which signals the job's group) both
-reach this process first. The child dies with this process (Linux: its parent-death signal), as
-the command's driver did when the command was the driver.
+The child runs in a process group of its own, and a stop signal for the command (Ctrl-C at a
+terminal, `kill`) is forwarded to it from here. `ray job stop` signals the entrypoint and its
+children alike, so the child gets that SIGTERM twice: its stop signals take SIGTERM repeated
+within half a second as the same request (runtime/signals.py). The child dies with this process (Linux: its
+parent-death signal), as the command's driver did when the command was the driver.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ log = logging.getLogger(__name__)
 RUN_ID_FILE_ENV = "TOWERFLOW_DRIVER_RUN_ID_FILE"
 _PR_SET_PDEATHSIG = 1
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
+ON_A_CLUSTER = 2  # `driver_restarts: auto` where the command joins a Ray cluster
+
+
+def restarts_wanted(setting: int | str) -> int:
+    """`training.failure.driver_restarts` as a number: auto is `ON_A_CLUSTER` where the command
+    joins a Ray cluster (RAY_ADDRESS), 0 on the embedded Ray, which a killed driver takes along (its
+    shards with it: nothing to take over, and a restart would start a Ray of its own)."""
+    from towerflow.runtime.cluster import runs_on_embedded_ray
+
+    if setting == "auto":
+        return 0 if runs_on_embedded_ray() else ON_A_CLUSTER
+    return int(setting)
 
 
 def is_supervised_child() -> bool:

@@ -9,7 +9,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from towerflow.cli.driver_restarts import is_supervised_child, note_run_id, supervise_driver
+from towerflow.cli.driver_restarts import is_supervised_child, note_run_id, restarts_wanted, supervise_driver
 from towerflow.cli.options import add_overrides_option, runnable
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
@@ -45,7 +45,7 @@ def _train(args: argparse.Namespace) -> int:
     from towerflow.spec import load_spec
 
     spec = load_spec(args.spec, args.overrides)
-    restarts = spec.training.failure.driver_restarts
+    restarts = restarts_wanted(spec.training.failure.driver_restarts)
     if restarts and not is_supervised_child():
         return supervise_driver(partial(_driver_command, args), restarts, args.resume)
     run = _RunIdHook()

@@ -7,17 +7,22 @@ after a C++ stack dump and left the run FAILED. While a run trains, `StopSignals
 signal. The driver lets the steps in flight end, then raises `StopRequested` (a KeyboardInterrupt):
 the run ends KILLED, its hooks end (the checkpoint hook saves the final state, as TensorFlow's
 PreemptionCheckpointHandler does; the tracker closes the MLflow run), the actors are released.
-A second signal interrupts at once, wherever the driver is.
+A second signal interrupts at once, wherever the driver is; but SIGTERM again within half a second
+is the same request delivered twice (`ray job stop` signals the train command and the driver it
+supervises alike, and the command forwards its own: cli/driver_restarts.py). Ctrl-C pressed twice,
+however fast, stops at once.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType, TracebackType
 from typing import Any
 
 EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+REPEAT_WINDOW_S = 0.5  # SIGTERM again this soon is the same stop, delivered twice
 _last: int | None = None  # the signal that stopped the last run in this process
 
 
@@ -31,6 +36,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self._received_at = 0.0  # monotonic
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -51,9 +57,12 @@ class StopSignals:
     def _note(self, signum: int, frame: FrameType | None) -> None:
         global _last
         _last = signum
-        if self.received is not None:  # asked twice: stop now, wherever the driver is
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-        self.received = signum
+        now = time.monotonic()
+        if self.received is not None:
+            if signum == self.received == signal.SIGTERM and now - self._received_at < REPEAT_WINDOW_S:
+                return  # the same stop, delivered twice
+            raise KeyboardInterrupt(signal.Signals(signum).name)  # asked twice: stop now, wherever it is
+        self.received, self._received_at = signum, now
 
     @property
     def name(self) -> str | None:

@@ -114,14 +114,14 @@ class FailureSpec(StrictModel):
         "and goes on from the shards' live state, with no step redone, instead of from the stored "
         "checkpoint. Past it they are ended and their resources freed. null: they end with their driver.",
     )
-    driver_restarts: int = Field(
-        0,
-        ge=0,
+    driver_restarts: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
         description="`towerflow train` runs the driver as a child process and starts it again, up to this "
         "many times, where a signal killed it (the kernel's OOM killer, SIGKILL, a crash), resuming the "
         "same run: on a Ray cluster it takes the live shards and workers over (driver_grace_s). A driver "
-        "that exits, with an error or not, or a command that was stopped, is not started again. 0: the "
-        "command is the driver.",
+        "that exits, with an error or not, or a command that was stopped, is not started again. auto: 2 "
+        "where the command joins a Ray cluster (RAY_ADDRESS: a Ray job, a RayJob), 0 on the embedded Ray "
+        "(which a killed driver takes along, shards and all). 0: the command is the driver.",
     )
 
 
