@@ -222,6 +222,22 @@ def node_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     }
 
 
+def resumed_outcome(
+    client, run_id: str, driver: Driver, steps: int, heard: float, says: str
+) -> tuple[bool, float | None, list[str]]:
+    """A resumed run's outcome: survived (FINISHED at `steps`, the one run of its experiment, resumed),
+    the steps redone (`heard`, the step MLflow had at the kill, less the step resumed from), and notes
+    with the driver's lines that hold `says` or took the live shards over."""
+    ok, run, notes = run_outcome(client, run_id, driver, steps)
+    resumed = run.data.tags.get("towerflow.resumed_from_step")
+    runs = client.search_runs([run.info.experiment_id])
+    if len(runs) != 1 or resumed is None:
+        ok = False
+        notes.append(f"{len(runs)} run(s) in the experiment, resumed_from_step {resumed}")
+    notes += [line for line in driver.text().splitlines() if says in line or "took over run" in line]
+    return ok, max(0, heard - int(resumed)) if resumed is not None else None, notes
+
+
 def driver_killed(cluster, args, tmp: Path, log: Log, *, kept: bool = True) -> dict[str, dict]:
     """`kept`: the shards outlive the driver and the new one takes them over (the default), else
     they end with it (`driver_grace_s: null`) and the new one goes on from the stored checkpoint."""
@@ -243,22 +259,10 @@ def driver_killed(cluster, args, tmp: Path, log: Log, *, kept: bool = True) -> d
         second.wait()
     finally:
         second.kill()
-    ok, run, notes = run_outcome(client, run_id, second, args.steps)
-    resumed = run.data.tags.get("towerflow.resumed_from_step")
-    runs = client.search_runs([run.info.experiment_id])
-    if len(runs) != 1 or resumed is None:
-        ok = False
-        notes.append(f"{len(runs)} run(s) in the experiment, resumed_from_step {resumed}")
-    notes += [
-        line for line in second.text().splitlines() if "--resume auto" in line or "took over run" in line
-    ]
+    ok, redone, notes = resumed_outcome(client, run_id, second, args.steps, heard, "--resume auto")
     return {
         DRIVER_KILLED if kept else DRIVER_KILLED_NOT_KEPT: result(
-            first.wall_s + second.wall_s,
-            ok,
-            steps_redone=max(0, heard - int(resumed)) if resumed is not None else None,
-            recovery_s=recovery,
-            notes=notes,
+            first.wall_s + second.wall_s, ok, steps_redone=redone, recovery_s=recovery, notes=notes
         )
     }
 
@@ -284,22 +288,9 @@ def driver_restarted(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
         command.wait()
     finally:
         command.kill()
-    ok, run, notes = run_outcome(client, run_id, command, args.steps)
-    resumed = run.data.tags.get("towerflow.resumed_from_step")
-    if len(client.search_runs([run.info.experiment_id])) != 1 or resumed is None:
-        ok = False
-        notes.append(f"not one resumed run: resumed_from_step {resumed}")
-    notes += [
-        line for line in command.text().splitlines() if "starting it again" in line or "took over run" in line
-    ]
+    ok, redone, notes = resumed_outcome(client, run_id, command, args.steps, heard, "starting it again")
     return {
-        DRIVER_RESTARTED: result(
-            command.wall_s,
-            ok,
-            steps_redone=max(0, heard - int(resumed)) if resumed is not None else None,
-            recovery_s=recovery,
-            notes=notes,
-        )
+        DRIVER_RESTARTED: result(command.wall_s, ok, steps_redone=redone, recovery_s=recovery, notes=notes)
     }
 
 
