@@ -222,6 +222,16 @@ def node_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     }
 
 
+def at_the_kill_point(client, name: str, args, driver: Driver) -> tuple[str, float, int]:
+    """Once run `name` is at step `--at` and has its first checkpoint (with --at below --every: a
+    resume needs one to go on from, where the shards are not kept): its id, the step MLflow has
+    heard of, and the checkpoint's step."""
+    run_id, heard = wait_for_step(client, name, args.at, driver)
+    checkpoint = wait_for_checkpoint(client, run_id, driver)
+    heard = max(heard, poll_store(lambda: client.get_run(run_id).data.metrics["global_step"]) or 0)
+    return run_id, heard, checkpoint
+
+
 def resumed_outcome(
     client, run_id: str, driver: Driver, steps: int, heard: float, says: str
 ) -> tuple[bool, float | None, list[str]]:
@@ -246,9 +256,7 @@ def driver_killed(cluster, args, tmp: Path, log: Log, *, kept: bool = True) -> d
     spec = write_spec(tmp, "driver-lost", args, SYNC, args.steps, *extra)
     first = start_driver(cluster, spec, tmp / "driver.log", "--resume", "auto")
     try:
-        run_id, heard = wait_for_step(client, "driver-lost", args.at, first)
-        checkpoint = wait_for_checkpoint(client, run_id, first)  # with --at below --every: the first one
-        heard = max(heard, poll_store(lambda: client.get_run(run_id).data.metrics["global_step"]) or 0)
+        run_id, heard, checkpoint = at_the_kill_point(client, "driver-lost", args, first)
     finally:
         first.kill()  # as a lost head pod loses it: nobody closes the MLflow run
     log(f"  driver killed at step {heard:g} (MLflow), its newest checkpoint at step {checkpoint}")
@@ -277,9 +285,7 @@ def driver_restarted(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     spec = write_spec(tmp, "driver-restarted", args, SYNC, args.steps, "training.failure.driver_restarts=1")
     command = start_driver(cluster, spec, tmp / "driver.log")
     try:
-        run_id, heard = wait_for_step(client, "driver-restarted", args.at, command)
-        wait_for_checkpoint(client, run_id, command)  # killed where driver_killed kills, to compare
-        heard = max(heard, poll_store(lambda: client.get_run(run_id).data.metrics["global_step"]) or 0)
+        run_id, heard, _ = at_the_kill_point(client, "driver-restarted", args, command)
         (driver,) = psutil.Process(command.process.pid).children()
         killed = now_ms()
         driver.kill()  # the driver alone, as the OOM killer picks it

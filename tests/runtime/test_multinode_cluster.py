@@ -1,11 +1,11 @@
 """Towerflow on a real multi-node Ray cluster (tests/multinode.py's LocalCluster, one per module: this
-module holds every test that needs one). The cluster itself: three real nodes, token auth, placement
+module and test_multinode_driver_loss.py hold every test that needs one). The cluster itself: three real nodes, token auth, placement
 across nodes, a lost node, the strict placements. Runs spread over its nodes against the same
 training in one process. Faults, the driver run as users run it (`python -m towerflow train` with
-RAY_ADDRESS): a node holding a worker is lost (its raylet killed); the driver itself is SIGKILLed
-and `--resume auto` continues its run with the same shard and worker processes; an elastic run grows onto a node that joins, shrinks when
-that node is lost, and shrinks again on `towerflow scale`; a node that cannot see the data fails the
-run as it starts.
+RAY_ADDRESS): a node holding a worker, or a shard, is lost (its raylet killed); an elastic run grows
+onto a node that joins, shrinks when that node is lost, and shrinks again on `towerflow scale`; a
+node that cannot see the data fails the run as it starts. A lost driver is
+test_multinode_driver_loss.py's (a cluster of its own).
 
 Everything reaches Ray through client subprocesses and the dashboard's HTTP API: this process never
 calls `ray.init` (another module's in-process Ray may be running).
@@ -20,12 +20,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
@@ -37,13 +35,12 @@ from multinode import (  # noqa: F401
     cluster_spec_file,
     multinode_cluster_fixture,
 )
-from multinode_clients import CLAIMS_CLIENT, PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
+from multinode_clients import PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
 from multinode_drivers import (
     alive_actors,
     client_report,
     finish,
     node_held,
-    placement_groups,
     spec_file,
     start_driver,
     wait_for_metric,
@@ -308,128 +305,6 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     # Spread placement put the other shard (or a worker), which held a copy of the lost one's part,
     # on another node.
     assert any(v.startswith("parameter server") and "(a memory checkpoint)" in v for v in faults), faults
-
-
-KEPT = ("ParameterShard", "TowerWorker")  # a kept run's actors that outlive its driver
-
-
-@pytest.mark.parametrize("mode, ps", [("sync", 1), ("async", 2)])
-def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
-    multinode_cluster, blob_data, tmp_path, mode, ps
-):
-    cluster = multinode_cluster
-    name = f"driver-loss-{mode}"
-    # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
-    # 100 steps were done by then (the run had ended FINISHED before the kill): three times that.
-    # No checkpoint before the end: only the live shards can continue the run.
-    # Async steps come faster (no barrier): four times as many.
-    steps = 300 if mode == "sync" else 1200
-    spec, uri = spec_file(
-        tmp_path, blob_data, name, cluster={"ps": ps}, max_steps=steps, checkpoint_every=10_000, mode=mode
-    )
-    driver = start_driver(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
-    run_id = wait_for_step(uri, name, 30, driver)
-    os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
-    driver.wait()
-    client = MlflowClient(uri)
-    assert client.get_run(run_id).info.status == "RUNNING"  # nobody closed it
-    reported = max(m.step for m in client.get_metric_history(run_id, "loss"))
-    left = client_report(cluster, CLAIMS_CLIENT)  # its data pipeline's claim on the cores, on record
-    assert left, "the killed driver's pipeline left no claim on record"
-    # Its shards and workers outlive it (training.failure.driver_grace_s).
-    actors = {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
-    assert len(actors) == ps + 2, actors  # (2 workers)
-    client.set_tag(run_id, "towerflow.fault.001", "an earlier fault of the run")  # kept, numbered after
-    resumed = start_driver(cluster, spec, "--resume", "auto")
-    seen = []  # the shards and workers alive while the resumed driver runs: the same processes train on
-    while resumed.poll() is None:
-        seen.append({a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)})
-        time.sleep(0.5)
-    # All of them at once, and never another process; the run's end kills the workers, then the
-    # shards, so a look in between sees some of them.
-    assert actors in seen and all(alive.items() <= actors.items() for alive in seen), seen
-    again = finish(resumed)
-    assert f"continuing run {run_id}" in again
-    took = re.search(rf"took over run {run_id}'s live shards at step (\d+) and 2 of its workers", again)
-    assert took and int(took.group(1)) >= reported, again[-3000:]
-    # The new run withdrew it before reading, instead of reading with half the cores for 180 s.
-    assert all(requester in again for requester in left.values()), (left, again[-3000:])
-    experiment = client.get_experiment_by_name(name)
-    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.metrics["global_step"] == steps
-    assert int(run.data.tags["towerflow.resumed_from_step"]) == int(took.group(1))
-    assert run.data.tags["towerflow.resumed_from"].startswith(f"its live shards at step {took.group(1)}")
-    assert run.data.tags["towerflow.fault.001"] == "an earlier fault of the run"
-    lost = run.data.tags["towerflow.fault.002"]
-    assert lost.startswith(
-        f"the driver lost (the run was left RUNNING, its metrics ending at step {reported})"
-    )
-    assert "went on from its live shards" in lost, lost
-    logged = [m.step for m in client.get_metric_history(run_id, "loss")]
-    assert len(logged) == len(set(logged)), "a step was trained and logged twice"
-    # The run's end ended the kept shards and workers, its control point and its placement groups.
-    assert not any(alive_actors(cluster, kind) for kind in (*KEPT, "RunControl"))
-    assert not placement_groups(cluster, name)
-
-
-def test_a_driver_killed_under_driver_restarts_is_started_again_by_its_command_and_takes_its_run_over(
-    multinode_cluster, blob_data, tmp_path
-):
-    """`training.failure.driver_restarts`: the command (a Ray job's entrypoint, say) runs the
-    driver as its child; a SIGKILL of that child is followed by a new one that resumes the run,
-    taking its live shards and workers over, and the command ends as if nothing had happened."""
-    cluster = multinode_cluster
-    spec, uri = spec_file(
-        tmp_path,
-        blob_data,
-        "driver-restart",
-        max_steps=300,
-        checkpoint_every=10_000,
-        failure={"driver_restarts": 1},
-    )
-    command = start_driver(cluster, spec)
-    run_id = wait_for_step(uri, "driver-restart", 30, command)
-    (driver,) = psutil.Process(command.pid).children()
-    actors = {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
-    assert len(actors) == 3, actors  # (a shard and 2 workers)
-    driver.kill()  # SIGKILL, as the OOM killer sends it; not the command
-    seen = []
-    while command.poll() is None:
-        seen.append({a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)})
-        time.sleep(0.5)
-    assert actors in seen and all(alive.items() <= actors.items() for alive in seen), seen
-    out = finish(command)
-    assert (
-        f"the driver (pid {driver.pid}) was killed (SIGKILL); starting it again to resume run {run_id}" in out
-    )
-    assert re.search(rf"took over run {run_id}'s live shards at step \d+ and 2 of its workers", out), out[
-        -3000:
-    ]
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name("driver-restart")
-    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 300
-    assert run.data.tags["towerflow.resumed_from"].startswith("its live shards at step ")
-
-
-def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blob_data, tmp_path):
-    cluster = multinode_cluster
-    spec, uri = spec_file(tmp_path, blob_data, "orphans", max_steps=10_000, failure={"driver_grace_s": 5})
-    driver = start_driver(cluster, spec)
-    wait_for_step(uri, "orphans", 5, driver)
-    os.killpg(driver.pid, signal.SIGKILL)
-    driver.wait()
-    assert alive_actors(cluster, "ParameterShard") and placement_groups(cluster, "orphans")
-    deadline = time.monotonic() + 90  # 5 s of grace, then Ray removes the groups and their actors
-    while (alive_actors(cluster, "ParameterShard") or placement_groups(cluster, "orphans")) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(1)
-    assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
-    assert not placement_groups(cluster, "orphans")
 
 
 def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_towerflow_scale(

@@ -266,16 +266,18 @@ def _warn_of_spares_beside(node_of: dict[int, Any], members: list[int], spares: 
 
 def declared_dead(actor: Any) -> bool:
     """Whether Ray has declared this actor dead (its bundle, if it had one, free to take)."""
-    from ray._private.state import actors
-
-    return actors(actor_id=actor._actor_id.hex()).get("State") == "DEAD"
+    return _actor_record(actor).get("State") == "DEAD"
 
 
 def actor_node(actor: Any) -> str | None:
     """The node an actor runs on, as Ray's actor table says (None where it has none yet)."""
+    return _actor_record(actor).get("Address", {}).get("NodeID") or None
+
+
+def _actor_record(actor: Any) -> dict[str, Any]:
     from ray._private.state import actors
 
-    return actors(actor_id=actor._actor_id.hex()).get("Address", {}).get("NodeID") or None
+    return actors(actor_id=actor._actor_id.hex())
 
 
 def _resources(bundle: dict[str, float]) -> str:

@@ -1,0 +1,160 @@
+"""A driver lost on the multi-node test cluster (tests/multinode.py's LocalCluster, one for this
+module), run as users run it (`python -m towerflow train` with RAY_ADDRESS): SIGKILLed, `--resume
+auto` continues its run with the same shard and worker processes; under `driver_restarts` the
+command starts its killed driver again, which takes the run over; with no driver, the kept shards
+end after the grace period.
+
+Everything reaches Ray through client subprocesses and the dashboard's HTTP API: this process never
+calls `ray.init` (another module's in-process Ray may be running).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+from multinode import multinode_cluster_fixture  # noqa: F401
+from multinode_clients import CLAIMS_CLIENT
+from multinode_drivers import (
+    alive_actors,
+    client_report,
+    finish,
+    placement_groups,
+    spec_file,
+    start_driver,
+    wait_for_step,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+KEPT = ("ParameterShard", "TowerWorker")  # a kept run's actors that outlive its driver
+
+
+def kept_actors(cluster) -> dict[str, int]:
+    """The run's shards and workers alive now: actor id -> pid."""
+    return {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
+
+
+def _the_same_processes_train_on(cluster, actors: dict[str, int], driver: subprocess.Popen) -> None:
+    """While `driver` runs, the kept shards and workers are `actors`: all of them at once, and never
+    another process (the run's end kills the workers, then the shards, so a look in between sees
+    some of them)."""
+    seen = []
+    while driver.poll() is None:
+        seen.append(kept_actors(cluster))
+        time.sleep(0.5)
+    assert actors in seen and all(alive.items() <= actors.items() for alive in seen), seen
+
+
+@pytest.mark.parametrize("mode, ps", [("sync", 1), ("async", 2)])
+def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
+    multinode_cluster, blob_data, tmp_path, mode, ps
+):
+    cluster = multinode_cluster
+    name = f"driver-loss-{mode}"
+    # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
+    # 100 steps were done by then (the run had ended FINISHED before the kill): three times that.
+    # No checkpoint before the end: only the live shards can continue the run.
+    # Async steps come faster (no barrier): four times as many.
+    steps = 300 if mode == "sync" else 1200
+    spec, uri = spec_file(
+        tmp_path, blob_data, name, cluster={"ps": ps}, max_steps=steps, checkpoint_every=10_000, mode=mode
+    )
+    driver = start_driver(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
+    run_id = wait_for_step(uri, name, 30, driver)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
+    driver.wait()
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "RUNNING"  # nobody closed it
+    reported = max(m.step for m in client.get_metric_history(run_id, "loss"))
+    left = client_report(cluster, CLAIMS_CLIENT)  # its data pipeline's claim on the cores, on record
+    assert left, "the killed driver's pipeline left no claim on record"
+    # Its shards and workers outlive it (training.failure.driver_grace_s).
+    actors = kept_actors(cluster)
+    assert len(actors) == ps + 2, actors  # (2 workers)
+    client.set_tag(run_id, "towerflow.fault.001", "an earlier fault of the run")  # kept, numbered after
+    resumed = start_driver(cluster, spec, "--resume", "auto")
+    _the_same_processes_train_on(cluster, actors, resumed)
+    again = finish(resumed)
+    assert f"continuing run {run_id}" in again
+    took = re.search(rf"took over run {run_id}'s live shards at step (\d+) and 2 of its workers", again)
+    assert took and int(took.group(1)) >= reported, again[-3000:]
+    # The new run withdrew it before reading, instead of reading with half the cores for 180 s.
+    assert all(requester in again for requester in left.values()), (left, again[-3000:])
+    experiment = client.get_experiment_by_name(name)
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["global_step"] == steps
+    assert int(run.data.tags["towerflow.resumed_from_step"]) == int(took.group(1))
+    assert run.data.tags["towerflow.resumed_from"].startswith(f"its live shards at step {took.group(1)}")
+    assert run.data.tags["towerflow.fault.001"] == "an earlier fault of the run"
+    lost = run.data.tags["towerflow.fault.002"]
+    assert lost.startswith(
+        f"the driver lost (the run was left RUNNING, its metrics ending at step {reported})"
+    )
+    assert "went on from its live shards" in lost, lost
+    logged = [m.step for m in client.get_metric_history(run_id, "loss")]
+    assert len(logged) == len(set(logged)), "a step was trained and logged twice"
+    # The run's end ended the kept shards and workers, its control point and its placement groups.
+    assert not any(alive_actors(cluster, kind) for kind in (*KEPT, "RunControl"))
+    assert not placement_groups(cluster, name)
+
+
+def test_a_driver_killed_under_driver_restarts_is_started_again_by_its_command_and_takes_its_run_over(
+    multinode_cluster, blob_data, tmp_path
+):
+    """`training.failure.driver_restarts`: the command (a Ray job's entrypoint, say) runs the
+    driver as its child; a SIGKILL of that child is followed by a new one that resumes the run,
+    taking its live shards and workers over, and the command ends as if nothing had happened."""
+    cluster = multinode_cluster
+    spec, uri = spec_file(
+        tmp_path,
+        blob_data,
+        "driver-restart",
+        max_steps=300,
+        checkpoint_every=10_000,
+        failure={"driver_restarts": 1},
+    )
+    command = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "driver-restart", 30, command)
+    (driver,) = psutil.Process(command.pid).children()
+    actors = kept_actors(cluster)
+    assert len(actors) == 3, actors  # (a shard and 2 workers)
+    driver.kill()  # SIGKILL, as the OOM killer sends it; not the command
+    _the_same_processes_train_on(cluster, actors, command)
+    out = finish(command)
+    assert (
+        f"the driver (pid {driver.pid}) was killed (SIGKILL); starting it again to resume run {run_id}" in out
+    )
+    assert re.search(rf"took over run {run_id}'s live shards at step \d+ and 2 of its workers", out), out[
+        -3000:
+    ]
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("driver-restart")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 300
+    assert run.data.tags["towerflow.resumed_from"].startswith("its live shards at step ")
+
+
+def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blob_data, tmp_path):
+    cluster = multinode_cluster
+    spec, uri = spec_file(tmp_path, blob_data, "orphans", max_steps=10_000, failure={"driver_grace_s": 5})
+    driver = start_driver(cluster, spec)
+    wait_for_step(uri, "orphans", 5, driver)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    assert alive_actors(cluster, "ParameterShard") and placement_groups(cluster, "orphans")
+    deadline = time.monotonic() + 90  # 5 s of grace, then Ray removes the groups and their actors
+    while (alive_actors(cluster, "ParameterShard") or placement_groups(cluster, "orphans")) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(1)
+    assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
+    assert not placement_groups(cluster, "orphans")
