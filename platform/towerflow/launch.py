@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook, SessionInfo
@@ -29,6 +30,7 @@ def train(
     faults: FaultInjector | None = None,
     output_dir: str | Path | None = None,
     parent_run_id: str | None = None,
+    if_nothing_to_resume: Literal["fail", "start_over"] = "fail",
 ) -> TrainResult:
     """Run one training job to the end and return its result.
 
@@ -39,7 +41,10 @@ def train(
     spec has) and the same run goes on; "auto" picks the newest unfinished run of the job, or
     starts a new one. Without tracking, checkpoints and profiles go under
     `output_dir` (default `runs/<job name>`), and `resume` is that directory. `parent_run_id`
-    makes the run a child of that MLflow run. A failed export (`export.saved_model`) is raised
+    makes the run a child of that MLflow run. A tracked run resumed with neither a checkpoint nor live
+    shards fails, or with `if_nothing_to_resume="start_over"` starts over from step 0 in the same
+    MLflow run (a driver started again by its command, killed before it had either: it was the run's
+    start that was lost). A failed export (`export.saved_model`) is raised
     after the run is closed.
 
     This process imports TensorFlow only where it uses it (a model that must be imported to check
@@ -121,7 +126,7 @@ def train(
         from towerflow.runtime.run_keeper import take_over_live_run
 
         initial_state = take_over_live_run(resume, spec, stored=initial_state) or initial_state
-        if initial_state is None:
+        if initial_state is None and if_nothing_to_resume == "fail":
             tracker.restore_state()  # says that there is nothing to resume from
     skipped = SkippedRecordsHook() if spec.data.on_bad_record == "skip" else None
     # Hooks end in reverse order: the skipped-records hook comes right after the tracker, so that its

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import yaml
 from conftest import REPO
@@ -200,6 +201,50 @@ def test_ctrl_c_twice_ends_the_run_killed_and_says_how_to_resume(cluster_env, bl
     ours = [line for line in after.splitlines() if line.startswith("towerflow")]  # not Ray's forwarded logs
     assert ours[-1] == "towerflow: interrupted", after
     assert "Traceback" not in everything, everything
+
+
+def test_a_driver_killed_as_its_run_starts_is_started_again_and_starts_the_same_run_over(
+    cluster_env, blob_data, tmp_path
+):
+    """On a cluster the command supervises its driver (`driver_restarts: auto`). Killed as soon as
+    it names its MLflow run, the driver has neither a checkpoint nor live shards to resume from: the
+    driver started again trains the same run from step 0 (it used to fail, `no complete checkpoint
+    there to resume from`), and the run's params and fault tag say what happened."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(blob_spec(blob_data, cluster=ONE_OF_EACH, training={"max_steps": 4})))
+    command = [sys.executable, "-m", "towerflow", "train", str(path), "--no-progress"]
+    cli = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, **cluster_env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(240, cli.kill)  # a hang fails the test instead of holding the suite
+    watchdog.start()
+    try:
+        printed = []
+        for line in cli.stdout:
+            printed.append(line)
+            if line.startswith("towerflow: MLflow run "):
+                (driver,) = psutil.Process(cli.pid).children()
+                driver.send_signal(signal.SIGKILL)
+                break
+        printed.append(cli.stdout.read())
+        errors = cli.stderr.read()
+        exit_code = cli.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+    assert exit_code == 0, errors
+    client = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs([client.get_experiment_by_name("blobs-test").experiment_id])
+    assert f"starting it again to resume run {run.info.run_id}" in errors
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 4, "".join(printed)
+    assert [step for step, _ in MlflowCheckpointStore(client, run.info.run_id).list()] == [4]
+    (fault,) = [value for key, value in run.data.tags.items() if key.startswith("towerflow.fault.")]
+    assert "a new driver started it over from step 0" in fault, fault
+    assert "model.trainable_variables" in run.data.params  # the killed driver had logged none
 
 
 def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from towerflow.cli.driver_restarts import RUN_ID_FILE_ENV
+from towerflow.cli.driver_restarts import RESTART_ENV, RUN_ID_FILE_ENV
 
 # argv: a log file, then the resume the supervisor gave. Notes its run id (as the real driver's run
 # hook does), logs its start, then does what the log's length says: SIGKILL itself the first
@@ -29,7 +29,9 @@ from pathlib import Path
 log, resume = Path(sys.argv[1]), sys.argv[2]
 starts = log.read_text().splitlines() if log.exists() else []
 Path(os.environ["{RUN_ID_FILE_ENV}"]).write_text("run-abc")
-log.write_text("\\n".join([*starts, json.dumps({{"resume": resume, "pid": os.getpid(), "pgid": os.getpgid(0)}})]))
+restart = os.environ.get("{RESTART_ENV}")
+start = {{"resume": resume, "pid": os.getpid(), "pgid": os.getpgid(0), "restart": restart}}
+log.write_text("\\n".join([*starts, json.dumps(start)]))
 if os.environ.get("STOP"):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     time.sleep(60)
@@ -70,6 +72,7 @@ def test_a_killed_driver_is_started_again_resuming_the_run_it_noted(tmp_path):
     assert supervisor.returncode == 0, out
     first, second = _starts(tmp_path)
     assert (first["resume"], second["resume"]) == ("None", "run-abc")
+    assert (first["restart"], second["restart"]) == (None, "1")  # a restart may start the run over
     assert (
         f"the driver (pid {first['pid']}) was killed (SIGKILL); starting it again to resume run run-abc "
         in out

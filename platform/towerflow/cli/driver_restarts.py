@@ -3,7 +3,8 @@
 The command starts the driver (the same command, marked as the child) as a child process, and where a
 signal kills it (the kernel's OOM killer, a SIGKILL, a crash) starts it again, resuming the same
 run: on a Ray cluster the new driver takes the lost one's live shards and workers over
-(runtime/run_keeper.py), so a driver lost in a Ray job or a KubeRay RayJob costs seconds, not the
+(runtime/run_keeper.py), or goes on from the run's checkpoint, or, where it has neither (the driver
+was killed as the run started), starts the same run over from step 0; so a driver lost in a Ray job or a KubeRay RayJob costs seconds, not the
 job (whose retry starts a new cluster from the stored checkpoint). A driver that exits (finished,
 failed on bad input, stopped) is not started again, and neither is one after the command itself
 was told to stop.
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 # Set in the child's environment: the file it writes its MLflow run id into (and the mark that it
 # is the child: it runs the driver itself).
 RUN_ID_FILE_ENV = "TOWERFLOW_DRIVER_RUN_ID_FILE"
+# Set in a restarted child's environment: the restart's number (a run it cannot resume it starts over).
+RESTART_ENV = "TOWERFLOW_DRIVER_RESTART"
 _PR_SET_PDEATHSIG = 1
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 ON_A_CLUSTER = 2  # `driver_restarts: auto` where the command joins a Ray cluster
@@ -52,6 +55,11 @@ def restarts_wanted(setting: int | str) -> int:
 def is_supervised_child() -> bool:
     """Whether this process is a supervised driver (it must not supervise again)."""
     return RUN_ID_FILE_ENV in os.environ
+
+
+def is_restarted_driver() -> bool:
+    """Whether this process is a driver its command started again (not the first one)."""
+    return RESTART_ENV in os.environ
 
 
 def note_run_id(run_id: str) -> None:
@@ -81,7 +89,10 @@ def supervise_driver(command: Callable[[str | None], list[str]], restarts: int, 
                     restarts,
                 )
             stop.child = subprocess.Popen(
-                command(resume), env=env, start_new_session=True, preexec_fn=_die_with_parent
+                command(resume),
+                env={**env, RESTART_ENV: str(restart)} if restart else env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
             if stop.received is not None:  # it came while the child was being started
                 stop.child.send_signal(stop.received)

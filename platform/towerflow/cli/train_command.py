@@ -9,7 +9,13 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from towerflow.cli.driver_restarts import is_supervised_child, note_run_id, restarts_wanted, supervise_driver
+from towerflow.cli.driver_restarts import (
+    is_restarted_driver,
+    is_supervised_child,
+    note_run_id,
+    restarts_wanted,
+    supervise_driver,
+)
 from towerflow.cli.options import add_overrides_option, runnable
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
@@ -51,7 +57,9 @@ def _train(args: argparse.Namespace) -> int:
     run = _RunIdHook()
     hooks = [run] if args.no_progress else [run, ProgressHook(spec.training.max_steps)]
     try:
-        result = train(spec, hooks=hooks, resume=args.resume)
+        # A driver started again resumes its run, or starts it over where there is nothing to resume.
+        nothing_to_resume = "start_over" if is_restarted_driver() else "fail"
+        result = train(spec, hooks=hooks, resume=args.resume, if_nothing_to_resume=nothing_to_resume)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run ended KILLED; say how to go on with it
         if run.run_id:
             print(

@@ -118,7 +118,8 @@ class FailureSpec(StrictModel):
         "auto",
         description="`towerflow train` runs the driver as a child process and starts it again, up to this "
         "many times, where a signal killed it (the kernel's OOM killer, SIGKILL, a crash), resuming the "
-        "same run: on a Ray cluster it takes the live shards and workers over (driver_grace_s). A driver "
+        "same run: on a Ray cluster it takes the live shards and workers over (driver_grace_s); with nothing "
+        "to resume yet (killed as the run started) it starts the same run over from step 0. A driver "
         "that exits, with an error or not, or a command that was stopped, is not started again. auto: 2 "
         "where the command joins a Ray cluster (RAY_ADDRESS: a Ray job, a RayJob), 0 on the embedded Ray "
         "(which a killed driver takes along, shards and all). 0: the command is the driver.",

@@ -145,7 +145,11 @@ class MLflowTracker(Hook):
         # The earlier drivers' fault tags stay: this one's are numbered after them.
         self._faults = sum(1 for key in run.data.tags if key.startswith("towerflow.fault."))
         if run.info.status == "RUNNING":  # a driver that ends its run marks it FINISHED, FAILED or KILLED
-            went_on = f"a new driver went on from {session.resumed_from}"
+            went_on = (
+                f"a new driver went on from {session.resumed_from}"
+                if session.resumed_from
+                else "a new driver started it over from step 0 (it had no checkpoint or live shards to resume from)"
+            )
             # Where its metrics end: steps past it were trained, and not logged, by no driver or a
             # dying one (a lost driver's kept workers train on for a moment, runtime/run_keeper.py).
             last = run.data.metrics.get("global_step")
@@ -158,17 +162,16 @@ class MLflowTracker(Hook):
 
         if self.spec.tracking.system_metrics:
             self._start_system_metrics()
-        if self.resume_run_id:
-            return
-
         sizes = [sum(session.pieces[i].nbytes for i in shard) for shard in session.shard_assignment]
-        self._log_params(
-            [
-                Param("model.trainable_variables", str(len(session.variables))),
-                Param("model.parameters_bytes", str(sum(v.nbytes for v in session.variables))),
-                Param("cluster.shard_bytes", ",".join(str(s) for s in sizes)),
-            ]
-        )
+        params = [
+            Param("model.trainable_variables", str(len(session.variables))),
+            Param("model.parameters_bytes", str(sum(v.nbytes for v in session.variables))),
+            Param("cluster.shard_bytes", ",".join(str(s) for s in sizes)),
+        ]
+        if self.resume_run_id:  # params stay as first logged (a driver killed as it started logged none)
+            logged = self.client.get_run(self.run_id).data.params
+            params = [param for param in params if param.key not in logged]
+        self._log_params(params)
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         step = event.global_step
