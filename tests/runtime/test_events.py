@@ -2,7 +2,7 @@
 
 import time
 
-from towerflow.runtime.events import StepAggregator
+from towerflow.runtime.events import StepAggregator, past_step_events
 from towerflow.runtime.worker_messages import StepRecord
 
 
@@ -92,3 +92,21 @@ def test_dropped_gradients_are_counted_on_the_next_event():
     agg = StepAggregator(replicas_per_step=1)
     events = agg.add([record(2, -1, "stale"), record(0, 1)])
     assert events[0].dropped_stale == 1 and agg.dropped_total == 1
+
+
+def test_past_steps_are_events_in_step_order_counting_their_examples_back():
+    # A lost driver's kept workers: worker 0 told of steps 48..50 (the driver drained them, and
+    # may not have logged them), both then of 51..52, taken with no driver; a stale gradient and
+    # a non-finite loss (nothing applied) are no steps. The shards' data position is after 52.
+    records = [record(1, 52), record(0, 48), record(0, 49), record(1, 51), record(0, 50)]
+    records += [
+        record(0, 51),
+        record(0, 52),
+        record(1, -1, "stale"),
+        StepRecord.nonfinite(0, 52, float("nan"), 16),
+    ]
+    events = past_step_events(records, examples_seen_after=1000)
+    assert steps(events) == [48, 49, 50, 51, 52]
+    assert [e.workers for e in events] == [[0], [0], [0], [0, 1], [0, 1]]
+    assert [e.examples_seen for e in events] == [904, 920, 936, 968, 1000]
+    assert past_step_events([record(1, -1, "stale")], examples_seen_after=1000) == []

@@ -138,3 +138,39 @@ def test_step_window_figures():
     assert figures["staleness_max"] == 3 and figures["staleness_p50"] == pytest.approx(1.5)
     window.add(event(5, 5.0, [0, 1], [1, 1]))
     assert window.metrics()["global_step_per_sec"] == pytest.approx(1.0)  # measured from step 3
+
+
+def test_a_lost_drivers_past_steps_are_logged_after_what_it_logged_at_the_runs_cadence(blob_data, tmp_path):
+    """A new driver that took a run over hears of the lost one's last steps from its workers
+    (`on_past_steps`): those past the run's last logged step are logged every `log_every_steps`,
+    and the new driver's own steps go on at that cadence: the run's metrics have no gap."""
+    from towerflow.runtime.hooks import RunContext, RunOutcome, SessionInfo, StepEvent
+    from towerflow.tracking import MLflowTracker
+
+    uri = sqlite_store(tmp_path)
+    tracking = {"tracking_uri": uri, "experiment": "past"}
+    spec = validate_spec(blob_spec(blob_data, tracking=tracking, supervision={"log_every_steps": 5}))
+
+    def event(step: int) -> StepEvent:
+        return StepEvent(step, 1.0 / step, {"accuracy": 0.5}, 32, 32 * step, float(step), 100.0, {}, [0])
+
+    lost = MLflowTracker(spec)
+    lost.begin(SessionInfo(spec=spec, num_workers=1, num_shards=1))
+    for step in (1, 5, 10):  # what the lost driver logged, its run left RUNNING
+        lost.client.log_metric(lost.run_id, "loss", 1.0 / step, step=step)
+        lost.client.log_metric(lost.run_id, "global_step", step, step=step)
+    taker = MLflowTracker(spec, resume_run_id=lost.run_id)
+    session = SessionInfo(
+        spec=spec, num_workers=1, num_shards=1, start_step=23, resumed_from="its live shards"
+    )
+    taker.begin(session)
+    taker.on_past_steps([event(step) for step in range(8, 24)])
+    for step in range(24, 31):
+        taker.after_run(RunContext(session), event(step))
+    taker.end(session, RunOutcome("FINISHED", 30))
+    history = taker.client.get_metric_history(lost.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 5, 10, 15, 20, 25, 30]
+    past = {m.step: m.value for m in taker.client.get_metric_history(lost.run_id, "train_accuracy")}
+    assert past[15] == 0.5 and 15 not in {
+        m.step for m in taker.client.get_metric_history(lost.run_id, "elapsed_s")
+    }

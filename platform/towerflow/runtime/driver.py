@@ -22,7 +22,7 @@ import ray
 from towerflow.errors import TrainingError
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
-from towerflow.runtime.events import StepAggregator
+from towerflow.runtime.events import StepAggregator, past_step_events
 from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hook_queries import HookQueries
@@ -128,6 +128,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             for hook in self.hooks:
                 hook.begin(self.session)
                 begun.append(hook)
+            self._report_past_steps()
             self.stop_signals.check()
             check_model(self.spec.model)
             count = self._starting_workers()
@@ -162,6 +163,16 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                 raise failed_at_end
 
     # -- set-up ----------------------------------------------------------------------------------
+    def _report_past_steps(self) -> None:
+        """A taken-over run's last steps, as its kept workers recorded them, to the hooks: the lost
+        driver may not have logged them, or was gone when they were taken."""
+        if isinstance(self.initial_state, LiveRun):
+            state = self.initial_state
+            events = past_step_events(state.recent_records(), state.examples_seen)
+            if events:
+                for hook in self.hooks:
+                    hook.on_past_steps(events)
+
     def _starting_workers(self) -> int:
         """All of cluster.workers; elastic, as many as the cluster has room for now (at least min)."""
         if not self.elastic.elastic:

@@ -188,3 +188,19 @@ class StepAggregator:
             return 0.0
         span = last.elapsed_s - (self.first_step_at - self._start)
         return self.examples_after_first / span if span > 0 else 0.0
+
+
+def past_step_events(records: list[StepRecord], examples_seen_after: int) -> list[StepEvent]:
+    """The step events of records heard of after the fact (`Hook.on_past_steps`), in step order,
+    each step with the records there are; the examples seen counted back from
+    `examples_seen_after`, where the last of them left the data."""
+    applied = [record.step for record in records if record.step > 0]
+    if not applied:
+        return []
+    aggregator = StepAggregator(
+        replicas_per_step=1,
+        first_step=min(applied),
+        examples_seen=examples_seen_after - sum(r.examples for r in records if r.step > 0),
+    )
+    events = aggregator.add(records) + aggregator.flush()
+    return [event for event in events if not event.nonfinite]  # not steps: nothing of them was applied

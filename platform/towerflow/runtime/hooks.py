@@ -160,6 +160,11 @@ class Hook:
     def on_fault(self, event: FaultEvent) -> None:
         """A worker or parameter server was lost; the controller has acted (event.action says how)."""
 
+    def on_past_steps(self, events: list[StepEvent]) -> None:
+        """Steps that no driver reported, heard of later: a lost driver's last ones, from the workers
+        a new driver took over (runtime/run_keeper.py), in step order, right after `begin`. For the
+        record only: the run is past them (their elapsed_s is not known)."""
+
 
 def end_hooks(begun: list[Hook], session: SessionInfo, outcome: RunOutcome) -> BaseException | None:
     """End every begun hook, last begun first, even when some fail or are interrupted.

@@ -7,7 +7,9 @@ new driver needs to take them over (a `Handover`) and ends them once the run has
 the grace period. A new driver first brings the workers to rest (their data pipeline ended with the
 old driver: each ends its run after its step), then goes on from the shards' version and from the
 data position the gradients they took tell, with the workers' own model state; no step is redone,
-and only the driver and its data pipeline start again. Warm spares end; new ones start.
+and only the driver and its data pipeline start again. Warm spares end; new ones start. The
+workers' records of their last steps (those the lost driver may not have logged, and those taken
+without it) reach the new driver's hooks as past steps: the run's metrics have no gap.
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ class Handover:
 
 @dataclass
 class KeptWorker:
-    """A lost driver's worker, at rest and taken over: its actor and the number of its last run."""
+    """A lost driver's worker, at rest and taken over: its actor, the number of its last run and
+    the records of its last steps (`StepLoop.recent_records`)."""
 
     actor: Any
     last_run: int
+    records: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +69,12 @@ class LiveRun:
     control: Any  # the run's control point (its actor), now this driver's
     stored: Any = None  # the run's newest stored checkpoint, or None
     workers: dict[int, KeptWorker] = field(default_factory=dict)  # by worker id
+
+    def recent_records(self) -> list[Any]:
+        """The kept workers' records of their last steps, in step order: steps the lost driver may
+        not have logged, and those taken after it was lost (the new driver logs them)."""
+        records = [record for worker in self.workers.values() for record in worker.records]
+        return sorted(records, key=lambda r: (r.step, r.finished_at))
 
     @property
     def model_state(self) -> dict[str, Any]:
@@ -167,12 +177,13 @@ def _bring_to_rest(handover: Handover) -> dict[int, KeptWorker]:
         ray.wait(list(asked.values()), num_returns=len(asked), timeout=wait_s + 5)
         for worker_id, ref in asked.items():
             try:
-                last_run = ray.get(ref, timeout=0)
+                rested = ray.get(ref, timeout=0)
             except ray.exceptions.RayError:  # gone, or not answering at all: not asked again
                 kill_quietly(waiting.pop(worker_id))
                 continue
-            if last_run is not None:
-                kept[worker_id] = KeptWorker(waiting.pop(worker_id), last_run)
+            if rested is not None:
+                last_run, records = rested
+                kept[worker_id] = KeptWorker(waiting.pop(worker_id), last_run, records)
     for actor in waiting.values():
         kill_quietly(actor)
     return kept

@@ -31,6 +31,10 @@ from towerflow.runtime.user_errors import misfit_error
 from towerflow.runtime.worker_config import WorkerConfig
 from towerflow.runtime.worker_messages import StepRecord, WarmUp, WorkerReport
 
+# Drained records are kept this long: the driver that drained them may be lost before it logged
+# them (its tracker ships every few seconds), and a new driver logs them (runtime/run_keeper.py).
+RECENT_S = 30.0
+
 
 class StepLoop:
     """One worker's steps: the push hook the towers call, the loop, and the records the driver drains."""
@@ -58,6 +62,7 @@ class StepLoop:
         self._misfit_errors = (ValueError, TypeError, tf.errors.InvalidArgumentError)
         self._faults = config.faults or FaultInjector()
         self._records: collections.deque[StepRecord] = collections.deque()
+        self._recent: collections.deque[StepRecord] = collections.deque()  # drained, kept RECENT_S
         self._plan: PushPlan | None = None
         self._bucket_variables: list[list[int]] = []
         self._step: StepPushes | None = None  # the step in progress, as the push hook sees it
@@ -103,10 +108,20 @@ class StepLoop:
         records = []
         while self._records:
             records.append(self._records.popleft())
+        self._recent.extend(records)
+        kept_from = time.time() - RECENT_S
+        while self._recent and self._recent[0].finished_at < kept_from:
+            self._recent.popleft()
         now, busy, waiting = time.monotonic(), self._busy_since, self._waiting_since
         return WorkerReport(
             records, None if busy is None else now - busy, None if waiting is None else now - waiting
         )
+
+    def recent_records(self) -> list[StepRecord]:
+        """The records of the last `RECENT_S` seconds, drained or not (it drains): those a lost
+        driver may not have logged, and those of steps taken after it was lost."""
+        self.drain()
+        return list(self._recent)
 
     def run(self, batches: Iterator[Any], tower_preprocess: list[str]) -> tuple[int, int]:
         """Train on `batches` with the attached plan until they end, the shards say the last step is

@@ -28,7 +28,7 @@ from towerflow.runtime.step_loop import StepLoop
 from towerflow.runtime.step_profiler import StepWindowProfiler
 from towerflow.runtime.tf_setup import configure_tensorflow, gpu_peak_mb
 from towerflow.runtime.worker_config import WorkerConfig
-from towerflow.runtime.worker_messages import Rejoin, WarmUp, WorkerReport
+from towerflow.runtime.worker_messages import Rejoin, StepRecord, WarmUp, WorkerReport
 from towerflow.shared_types import VariableInfo, as_stream, until_stopped
 
 log = logging.getLogger(__name__)
@@ -157,17 +157,16 @@ class TowerWorker(HeldCopies):
     def request_stop(self, run_number: int) -> None:
         self._loop.request_stop(run_number)
 
-    def rest(self, timeout_s: float) -> int | None:
+    def rest(self, timeout_s: float) -> tuple[int, list[StepRecord]] | None:
         """Come to rest for a new driver (runtime/run_keeper.py): the run under way, whose driver
-        was lost, stops after its step; wait up to `timeout_s` for it to end, then drop the records
-        no driver will drain. Returns the number of the last run (the next must be higher), or
-        None where it is still running."""
+        was lost, stops after its step; wait up to `timeout_s` for it to end. Returns the number of
+        the last run (the next must be higher) and the records of the last steps (those the lost
+        driver may not have logged, and those taken without it), or None where it is still running."""
         self._loop.request_stop(self._loop.run_number)
         if not self._running.acquire(timeout=timeout_s):
             return None
         try:
-            self._loop.drain()
-            return self._loop.run_number
+            return self._loop.run_number, self._loop.recent_records()
         finally:
             self._running.release()
 

@@ -58,6 +58,7 @@ class MLflowTracker(Hook):
         self._buffer: list[Any] = []
         self._last_flush = 0.0
         self._last_logged_step = 0
+        self._logged_before = 0  # a resumed run's last logged step, as its earlier driver left it
         self._window = StepWindow(staleness=not protocol_for(spec.training.mode).lockstep)
         self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
         self._faults = 0  # fault tags written
@@ -144,6 +145,7 @@ class MLflowTracker(Hook):
         )
         # The earlier drivers' fault tags stay: this one's are numbered after them.
         self._faults = sum(1 for key in run.data.tags if key.startswith("towerflow.fault."))
+        self._logged_before = int(run.data.metrics.get("global_step", 0))
         if run.info.status == "RUNNING":  # a driver that ends its run marks it FINISHED, FAILED or KILLED
             went_on = (
                 f"a new driver went on from {session.resumed_from}"
@@ -183,22 +185,25 @@ class MLflowTracker(Hook):
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
+    def on_past_steps(self, events: list[StepEvent]) -> None:
+        """A lost driver's last steps, from the workers this driver took over: those past what it
+        logged, at the run's cadence (`log_every_steps`), without elapsed_s (its clock is not known)."""
+        from mlflow.entities import Metric
+
+        now, logged = int(time.time() * 1000), self._logged_before
+        for event in events:
+            if event.global_step - logged >= self.log_every_steps:
+                logged = event.global_step
+                self._buffer.extend(Metric(k, float(v), now, logged) for k, v in _step_values(event).items())
+        if logged > self._logged_before:  # the next step logged keeps the cadence
+            self._last_logged_step = logged
+
     def _log_step(self, event: StepEvent) -> None:
         from mlflow.entities import Metric
 
         step = self._last_logged_step = event.global_step
         now = int(time.time() * 1000)
-        values = {
-            "loss": event.loss,
-            "global_step": step,
-            "examples_seen": event.examples_seen,
-            "elapsed_s": event.elapsed_s,
-            **{f"train_{k}": v for k, v in event.metrics.items()},
-            **{f"time_{k}_s": v for k, v in event.time_split.items()},
-        }
-        if event.examples_per_sec is not None:  # not known at the first step: no 0 to start its chart
-            values["examples_per_sec"] = event.examples_per_sec
-        values.update(self._window.metrics())
+        values = {**_step_values(event), "elapsed_s": event.elapsed_s, **self._window.metrics()}
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
 
     def on_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -327,3 +332,17 @@ class MLflowTracker(Hook):
         """Params at the run's start, written at once (a server that does not answer then fails the start)."""
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self._client.log_batch(self.run_id, params=params[start : start + 100])
+
+
+def _step_values(event: StepEvent) -> dict[str, float]:
+    """A step's own metrics, as logged at its step."""
+    values = {
+        "loss": event.loss,
+        "global_step": event.global_step,
+        "examples_seen": event.examples_seen,
+        **{f"train_{k}": v for k, v in event.metrics.items()},
+        **{f"time_{k}_s": v for k, v in event.time_split.items()},
+    }
+    if event.examples_per_sec is not None:  # not known at the first step: no 0 to start its chart
+        values["examples_per_sec"] = event.examples_per_sec
+    return values
