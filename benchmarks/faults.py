@@ -342,6 +342,12 @@ def main() -> None:
     parser.add_argument(
         "--elastic-steps", type=int, default=ELASTIC_STEPS, help="max_steps of the elastic runs"
     )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=8.0,
+        help="the shard's-node rows: seconds from the drain notice (step --at) to the node's loss",
+    )
     parser.add_argument("--no-cluster", action="store_true", help="skip the multi-node cluster cases")
     parser.add_argument(
         "--only",

@@ -25,6 +25,13 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   at the same point with `training.failure.driver_restarts: 1`; the command starts it again and it
   takes the shards and workers over. Seconds lost: the command's wall time less the clean run's;
   recovery: the kill to the first step in MLflow after it.
+- shard's node lost (sync): 2 workers, one shard kept off the head as the run places; `--drain-s`
+  seconds after step `--at` the shard's node is lost; row "after a drain notice": at step `--at`
+  Ray is told the node goes (`ray drain-node`, reason preemption, as the autoscaler tells of a
+  preempted instance), and the run keeps memory checkpoints every 2 s until it goes
+  (`training.failure.memory_checkpoint_draining_s`); row "no notice": no drain, memory checkpoints
+  every 30 s (the default). No stored checkpoint within the run in either. Against a clean run of
+  the same `3 * --steps` steps ("clean sync, longer").
 - elastic: one run of `workers: {min: 1, max: 4}` over `--elastic-steps` steps (1.5 CPUs a worker:
   a 2-CPU node holds one, so the three nodes hold three and a fourth waits as a pending spare). At
   step `--at` a 2-CPU node joins; row "elastic: node joins": survived when the run grew (MLflow's
@@ -81,12 +88,17 @@ ELASTIC_STEPS = 200  # room for a spare's start (10-40 s here) and two resizes b
 DRIVER_KILLED = "driver killed (sync)"
 DRIVER_KILLED_NOT_KEPT = "driver killed (sync), shards not kept"  # driver_grace_s: null, as before
 DRIVER_RESTARTED = "driver killed (sync), started again by its command"  # training.failure.driver_restarts
+SHARD_NODE_LOST = "shard's node lost (sync), no notice"
+SHARD_NODE_DRAINED = "shard's node lost (sync), after a drain notice"  # memory_checkpoint_draining_s
+CLEAN_LONGER = "clean sync, longer"
 # Which rows each kind of run gives, and each faulted row's clean run.
 BASELINE = {
     "node lost (sync)": "clean sync",
     DRIVER_KILLED: "clean sync",
     DRIVER_KILLED_NOT_KEPT: "clean sync",
     DRIVER_RESTARTED: "clean sync",
+    SHARD_NODE_LOST: CLEAN_LONGER,
+    SHARD_NODE_DRAINED: CLEAN_LONGER,
     "elastic: node joins": "clean elastic",
     "elastic: node lost": "clean elastic",
 }
@@ -185,6 +197,56 @@ def clean_run(cluster, args, tmp: Path, name: str, config: dict, max_steps: int)
 
 def clean_sync(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     return {"clean sync": clean_run(cluster, args, tmp, "clean-sync", SYNC, args.steps)}
+
+
+def longer_steps(args) -> int:
+    """max_steps of the shard's-node rows: room for the notice's seconds after step `--at`."""
+    return 3 * args.steps
+
+
+def clean_longer(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    return {CLEAN_LONGER: clean_run(cluster, args, tmp, "clean-longer", SYNC, longer_steps(args))}
+
+
+def shard_node_lost(cluster, args, tmp: Path, log: Log, *, notice: bool) -> dict[str, dict]:
+    """The lone shard's node (kept off the head while the run places) is lost `--drain-s` seconds
+    after step `--at`; with `notice`, Ray is told at step `--at` that the node goes (`ray
+    drain-node`, as the autoscaler tells of a preempted instance). No stored checkpoint within the
+    run (as a checkpoint every 10 minutes would be): the rollback goes to the newest memory
+    checkpoint (a worker on another node holds the shard's copy), or the run's start."""
+    from multinode_drivers import node_held  # tests/ (run_cluster_cases puts it on the path)
+
+    job = "shard-drained" if notice else "shard-lost"
+    client = mlflow_client(tmp)
+    spec = write_spec(tmp, job, args, SYNC, longer_steps(args), "supervision.checkpoint.every_steps=100000")
+    driver = victim = None
+    try:
+        with node_held(cluster, cluster.head):  # until the run has placed its actors
+            driver = start_driver(cluster, spec, tmp / "driver.log")
+            run_id, seen = wait_for_step(client, job, args.at, driver)
+        (shard,) = actors(cluster, "ParameterShard")
+        victim = next(n for n in cluster.nodes if not n.killed and n.node_id == shard["node_id"])
+        if notice:
+            cluster.drain_node(victim, deadline_s=int(args.drain_s) + 30)
+        time.sleep(args.drain_s)
+        cluster.kill_node(victim)
+        log(f"  {victim.name} (the shard's) lost {args.drain_s:g} s after step {seen:g}, notice: {notice}")
+        driver.wait()
+    finally:
+        if driver is not None:
+            driver.kill()
+        if victim is not None:
+            cluster.add_node(num_cpus=2)  # the room the next case expects
+    ok, run, notes = run_outcome(client, run_id, driver, longer_steps(args))
+    return {
+        SHARD_NODE_DRAINED if notice else SHARD_NODE_LOST: result(
+            driver.wall_s,
+            ok,
+            examples_per_sec=driver.examples_per_sec(),
+            steps_redone=run.data.metrics.get("steps_redone", 0.0),
+            notes=notes,
+        )
+    }
 
 
 def clean_elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
@@ -374,6 +436,9 @@ RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (driver_killed, (DRIVER_KILLED,)),
     (functools.partial(driver_killed, kept=False), (DRIVER_KILLED_NOT_KEPT,)),
     (driver_restarted, (DRIVER_RESTARTED,)),
+    (clean_longer, (CLEAN_LONGER,)),
+    (functools.partial(shard_node_lost, notice=False), (SHARD_NODE_LOST,)),
+    (functools.partial(shard_node_lost, notice=True), (SHARD_NODE_DRAINED,)),
     (clean_elastic, ("clean elastic",)),
     (elastic, ("elastic: node joins", "elastic: node lost")),
 ]

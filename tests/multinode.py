@@ -376,6 +376,26 @@ class LocalCluster:
 
     # -- losing and stopping ----------------------------------------------------------------------
 
+    def drain_node(self, node: Node, deadline_s: int, reason: str = "DRAIN_NODE_REASON_PREEMPTION") -> None:
+        """Tell the GCS that `node` goes in `deadline_s`, as the autoscaler does for a preempted
+        instance (`ray drain-node`): it takes no new actors or tasks meanwhile. It goes with
+        `kill_node`, as the instance does at the deadline."""
+        subprocess.run(
+            [
+                RAY_CLI,
+                "drain-node",
+                f"--address={self.address}",
+                f"--node-id={node.node_id}",
+                f"--reason={reason}",
+                "--reason-message=preempted (a test)",
+                f"--deadline-remaining-seconds={deadline_s}",
+            ],
+            env=self.env(),
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
     def kill_node(self, node: Node) -> None:
         """Lose `node` as a crash would: SIGKILL its raylet (no goodbye to the GCS), then all the rest."""
         if node is self.head:

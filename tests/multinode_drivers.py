@@ -141,3 +141,21 @@ def wait_for_metric(uri: str, run_id: str, key: str, value: float, driver, timeo
     raise TimeoutError(
         f"{key} never became {value} within {timeout:.0f} s: {history}; the driver said:\n{out}"
     )
+
+
+def wait_for_fault(uri: str, run_id: str, text: str, driver, timeout: float = 60) -> str:
+    """The run's first fault tag that says `text`, once MLflow has it."""
+    client = MlflowClient(uri)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if driver.poll() is not None:
+            raise AssertionError(f"the driver exited with {driver.returncode}:\n{driver.stdout.read()}")
+        tags = client.get_run(run_id).data.tags
+        found = [v for k, v in sorted(tags.items()) if k.startswith("towerflow.fault.") and text in v]
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    driver.kill()
+    raise TimeoutError(
+        f"no fault tag saying {text!r} within {timeout:.0f} s: {driver.communicate()[0][-6000:]}"
+    )

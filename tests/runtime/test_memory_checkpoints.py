@@ -46,6 +46,21 @@ def test_one_falls_due_every_interval_and_never_when_off():
     assert memory.latest is None
 
 
+def test_while_a_node_holding_a_shard_drains_they_fall_due_every_draining_interval():
+    clock = Clock()
+    memory = MemoryCheckpoints(30.0, draining_every_s=2.0, clock=clock)
+    clock.now += 2
+    assert not memory.due()
+    memory.draining = True
+    assert memory.due()
+    memory.draining = False  # the node went, or drains no more
+    assert not memory.due()
+    off = MemoryCheckpoints(None, draining_every_s=2.0, clock=clock)
+    off.draining = True  # memory checkpoints off: still taken while a shard's node drains
+    clock.now += 2
+    assert off.due()
+
+
 def holders_on_their_own_node(nodes: list, holders: list[int]) -> list[int]:
     return [s for s, h in enumerate(holders) if nodes[s] == nodes[h]]
 

@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from multinode_drivers import (
     node_held,
     spec_file,
     start_driver,
+    wait_for_fault,
     wait_for_metric,
     wait_for_step,
 )
@@ -305,6 +307,48 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     # Spread placement put the other shard (or a worker), which held a copy of the lost one's part,
     # on another node.
     assert any(v.startswith("parameter server") and "(a memory checkpoint)" in v for v in faults), faults
+
+
+def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss_redoes_seconds(
+    multinode_cluster, blob_data, tmp_path
+):
+    """A node holding a shard drains (a preempted instance's notice, as the autoscaler gives it):
+    the run, which kept no memory checkpoint (every 600 s), keeps one every 2 s
+    (`memory_checkpoint_draining_s`) until the node goes; its loss rolls the shards back to one
+    taken after the notice, where it went back to the run's start."""
+    cluster = multinode_cluster
+    cluster.add_node(num_cpus=2)  # room for what the drained node held, beside the run
+    layout = {"placement": "spread", "ps": 2, "cpus_per_ps": 0.25}
+    spec, uri = spec_file(
+        tmp_path,
+        blob_data,
+        "drained",
+        cluster=layout,
+        max_steps=600,
+        checkpoint_every=1000,
+        failure={"memory_checkpoint_every_s": 600.0},
+    )
+    driver = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "drained", 20, driver)
+    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
+    victims = [n for n in cluster.nodes if not n.killed and n.node_id in shard_nodes - {cluster.head.node_id}]
+    if not victims:
+        driver.kill()
+        pytest.skip("Ray placed the shards on the head")
+    cluster.drain_node(victims[0], deadline_s=30)
+    told = wait_for_fault(uri, run_id, "is draining", driver)
+    assert f"(Ray node {victims[0].node_id[:12]}) is draining (its deadline in " in told, told
+    assert told.endswith(": memory checkpoints every 2 s until it goes"), told
+    noticed_at = MlflowClient(uri).get_run(run_id).data.metrics["global_step"]
+    time.sleep(4)  # a notice gives 30 s or more (2 minutes on AWS, 30 s on GCP and Kubernetes)
+    cluster.kill_node(victims[0])
+    out = finish(driver)
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 600, out[-3000:]
+    assert run.data.metrics["ps_rollbacks"] == 1, out[-3000:]
+    faults = [v for k, v in sorted(run.data.tags.items()) if k.startswith("towerflow.fault.")]
+    back_to = [re.search(r"rolled back to step (\d+) \(a memory checkpoint\)", v) for v in faults]
+    assert any(m and int(m.group(1)) >= noticed_at for m in back_to), faults
 
 
 def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_towerflow_scale(

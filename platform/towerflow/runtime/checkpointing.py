@@ -20,7 +20,7 @@ import ray
 from towerflow.checkpoint.stores import StoreUnavailable
 from towerflow.errors import TrainingError
 from towerflow.runtime.actors import ACTOR_GONE
-from towerflow.runtime.hooks import SavedCheckpoint
+from towerflow.runtime.hooks import FaultEvent, SavedCheckpoint
 from towerflow.runtime.recovery import State
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class CheckpointActions:
         part (runtime/memory_checkpoints.py); neither waits. A shard that does not answer is left to
         the loop's own look at the shards."""
         memory, shards = self.memory_checkpoints, self.shards
+        self._watch_draining()
         if memory.due() and (holders := self.shard_group.memory_holders(self._worker_actors())):
             try:
                 version = self._next_version(timeout_s=10)
@@ -143,6 +144,22 @@ class CheckpointActions:
             other_holders = {h._actor_id: h for h in committed.holders if h._actor_id not in shard_ids}
             for actor in [*shards, *other_holders.values()]:  # older copies, their own and held, can go
                 actor.checkpoint_committed.remote(version)
+
+    def _watch_draining(self) -> None:
+        """Memory checkpoints every `memory_checkpoint_draining_s` while a node holding a shard
+        drains (runtime/draining.py); each such node is told of once, as a fault tag."""
+        memory = self.memory_checkpoints
+        if memory.draining_every_s is None:
+            return
+        for notice in self.drain_watch.look(self.shards):
+            self._tell_fault(
+                FaultEvent(
+                    self.group.global_step,
+                    notice.describe(),
+                    f"memory checkpoints every {memory.draining_every_s:g} s until it goes",
+                )
+            )
+        memory.draining = self.drain_watch.shards_draining
 
     def _worker_actors(self) -> list[Any]:
         """The running workers' actors, by id (one may hold a lone shard's memory checkpoint)."""

@@ -21,6 +21,7 @@ import ray
 
 from towerflow.errors import TrainingError
 from towerflow.runtime.checkpointing import CheckpointActions
+from towerflow.runtime.draining import DrainWatch
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator, past_step_events
 from towerflow.runtime.failure import Decision, FailurePolicy
@@ -76,7 +77,10 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self.protocol = protocol_for(spec.training.mode)  # asked what differs between sync and async
         self.actor_placement = ActorPlacement(spec.cluster, f"towerflow-{spec.name}-{uuid.uuid4().hex[:8]}")
         self.shard_group = ShardGroup(spec, self._apply_threads(), self.actor_placement)
-        self.memory_checkpoints = MemoryCheckpoints(failure.memory_checkpoint_every_s)
+        self.memory_checkpoints = MemoryCheckpoints(
+            failure.memory_checkpoint_every_s, failure.memory_checkpoint_draining_s
+        )
+        self.drain_watch = DrainWatch()  # nodes holding shards that are about to go
         # cluster.spare_workers; a worker's start also builds the model (and, on a GPU, sets it up)
         self.worker_spares = SparePool(self._new_spare_worker, "worker", answer_timeout_s=30.0)
         self.elastic = ElasticPolicy.for_spec(spec)

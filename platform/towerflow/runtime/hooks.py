@@ -158,7 +158,8 @@ class Hook:
         """Metrics another hook computed (evaluation, ...) at global step `step`."""
 
     def on_fault(self, event: FaultEvent) -> None:
-        """A worker or parameter server was lost; the controller has acted (event.action says how)."""
+        """A worker or parameter server was lost, or a node holding a shard is about to go (it
+        drains); the controller has acted (event.action says how)."""
 
     def on_past_steps(self, events: list[StepEvent]) -> None:
         """Steps that no driver reported, heard of later: a lost driver's last ones, from the workers

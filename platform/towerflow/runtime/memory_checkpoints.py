@@ -73,18 +73,27 @@ class _Begun:
 class MemoryCheckpoints:
     """When memory checkpoints are due, and the newest one committed."""
 
-    def __init__(self, every_s: float | None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        every_s: float | None,
+        draining_every_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.every_s = every_s
+        self.draining_every_s = draining_every_s  # while a node holding a shard drains (draining.py)
+        self.draining = False
         self.latest: MemoryCheckpoint | None = None
         self._clock = clock
         self._begun: _Begun | None = None
         self._last_begun_at = clock()  # the first one falls due every_s into the run
 
     def due(self) -> bool:
-        """One is due: none under way, and `every_s` since the last was begun."""
-        if self.every_s is None or self._begun is not None:
+        """One is due: none under way, and `every_s` since the last was begun (`draining_every_s`
+        while `draining`, where set)."""
+        every_s = self.draining_every_s if self.draining and self.draining_every_s else self.every_s
+        if every_s is None or self._begun is not None:
             return False
-        return self._clock() - self._last_begun_at >= self.every_s
+        return self._clock() - self._last_begun_at >= every_s
 
     def begin(
         self,

@@ -282,7 +282,9 @@ class RecoveryActions:
         return self.shard_group.lost(self._global_step())
 
     def _fault(self, loss: ActorLoss, action: str) -> None:
-        event = FaultEvent(loss.at_step, loss.describe(), action)
-        log.warning("%s: %s", event.what, action)
+        self._tell_fault(FaultEvent(loss.at_step, loss.describe(), action))
+
+    def _tell_fault(self, event: FaultEvent) -> None:
+        log.warning("%s: %s", event.what, event.action)
         for hook in self.hooks:
             hook.on_fault(event)

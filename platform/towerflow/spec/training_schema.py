@@ -106,6 +106,15 @@ class FailureSpec(StrictModel):
         "shard then rolls the shards back to that version, not to the last stored checkpoint, unless "
         "the copy's holder was lost too. null: off.",
     )
+    memory_checkpoint_draining_s: float | None = Field(
+        2.0,
+        gt=0,
+        description="While a node holding a shard drains (a preempted or deleted pod's notice: Ray "
+        "marks a node draining on SIGTERM, for up to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; `ray "
+        "drain-node`; the autoscaler), memory checkpoints every this many seconds instead of "
+        "memory_checkpoint_every_s, so that the shard's loss at the deadline redoes seconds of steps. "
+        "Its shards cannot move before the node goes: their bundles stay there. null: no change.",
+    )
     driver_grace_s: float | None = Field(
         300.0,
         gt=0,
