@@ -134,6 +134,7 @@ class Node:
     resources: dict[str, float] | None = None
     args: tuple[str, ...] = ()  # its `ray start` options beyond the ones every node gets
     hidden: tuple[str, ...] = ()  # folders it cannot see (`LocalCluster.add_node`)
+    drain_s: float = 0  # how long it drains on SIGTERM before it stops (`LocalCluster.add_node`)
     node_id: str = ""  # known once its raylet runs
     killed: bool = False
 
@@ -203,7 +204,6 @@ class LocalCluster:
             **self._base_env(),
             **RAY_NODE_ENV,  # as every node towerflow starts: idle read-task workers are kept
             **self.node_env,
-            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once, not after draining for 30 s
             "RAY_health_check_period_ms": str(self.health_check_period_ms),
         }
 
@@ -238,13 +238,20 @@ class LocalCluster:
         resources: dict[str, float] | None = None,
         wait: bool = True,
         hidden: Sequence[str] = (),
+        drain_s: float = 0,
     ) -> Node:
         """Join one more node to the cluster; with `wait`, return once the GCS reports it alive.
         `hidden`: folders the node does not see (an empty one mounted over each, in a mount
         namespace of its own), as a machine without the others' disks; `can_hide_folders()` says
-        whether this machine allows it."""
+        whether this machine allows it. `drain_s`: on SIGTERM (`towerflow cluster leave`) the node drains that
+        long at most (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; 0, every other node's: it stops at once)."""
         node = self._launch(
-            f"node{len(self.nodes)}", num_cpus, resources, f"--address={self.address}", hidden=tuple(hidden)
+            f"node{len(self.nodes)}",
+            num_cpus,
+            resources,
+            f"--address={self.address}",
+            hidden=tuple(hidden),
+            drain_s=drain_s,
         )
         if wait:
             (node,) = self._wait_alive([node])
@@ -258,6 +265,7 @@ class LocalCluster:
         *args: str,
         replacing: Node | None = None,
         hidden: tuple[str, ...] = (),
+        drain_s: float = 0,
     ) -> Node:
         """Start a node's `ray start --block`; it takes `replacing`'s place in `nodes`, if given."""
         manager, objects, metrics, agent, agent_grpc, runtime_env = free_ports(6)
@@ -291,13 +299,14 @@ class LocalCluster:
         with open(Path(temp_dir) / "ray-start.log", "wb") as log:
             process = subprocess.Popen(
                 command,
-                env=self._node_env(),
+                # drain_s 0: on SIGTERM it stops at once, not after draining for Ray's 30 s
+                env={**self._node_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, to be stopped or killed alone
             )
-        node = Node(name, process, temp_dir, num_cpus, workers, resources, args, hidden)
+        node = Node(name, process, temp_dir, num_cpus, workers, resources, args, hidden, drain_s)
         if replacing is None:
             self.nodes.append(node)
         else:
@@ -339,7 +348,13 @@ class LocalCluster:
         _log.warning("%s: `ray start` gave up on its raylet's registration; starting it again", node.name)
         shutil.rmtree(node.temp_dir, ignore_errors=True)
         return self._launch(
-            node.name, node.num_cpus, node.resources, *node.args, replacing=node, hidden=node.hidden
+            node.name,
+            node.num_cpus,
+            node.resources,
+            *node.args,
+            replacing=node,
+            hidden=node.hidden,
+            drain_s=node.drain_s,
         )
 
     # -- state ------------------------------------------------------------------------------------

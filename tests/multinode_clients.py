@@ -136,3 +136,39 @@ ray.get(holder.pid.remote())
 print(json.dumps({"held": cpus}), flush=True)
 time.sleep(3600)
 """
+
+
+# A shard stand-in on the node with the "drains" resource, in a placement group's bundle: prints its
+# node, then watches (as the driver does, runtime/draining.py) until that node drains, prints what
+# the watch told, and stays until killed.
+DRAIN_WATCH_CLIENT = """
+import json
+import time
+
+import ray
+
+from towerflow.runtime.draining import DrainWatch
+
+ray.init(logging_level="ERROR", log_to_driver=False)
+
+
+@ray.remote(num_cpus=0, resources={"drains": 1})
+class Shard:
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+
+# In a placement group's bundle, as a run's shards are (a bundle keeps a draining node until its deadline).
+group = ray.util.placement_group([{"drains": 1}])
+ray.get(group.ready())
+in_bundle = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(group, 0)
+shard = Shard.options(scheduling_strategy=in_bundle).remote()
+print(json.dumps({"placed": ray.get(shard.node.remote())}), flush=True)
+watch, deadline, notices = DrainWatch(), time.monotonic() + 60, []
+while not notices and time.monotonic() < deadline:
+    time.sleep(0.2)
+    notices = watch.look([shard])
+told = [{"node": n.node_id, "shards": n.shards, "in_s": n.deadline_in_s, "says": n.describe()} for n in notices]
+print(json.dumps({"told": told, "draining": watch.shards_draining}), flush=True)
+time.sleep(120)  # the shard stays until the test is done (a job's end would free the node at once)
+"""

@@ -335,6 +335,29 @@ def raycluster_problems(cluster: Object, ray_version: str) -> list[str]:
                 problems.append(
                     f"{where}: {group}'s Ray container must set {name}={value}, not {env.get(name)}"
                 )
+    for group in groups:
+        problems += _drain_problems(where, group)
+    return problems
+
+
+def _drain_problems(where: str, group: Object) -> list[str]:
+    """A worker pod that goes drains its node first (`towerflow cluster leave` as its preStop), for
+    less than its grace period: a run with a shard there hears of it (runtime/draining.py)."""
+    pod = group["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container.get("env") or []}
+    pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    drain_s = float(env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S") or 0)
+    grace_s = pod.get("terminationGracePeriodSeconds", 30)
+    name = group["groupName"]
+    problems = []
+    if pre_stop[-3:] != ["towerflow", "cluster", "leave"]:
+        problems.append(f"{where}: group {name}'s preStop must be `towerflow cluster leave`, not {pre_stop}")
+    if not 0 < drain_s <= grace_s - 10:
+        problems.append(
+            f"{where}: group {name}: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S ({drain_s:g}) must be set, 10 s "
+            f"or more below terminationGracePeriodSeconds ({grace_s})"
+        )
     return problems
 
 

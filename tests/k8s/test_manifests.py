@@ -298,6 +298,18 @@ BREAKAGES = {
         ].update(env=[]),
         lambda objs: rules.raycluster_problems(_cluster(objs), ray_version()),
     ),
+    "a Ray worker pod that stops its node at once": (
+        lambda objs: _cluster(objs)["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0][
+            "lifecycle"
+        ]["preStop"]["exec"].update(command=["/bin/sh", "-c", "ray stop"]),
+        lambda objs: rules.raycluster_problems(_cluster(objs), ray_version()),
+    ),
+    "a drain longer than the pod's grace period": (
+        lambda objs: _cluster(objs)["spec"]["workerGroupSpecs"][0]["template"]["spec"].update(
+            terminationGracePeriodSeconds=30
+        ),
+        lambda objs: rules.raycluster_problems(_cluster(objs), ray_version()),
+    ),
     "a Ray version that is not pinned": (
         lambda objs: _cluster(objs)["spec"].update(rayVersion="2.59.0"),
         lambda objs: rules.raycluster_problems(_cluster(objs), ray_version()),

@@ -36,7 +36,7 @@ from multinode import (  # noqa: F401
     cluster_spec_file,
     multinode_cluster_fixture,
 )
-from multinode_clients import PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
+from multinode_clients import DRAIN_WATCH_CLIENT, PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
 from multinode_drivers import (
     alive_actors,
     client_report,
@@ -349,6 +349,32 @@ def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss
     faults = [v for k, v in sorted(run.data.tags.items()) if k.startswith("towerflow.fault.")]
     back_to = [re.search(r"rolled back to step (\d+) \(a memory checkpoint\)", v) for v in faults]
     assert any(m and int(m.group(1)) >= noticed_at for m in back_to), faults
+
+
+def test_a_node_that_leaves_as_a_pod_does_drains_first_and_the_watch_sees_its_shard(multinode_cluster):
+    """`towerflow cluster leave` (the Ray worker pods' preStop in k8s/) SIGTERMs the node's `ray
+    start --block`, which, with RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S set, marks the node draining
+    with that deadline and stops only then (an actor holds it), and waits for it: the driver's
+    watch tells of the shard on it meanwhile."""
+    cluster = multinode_cluster
+    node = cluster.add_node(num_cpus=1, resources={"drains": 1}, drain_s=10)
+    client = subprocess.Popen(
+        [sys.executable, "-c", DRAIN_WATCH_CLIENT], env=cluster.env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert json.loads(client.stdout.readline()) == {"placed": node.node_id}
+        leave = [sys.executable, "-m", "towerflow", "cluster", "leave", "--pid", str(node.process.pid)]
+        left = subprocess.run(leave, cwd=REPO, capture_output=True, text=True, timeout=120)
+        report = json.loads(client.stdout.readline())
+    finally:
+        client.kill()
+    assert node.process.poll() is not None, left.stdout + left.stderr  # it waited for the node to stop
+    node.killed = True
+    (told,) = report["told"]
+    assert (told["node"], told["shards"], report["draining"]) == (node.node_id, [0], True), report
+    assert 5 <= told["in_s"] <= 10 and "is draining (its deadline in " in told["says"], report
+    took_s = float(re.search(r"the Ray node stopped after ([\d.]+) s", left.stdout).group(1))
+    assert left.returncode == 0 and took_s >= 8, left.stdout + left.stderr  # it drained before it stopped
 
 
 def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_towerflow_scale(

@@ -1,4 +1,4 @@
-"""`towerflow cluster up|down|status`: the CLI side of towerflow.local_cluster (parse, call, print)."""
+"""`towerflow cluster up|down|status|leave`: the CLI side of towerflow.local_cluster (parse, call, print)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_cluster_command(sub) -> None:
-    """`towerflow cluster up|down|status` under the CLI's subcommands."""
+    """`towerflow cluster up|down|status|leave` under the CLI's subcommands."""
     cluster = sub.add_parser(
         "cluster",
         help="a local Ray head and an authenticated MLflow server on PostgreSQL, on 127.0.0.1",
@@ -33,6 +33,20 @@ def add_cluster_command(sub) -> None:
     for action, handler in ((up, _cluster_up), (down, _cluster_down), (status, _cluster_status)):
         action.add_argument("--state-dir", type=Path, default=None, help="where the cluster's state lives")
         action.set_defaults(handler=handler)
+    leave = actions.add_parser(
+        "leave",
+        help="this machine's Ray node leaves its cluster, draining first (a pod's preStop)",
+        description=(
+            "SIGTERM this machine's `ray start --block`, which drains its node for up to "
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S before it stops (a towerflow run keeps memory "
+            "checkpoints every few seconds meanwhile), and wait until it has stopped. Any cluster's "
+            "node, not only `cluster up`'s: k8s/ runs it as the Ray worker pods' preStop."
+        ),
+    )
+    leave.add_argument(
+        "--pid", type=int, default=None, help="the `ray start` process (default: this machine's)"
+    )
+    leave.set_defaults(handler=_cluster_leave)
 
 
 def _port_range(text: str) -> tuple[int, int]:
@@ -75,6 +89,13 @@ def _cluster_status(args: argparse.Namespace) -> int:
         return 3
     _print_cluster(state)
     return 0 if all(state.running().values()) else 3
+
+
+def _cluster_leave(args: argparse.Namespace) -> int:
+    from towerflow.local_cluster.node_leave import leave_cluster
+
+    print(f"towerflow: the Ray node stopped after {leave_cluster(args.pid):.1f} s", flush=True)
+    return 0
 
 
 def _print_cluster(state) -> None:
