@@ -152,13 +152,11 @@ class CheckpointActions:
         if memory.draining_every_s is None:
             return
         for notice in self.drain_watch.look(self.shards):
-            self._tell_fault(
-                FaultEvent(
-                    self.group.global_step,
-                    notice.describe(),
-                    f"memory checkpoints every {memory.draining_every_s:g} s until it goes",
-                )
-            )
+            if self.shard_group.memory_holders(self._worker_actors()):
+                action = f"memory checkpoints every {memory.draining_every_s:g} s until it goes"
+            else:  # one shard, no spare, no worker to hold its copy
+                action = "no other actor holds a memory checkpoint's copy: its loss goes back to the stored checkpoint"
+            self._tell_fault(FaultEvent(self.group.global_step, notice.describe(), action))
         memory.draining = self.drain_watch.shards_draining
 
     def _worker_actors(self) -> list[Any]:
