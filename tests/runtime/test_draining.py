@@ -63,3 +63,13 @@ def test_a_look_that_ray_does_not_answer_changes_nothing():
 
     watch = DrainWatch(fails, lambda shard: "n1", Clock())
     assert watch.look([Shard("s0")]) == [] and not watch.shards_draining
+
+
+def test_workers_on_a_draining_node_are_told_of_with_its_shards():
+    nodes = {"s0": "n1", "w0": "n1", "w1": "n2", "w2": "n1"}
+    watch = DrainWatch(lambda: {"n1": 0}, lambda actor: nodes[actor.name], Clock())
+    workers = {0: Shard("w0"), 1: Shard("w1"), 2: Shard("w2")}
+    (notice,) = watch.look([Shard("s0")], workers)
+    assert (notice.shards, notice.workers, notice.deadline_in_s) == ((0,), (0, 2), None)
+    assert notice.describe().endswith("is draining (no deadline) with shard(s) 0 and worker(s) 0, 2 on it")
+    assert watch.draining_workers == {0, 2} and watch.shards_draining

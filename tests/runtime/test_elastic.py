@@ -189,3 +189,13 @@ def test_the_policy_asks_for_spares_up_to_the_target_and_lets_the_newest_workers
     policy.scale_to(2)
     assert policy.spares_wanted(running=3, pending=2) == -3  # withdraw both spares, one worker goes
     assert policy.resize([3, 0, 2], started_spares=[]) == ([3], [])
+
+
+def test_a_worker_on_a_draining_node_trains_on_until_a_started_spare_takes_its_place():
+    policy = ElasticPolicy(fewest=1, most=3)
+    assert policy.resize([0, 1, 2], started_spares=[], going=[1]) is None  # no spare yet: it trains on
+    assert policy.resize([0, 1, 2], started_spares=[5], going=[1]) == ([1], [5])  # swapped in one resize
+    assert policy.resize([0, 1], started_spares=[5, 6], going=[0]) == ([0], [5, 6])  # grown, and swapped
+    assert policy.resize([0, 1, 2], started_spares=[5], going=[0, 2]) == ([2], [5])  # one place, the newest
+    policy.scale_to(1)
+    assert policy.resize([0, 1, 2], started_spares=[], going=[0]) == ([0, 2], [])  # no place for it: at once

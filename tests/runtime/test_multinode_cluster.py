@@ -1,5 +1,5 @@
 """Towerflow on a real multi-node Ray cluster (tests/multinode.py's LocalCluster, one per module: this
-module and test_multinode_driver_loss.py hold every test that needs one). The cluster itself: three real nodes, token auth, placement
+module, test_multinode_driver_loss.py and test_multinode_draining.py hold every test that needs one). The cluster itself: three real nodes, token auth, placement
 across nodes, a lost node, the strict placements. Runs spread over its nodes against the same
 training in one process. Faults, the driver run as users run it (`python -m towerflow train` with
 RAY_ADDRESS): a node holding a worker, or a shard, is lost (its raylet killed); an elastic run grows
@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from multinode import (  # noqa: F401
     cluster_spec_file,
     multinode_cluster_fixture,
 )
-from multinode_clients import DRAIN_WATCH_CLIENT, PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
+from multinode_clients import PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
 from multinode_drivers import (
     alive_actors,
     client_report,
@@ -44,7 +43,6 @@ from multinode_drivers import (
     node_held,
     spec_file,
     start_driver,
-    wait_for_fault,
     wait_for_metric,
     wait_for_step,
 )
@@ -307,74 +305,6 @@ def test_a_lost_node_with_a_shard_rolls_the_shards_back_and_the_run_finishes(
     # Spread placement put the other shard (or a worker), which held a copy of the lost one's part,
     # on another node.
     assert any(v.startswith("parameter server") and "(a memory checkpoint)" in v for v in faults), faults
-
-
-def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss_redoes_seconds(
-    multinode_cluster, blob_data, tmp_path
-):
-    """A node holding a shard drains (a preempted instance's notice, as the autoscaler gives it):
-    the run, which kept no memory checkpoint (every 600 s), keeps one every 2 s
-    (`memory_checkpoint_draining_s`) until the node goes; its loss rolls the shards back to one
-    taken after the notice, where it went back to the run's start."""
-    cluster = multinode_cluster
-    cluster.add_node(num_cpus=2)  # room for what the drained node held, beside the run
-    layout = {"placement": "spread", "ps": 2, "cpus_per_ps": 0.25}
-    spec, uri = spec_file(
-        tmp_path,
-        blob_data,
-        "drained",
-        cluster=layout,
-        max_steps=600,
-        checkpoint_every=1000,
-        failure={"memory_checkpoint_every_s": 600.0},
-    )
-    driver = start_driver(cluster, spec)
-    run_id = wait_for_step(uri, "drained", 20, driver)
-    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
-    victims = [n for n in cluster.nodes if not n.killed and n.node_id in shard_nodes - {cluster.head.node_id}]
-    if not victims:
-        driver.kill()
-        pytest.skip("Ray placed the shards on the head")
-    cluster.drain_node(victims[0], deadline_s=30)
-    told = wait_for_fault(uri, run_id, "is draining", driver)
-    assert f"(Ray node {victims[0].node_id[:12]}) is draining (its deadline in " in told, told
-    assert told.endswith(": memory checkpoints every 2 s until it goes"), told
-    noticed_at = MlflowClient(uri).get_run(run_id).data.metrics["global_step"]
-    time.sleep(4)  # a notice gives 30 s or more (2 minutes on AWS, 30 s on GCP and Kubernetes)
-    cluster.kill_node(victims[0])
-    out = finish(driver)
-    run = MlflowClient(uri).get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 600, out[-3000:]
-    assert run.data.metrics["ps_rollbacks"] == 1, out[-3000:]
-    faults = [v for k, v in sorted(run.data.tags.items()) if k.startswith("towerflow.fault.")]
-    back_to = [re.search(r"rolled back to step (\d+) \(a memory checkpoint\)", v) for v in faults]
-    assert any(m and int(m.group(1)) >= noticed_at for m in back_to), faults
-
-
-def test_a_node_that_leaves_as_a_pod_does_drains_first_and_the_watch_sees_its_shard(multinode_cluster):
-    """`towerflow cluster leave` (the Ray worker pods' preStop in k8s/) SIGTERMs the node's `ray
-    start --block`, which, with RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S set, marks the node draining
-    with that deadline and stops only then (an actor holds it), and waits for it: the driver's
-    watch tells of the shard on it meanwhile."""
-    cluster = multinode_cluster
-    node = cluster.add_node(num_cpus=1, resources={"drains": 1}, drain_s=10)
-    client = subprocess.Popen(
-        [sys.executable, "-c", DRAIN_WATCH_CLIENT], env=cluster.env(), stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert json.loads(client.stdout.readline()) == {"placed": node.node_id}
-        leave = [sys.executable, "-m", "towerflow", "cluster", "leave", "--pid", str(node.process.pid)]
-        left = subprocess.run(leave, cwd=REPO, capture_output=True, text=True, timeout=120)
-        report = json.loads(client.stdout.readline())
-    finally:
-        client.kill()
-    assert node.process.poll() is not None, left.stdout + left.stderr  # it waited for the node to stop
-    node.killed = True
-    (told,) = report["told"]
-    assert (told["node"], told["shards"], report["draining"]) == (node.node_id, [0], True), report
-    assert 5 <= told["in_s"] <= 10 and "is draining (its deadline in " in told["says"], report
-    took_s = float(re.search(r"the Ray node stopped after ([\d.]+) s", left.stdout).group(1))
-    assert left.returncode == 0 and took_s >= 8, left.stdout + left.stderr  # it drained before it stopped
 
 
 def test_an_elastic_run_grows_onto_a_new_node_shrinks_when_it_is_lost_and_on_towerflow_scale(

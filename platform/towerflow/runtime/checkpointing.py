@@ -146,16 +146,23 @@ class CheckpointActions:
                 actor.checkpoint_committed.remote(version)
 
     def _watch_draining(self) -> None:
-        """Memory checkpoints every `memory_checkpoint_draining_s` while a node holding a shard
-        drains (runtime/draining.py); each such node is told of once, as a fault tag."""
+        """While a node holding a shard drains (runtime/draining.py), memory checkpoints every
+        `memory_checkpoint_draining_s`; an elastic run's workers there are replaced ahead (the
+        resize asks for spares in their places). Each such node is told of once, as a fault tag."""
         memory = self.memory_checkpoints
-        if memory.draining_every_s is None:
-            return
-        for notice in self.drain_watch.look(self.shards):
-            if self.shard_group.memory_holders(self._worker_actors()):
-                action = f"memory checkpoints every {memory.draining_every_s:g} s until it goes"
-            else:  # one shard, no spare, no worker to hold its copy
-                action = "no other actor holds a memory checkpoint's copy: its loss goes back to the stored checkpoint"
+        workers = {worker: self.group.slots[worker].actor for worker in self.group.running}
+        for notice in self.drain_watch.look(self.shards, workers if self.elastic.elastic else None):
+            actions = []
+            if notice.shards and memory.draining_every_s is not None:
+                if self.shard_group.memory_holders(self._worker_actors()):
+                    actions.append(f"memory checkpoints every {memory.draining_every_s:g} s until it goes")
+                else:  # one shard, no spare, no worker to hold its copy
+                    actions.append(
+                        "no other actor holds a memory checkpoint's copy: its loss goes back to the stored checkpoint"
+                    )
+            if notice.workers:
+                actions.append("its workers are replaced ahead, as spares start elsewhere")
+            action = "; ".join(actions) or "nothing to do before it goes"
             self._tell_fault(FaultEvent(self.group.global_step, notice.describe(), action))
         memory.draining = self.drain_watch.shards_draining
 

@@ -7,7 +7,8 @@ deadline with everything on it. A shard there cannot move before then: its place
 bundle stays on the draining node until the node is gone (Ray then moves the bundle, and the rollback
 puts the new shard in it). So while a node holding a shard drains, the run keeps memory checkpoints
 every few seconds instead of every `memory_checkpoint_every_s`: the shard's loss then redoes seconds
-of steps, not up to that interval's.
+of steps, not up to that interval's. An elastic run's workers are not in placement groups: one on a
+draining node is replaced ahead, by a spare that Ray starts elsewhere, in one resize (elastic.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,28 +28,33 @@ LOOK_EVERY_S = 1.0  # how often the driver asks Ray which nodes drain (a GCS cal
 
 @dataclass(frozen=True)
 class DrainNotice:
-    """A draining node with shards of the run on it."""
+    """A draining node with shards or workers of the run on it."""
 
     node_id: str
     address: str | None
     shards: tuple[int, ...]
     deadline_in_s: float | None  # None: the drain named no deadline
+    workers: tuple[int, ...] = ()
 
     def describe(self) -> str:
         deadline = (
             "no deadline" if self.deadline_in_s is None else f"its deadline in {self.deadline_in_s:.0f} s"
         )
-        shards = ", ".join(str(shard) for shard in self.shards)
         node = (
             f"node {self.address} (Ray node {self.node_id[:12]})"
             if self.address
             else f"Ray node {self.node_id[:12]}"
         )
-        return f"{node} is draining ({deadline}) with shard(s) {shards} on it"
+        held = [
+            f"{kind}(s) {', '.join(str(i) for i in ids)}"
+            for kind, ids in (("shard", self.shards), ("worker", self.workers))
+            if ids
+        ]
+        return f"{node} is draining ({deadline}) with {' and '.join(held)} on it"
 
 
 class DrainWatch:
-    """Which nodes holding the run's shards are draining, looked at every `LOOK_EVERY_S`."""
+    """Which nodes holding the run's shards or workers are draining, looked at every `LOOK_EVERY_S`."""
 
     def __init__(
         self,
@@ -60,42 +66,52 @@ class DrainWatch:
         self._node_of = node_of
         self._clock = clock
         self._looked_at = -math.inf
-        self._nodes: dict[bytes, str | None] = {}  # shard actor id -> its node (actors never move)
+        self._nodes: dict[bytes, str | None] = {}  # actor id -> its node (actors never move)
         self._told: set[str] = set()
         self.shards_draining = False  # as of the last look
+        self.draining_workers: set[int] = set()  # worker ids, as of the last look
 
-    def look(self, shards: Sequence[Any]) -> list[DrainNotice]:
-        """The draining nodes with shards on them not told of before (each is told once); updates
-        `shards_draining`. A look Ray does not answer changes nothing: the training goes on."""
+    def look(self, shards: Sequence[Any], workers: Mapping[int, Any] | None = None) -> list[DrainNotice]:
+        """The draining nodes with shards or `workers` (id -> actor) on them not told of before (each
+        is told once); updates `shards_draining` and `draining_workers`. A look Ray does not answer
+        changes nothing: the training goes on."""
         now = self._clock()
         if now - self._looked_at < LOOK_EVERY_S:
             return []
         self._looked_at = now
         try:
             draining = self._draining_nodes()
-            on_them = {node: [] for node in draining}
-            for index, shard in enumerate(shards):
-                node = self._shard_node(shard) if draining else None
-                if node in on_them:
-                    on_them[node].append(index)
+            on_shards = self._on(draining, dict(enumerate(shards)))
+            on_workers = self._on(draining, dict(workers or {}))
         except Exception as exc:  # monitoring must never stop training
             log.debug("could not ask Ray which nodes drain: %s", exc)
             return []
-        held = {node: shards_on for node, shards_on in on_them.items() if shards_on}
-        self.shards_draining = bool(held)
+        self.shards_draining = any(on_shards.values())
+        self.draining_workers = {worker for ids in on_workers.values() for worker in ids}
         notices = []
-        for node, shards_on in held.items():
-            if node not in self._told:
+        for node in draining:
+            if (on_shards[node] or on_workers[node]) and node not in self._told:
                 self._told.add(node)
                 deadline_ms = draining[node]
                 left = max(0.0, deadline_ms / 1000 - time.time()) if deadline_ms else None
-                notices.append(DrainNotice(node, _address(node), tuple(shards_on), left))
+                notices.append(
+                    DrainNotice(node, _address(node), tuple(on_shards[node]), left, tuple(on_workers[node]))
+                )
         return notices
 
-    def _shard_node(self, shard: Any) -> str | None:
-        key = shard._actor_id.binary()
+    def _on(self, draining: dict[str, int], actors: dict[int, Any]) -> dict[str, list[int]]:
+        """Per draining node, the indices of `actors` on it."""
+        on = {node: [] for node in draining}
+        for index, actor in actors.items() if draining else ():
+            node = self._node(actor)
+            if node in on:
+                on[node].append(index)
+        return on
+
+    def _node(self, actor: Any) -> str | None:
+        key = actor._actor_id.binary()
         if self._nodes.get(key) is None:
-            self._nodes[key] = self._node_of(shard)
+            self._nodes[key] = self._node_of(actor)
         return self._nodes[key]
 
 

@@ -14,6 +14,7 @@ at the most workers), and at least 1.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +58,20 @@ class ElasticPolicy:
         """Spares to ask Ray for (negative: to withdraw) so that running + pending meets the target."""
         return self.target - running - pending
 
-    def resize(self, members: list[int], started_spares: list[int]) -> tuple[list[int], list[int]] | None:
+    def resize(
+        self, members: list[int], started_spares: list[int], going: Collection[int] = ()
+    ) -> tuple[list[int], list[int]] | None:
         """(workers to let go, started spares to take in) toward the target; None: no change.
-        The newest workers go first; worker 0 stays while any does."""
-        leaving = sorted(members)[self.target :]
-        joining = started_spares[: max(0, self.target - len(members))]
-        return (leaving, joining) if leaving or joining else None
+        The newest workers go first; worker 0 stays while any does. `going`: members on a node
+        that is about to go (runtime/draining.py); each leaves as a started spare takes its place
+        (or at once, where the target has no place for it), and trains on until then."""
+        going = [m for m in sorted(members) if m in set(going)]
+        staying = [m for m in sorted(members) if m not in going]
+        leaving = staying[self.target :]
+        kept = len(staying) - len(leaving)
+        joining = started_spares[: max(0, self.target - kept)]
+        leaving += going[max(0, self.target - kept - len(joining)) :]
+        return (sorted(leaving), joining) if leaving or joining else None
 
 
 def workers_that_fit(cluster: Any, available: dict[str, float]) -> int:

@@ -46,11 +46,13 @@ class RecoveryActions:
         if wanted is not None:
             log.info("towerflow scale: %d worker(s) wanted, %d running", wanted, len(group.running))
             self.elastic.scale_to(wanted)
-        wanted = self.elastic.spares_wanted(len(group.running), len(group.spares))
+        # Workers on a draining node count as gone already: spares are asked for in their places.
+        going = self.drain_watch.draining_workers & set(group.running)
+        wanted = self.elastic.spares_wanted(len(group.running) - len(going), len(group.spares))
         group.drop_spares(-wanted)
         for _ in range(wanted):
             group.request_spare()
-        return self.elastic.resize(group.running, group.ready_spares(self._warm_up_spare))
+        return self.elastic.resize(group.running, group.ready_spares(self._warm_up_spare), going)
 
     def _warm_up_spare(self, actor: Any) -> Any:
         """Have a started spare trace its step for the members' batches while they train on (the

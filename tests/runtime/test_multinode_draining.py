@@ -1,0 +1,144 @@
+"""Nodes that drain before they go, on the multi-node test cluster (tests/multinode.py's
+LocalCluster, one for this module): a node holding a shard drained as the autoscaler tells of a
+preempted instance (`ray drain-node`), then lost; a node that leaves as a Kubernetes pod's preStop
+makes it (`towerflow cluster leave`: SIGTERM to its `ray start`, which drains first); an elastic
+run's worker on a draining node replaced ahead by a spare on another node.
+
+Everything reaches Ray through client subprocesses and the dashboard's HTTP API: this process never
+calls `ray.init` (another module's in-process Ray may be running).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO
+from mlflow.tracking import MlflowClient
+from multinode import multinode_cluster_fixture  # noqa: F401
+from multinode_clients import DRAIN_WATCH_CLIENT
+from multinode_drivers import (
+    alive_actors,
+    finish,
+    spec_file,
+    start_driver,
+    wait_for_fault,
+    wait_for_metric,
+    wait_for_step,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss_redoes_seconds(
+    multinode_cluster, blob_data, tmp_path
+):
+    """A node holding a shard drains (a preempted instance's notice, as the autoscaler gives it):
+    the run, which kept no memory checkpoint (every 600 s), keeps one every 2 s
+    (`memory_checkpoint_draining_s`) until the node goes; its loss rolls the shards back to one
+    taken after the notice, where it went back to the run's start."""
+    cluster = multinode_cluster
+    cluster.add_node(num_cpus=2)  # room for what the drained node held, beside the run
+    layout = {"placement": "spread", "ps": 2, "cpus_per_ps": 0.25}
+    spec, uri = spec_file(
+        tmp_path,
+        blob_data,
+        "drained",
+        cluster=layout,
+        max_steps=600,
+        checkpoint_every=1000,
+        failure={"memory_checkpoint_every_s": 600.0},
+    )
+    driver = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "drained", 20, driver)
+    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
+    victims = [n for n in cluster.nodes if not n.killed and n.node_id in shard_nodes - {cluster.head.node_id}]
+    if not victims:
+        driver.kill()
+        pytest.skip("Ray placed the shards on the head")
+    cluster.drain_node(victims[0], deadline_s=30)
+    told = wait_for_fault(uri, run_id, "is draining", driver)
+    assert f"(Ray node {victims[0].node_id[:12]}) is draining (its deadline in " in told, told
+    assert told.endswith(": memory checkpoints every 2 s until it goes"), told
+    noticed_at = MlflowClient(uri).get_run(run_id).data.metrics["global_step"]
+    time.sleep(4)  # a notice gives 30 s or more (2 minutes on AWS, 30 s on GCP and Kubernetes)
+    cluster.kill_node(victims[0])
+    out = finish(driver)
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == 600, out[-3000:]
+    assert run.data.metrics["ps_rollbacks"] == 1, out[-3000:]
+    faults = [v for k, v in sorted(run.data.tags.items()) if k.startswith("towerflow.fault.")]
+    back_to = [re.search(r"rolled back to step (\d+) \(a memory checkpoint\)", v) for v in faults]
+    assert any(m and int(m.group(1)) >= noticed_at for m in back_to), faults
+
+
+def test_a_node_that_leaves_as_a_pod_does_drains_first_and_the_watch_sees_its_shard(multinode_cluster):
+    """`towerflow cluster leave` (the Ray worker pods' preStop in k8s/) SIGTERMs the node's `ray
+    start --block`, which, with RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S set, marks the node draining
+    with that deadline and stops only then (an actor holds it), and waits for it: the driver's
+    watch tells of the shard on it meanwhile."""
+    cluster = multinode_cluster
+    node = cluster.add_node(num_cpus=1, resources={"drains": 1}, drain_s=10)
+    client = subprocess.Popen(
+        [sys.executable, "-c", DRAIN_WATCH_CLIENT], env=cluster.env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert json.loads(client.stdout.readline()) == {"placed": node.node_id}
+        leave = [sys.executable, "-m", "towerflow", "cluster", "leave", "--pid", str(node.process.pid)]
+        left = subprocess.run(leave, cwd=REPO, capture_output=True, text=True, timeout=120)
+        report = json.loads(client.stdout.readline())
+    finally:
+        client.kill()
+    assert node.process.poll() is not None, left.stdout + left.stderr  # it waited for the node to stop
+    node.killed = True
+    (told,) = report["told"]
+    assert (told["node"], told["shards"], report["draining"]) == (node.node_id, [0], True), report
+    assert 5 <= told["in_s"] <= 10 and "is draining (its deadline in " in told["says"], report
+    took_s = float(re.search(r"the Ray node stopped after ([\d.]+) s", left.stdout).group(1))
+    assert left.returncode == 0 and took_s >= 8, left.stdout + left.stderr  # it drained before it stopped
+
+
+def test_an_elastic_runs_worker_on_a_draining_node_is_replaced_ahead_by_a_spare_elsewhere(
+    multinode_cluster, blob_data, tmp_path
+):
+    """An elastic run's workers are outside its placement groups: one on a draining node trains on
+    until a spare, asked for at the notice and started on another node, takes its place in one
+    resize; the node's loss then costs no worker."""
+    cluster = multinode_cluster
+    # 1.5 CPUs a worker: a 2-CPU node holds one, beside a shard or Ray Data's share.
+    elastic = {"workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
+    spec, uri = spec_file(tmp_path, blob_data, "elastic-drained", cluster=elastic, max_steps=100_000)
+    driver = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, "elastic-drained", 10, driver)
+    client = MlflowClient(uri)
+    started = client.get_run(run_id).data.metrics["workers"]
+    scale = [sys.executable, "-m", "towerflow", "scale", run_id, "--workers", str(int(started) + 1)]
+    subprocess.run(scale, cwd=REPO, env=cluster.env(), check=True, capture_output=True, timeout=120)
+    doomed = cluster.add_node(num_cpus=2)  # the one more worker starts there
+    wait_for_metric(uri, run_id, "workers", started + 1, driver)
+    cluster.drain_node(doomed, deadline_s=300)
+    told = wait_for_fault(uri, run_id, "is draining", driver)
+    assert "with worker(s) " in told and told.endswith(
+        "its workers are replaced ahead, as spares start elsewhere"
+    )
+    cluster.add_node(num_cpus=2)  # room for the spare asked for in its place
+    deadline = time.monotonic() + 180
+    while any(a["node_id"] == doomed.node_id for a in alive_actors(cluster, "TowerWorker")):
+        assert time.monotonic() < deadline and driver.poll() is None, "the worker was not replaced ahead"
+        time.sleep(1)
+    cluster.kill_node(doomed)  # nothing of the run is left there
+    step = client.get_run(run_id).data.metrics["global_step"]
+    wait_for_step(uri, "elastic-drained", step + 10, driver)  # and it trains on
+    os.killpg(driver.pid, signal.SIGTERM)
+    out, _ = driver.communicate(timeout=120)
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED", out[-3000:]
+    assert run.data.metrics.get("workers_lost", 0) == 0, out[-3000:]
+    history = [m.value for m in sorted(client.get_metric_history(run_id, "workers"), key=lambda m: m.step)]
+    assert history == [started, started + 1, started + 1], history  # the swap: one resize, the same size
