@@ -40,6 +40,10 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   and finished at max_steps; recovery: the kill to the `workers` record. Seconds are MLflow's own
   record timestamps against this machine's clock; the notes add the pause from each resize to the
   next step (the data pipeline starts again).
+- elastic: node drained, then lost: the same run, but the node the run grew onto is drained once
+  it holds a worker (`ray drain-node`) and another 2-CPU node joins: the spare asked for at the
+  notice starts there and takes the worker's place in one resize; then the drained node is lost.
+  Survived: no worker lost and the run finished at max_steps; recovery: the notice to that resize.
 
 Survived, in the other rows: the driver exits 0 and its MLflow run is FINISHED at max_steps. One round is
 five drivers' runs and a resumed one: about 17 minutes on 2 cores with the cluster's start, up to
@@ -91,6 +95,7 @@ DRIVER_RESTARTED = "driver killed (sync), started again by its command"  # train
 SHARD_NODE_LOST = "shard's node lost (sync), no notice"
 SHARD_NODE_DRAINED = "shard's node lost (sync), after a drain notice"  # memory_checkpoint_draining_s
 CLEAN_LONGER = "clean sync, longer"
+ELASTIC_DRAINED = "elastic: node drained, then lost"
 # Which rows each kind of run gives, and each faulted row's clean run.
 BASELINE = {
     "node lost (sync)": "clean sync",
@@ -101,6 +106,7 @@ BASELINE = {
     SHARD_NODE_DRAINED: CLEAN_LONGER,
     "elastic: node joins": "clean elastic",
     "elastic: node lost": "clean elastic",
+    ELASTIC_DRAINED: "clean elastic",
 }
 Log = Callable[[str], None]
 
@@ -429,6 +435,58 @@ def elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     }
 
 
+def elastic_drained(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    """As `elastic`, but the node the run grew onto is drained (`ray drain-node`, 300 s of
+    deadline) and a second node joins: the spare asked for at the notice starts there and takes
+    the drained node's worker's place in one resize (`workers` recorded again at the same count);
+    then the drained node is lost. Survived: no worker lost, the run finished at max_steps.
+    Recovery: the notice to that resize."""
+    client = mlflow_client(tmp)
+    driver = start_driver(
+        cluster, write_spec(tmp, "elastic-drained", args, ELASTIC, args.elastic_steps), tmp / "driver.log"
+    )
+    added: list[Any] = []
+    notes: list[str] = []
+    swap = None
+    try:
+        run_id, _ = wait_for_step(client, "elastic-drained", args.at, driver)
+        started = client.get_run(run_id).data.metrics["workers"]
+        added.append(cluster.add_node(num_cpus=2))  # room for the pending spare
+        resize_seconds(client, run_id, started + 1, now_ms(), driver)
+        noticed = now_ms()
+        cluster.drain_node(added[0], deadline_s=300)
+        added.append(cluster.add_node(num_cpus=2))  # room for the spare asked for at the notice
+        swap, pause = resize_seconds(client, run_id, started + 1, noticed, driver)
+        log(f"  {added[0].name}'s worker replaced {swap:.1f} s after the notice")
+        notes.append(
+            f"{started:g} workers at first; replaced {swap:.1f} s after the notice, next step {pause:.1f} s later"
+        )
+        cluster.kill_node(added[0])
+        driver.wait()
+    except CaseError as exc:
+        notes.append(f"{exc}")
+    finally:
+        driver.kill()
+        for node in added:
+            if not node.killed:
+                cluster.kill_node(node)  # the next case gets the room this one started with
+            cluster.wait_for_state(node, "DEAD")  # before the next run counts the room there is
+    run = poll_store(lambda: latest_run(client, "elastic-drained"))
+    ok, outcome = (
+        run_outcome(client, run.info.run_id, driver, args.elastic_steps)[::2] if run else (False, [])
+    )
+    lost = run.data.metrics.get("workers_lost", 0.0) if run else None
+    return {
+        ELASTIC_DRAINED: result(
+            driver.wall_s,
+            ok and swap is not None and lost == 0,
+            examples_per_sec=driver.examples_per_sec(),
+            recovery_s=swap,
+            notes=notes + outcome,
+        )
+    }
+
+
 # What each run gives: its function and the rows it fills.
 RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (clean_sync, ("clean sync",)),
@@ -441,6 +499,7 @@ RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (functools.partial(shard_node_lost, notice=True), (SHARD_NODE_DRAINED,)),
     (clean_elastic, ("clean elastic",)),
     (elastic, ("elastic: node joins", "elastic: node lost")),
+    (elastic_drained, (ELASTIC_DRAINED,)),
 ]
 
 
