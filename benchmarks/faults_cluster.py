@@ -46,8 +46,9 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   Survived: no worker lost and the run finished at max_steps; recovery: the notice to that resize.
 
 Survived, in the other rows: the driver exits 0 and its MLflow run is FINISHED at max_steps. One round is
-five drivers' runs and a resumed one: about 17 minutes on 2 cores with the cluster's start, up to
-5 more where a resize never comes (RESIZE_TIMEOUT_S).
+eleven drivers' runs and two resumed ones: about 30 minutes on 2 cores with the cluster's start
+(estimated from its parts: the shard's-node rows took 8 minutes for two rounds, the elastic ones
+13), up to 5 more where a resize never comes (RESIZE_TIMEOUT_S); `--only` runs a part.
 """
 
 from __future__ import annotations
