@@ -54,7 +54,8 @@ import time
 from pathlib import Path
 
 from common import ensure_mnist, machine, make_log
-from faults_cluster import ELASTIC_STEPS, run_cluster_cases, summarize
+from faults_cluster import ELASTIC_STEPS, run_cluster_cases
+from faults_cluster_rows import summarize
 
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook

@@ -52,67 +52,6 @@ from support import blob_spec, free_ports, sqlite_store
 from towerflow.local_cluster.head import RAY_GAVE_UP_REGISTERING
 from towerflow.runtime.cluster import RAY_NODE_ENV
 
-# Client-script lines, after `node` (a node id) is set: an actor holds all the node's CPUs but half of
-# one, as a worker beside a read task's share does; `here` pins a task to the node.
-HOLD_ALL_BUT_HALF_A_CPU = """
-here = NodeAffinitySchedulingStrategy(node, soft=False)
-cpus = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == node)
-
-
-@ray.remote
-class Holder:
-    def pid(self):
-        return os.getpid()
-
-
-holder = Holder.options(num_cpus=cpus - 0.5, scheduling_strategy=here).remote()
-ray.get(holder.pid.remote())
-"""
-
-# Does a node keep an idle task worker while actors hold its CPUs? Ray kills idle workers after 1 s
-# while a node has more of them than whole free CPUs; towerflow's nodes keep them (RAY_NODE_ENV). An
-# actor holds all the node's CPUs but half of one, a task runs on that half, its process idles
-# `IDLE_S` and is then looked for. Run as
-# `python -c IDLE_WORKER_CLIENT <node id>` with RAY_ADDRESS, or `... embedded` for towerflow's
-# embedded Ray. Prints {"first": pid, "kept": the pid still lives, "second": the next task's pid}.
-IDLE_WORKER_CLIENT = """
-import json
-import os
-import sys
-import time
-
-import psutil
-
-from towerflow.runtime.cluster import ResourceBudget, ensure_ray, keep_embedded_ray_local
-
-IDLE_S = 4.0
-if sys.argv[1] == "embedded":
-    keep_embedded_ray_local()  # before Ray's import, as the towerflow command does
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-if sys.argv[1] == "embedded":
-    ensure_ray(ResourceBudget(0, 0, 0, 0))
-    node = ray.get_runtime_context().get_node_id()
-else:
-    ray.init(logging_level="ERROR", log_to_driver=False)
-    node = sys.argv[1]
-"""
-IDLE_WORKER_CLIENT += HOLD_ALL_BUT_HALF_A_CPU
-IDLE_WORKER_CLIENT += """
-
-@ray.remote(num_cpus=0.5)
-def pid():
-    return os.getpid()
-
-
-first = ray.get(pid.options(scheduling_strategy=here).remote())
-time.sleep(IDLE_S)
-kept = psutil.pid_exists(first) and psutil.Process(first).status() != psutil.STATUS_ZOMBIE
-second = ray.get(pid.options(scheduling_strategy=here).remote())
-print(json.dumps({"first": first, "kept": kept, "second": second}))
-"""
-
 _log = logging.getLogger(__name__)
 VENV_BIN = str(Path(sys.executable).parent)
 RAY_CLI = str(Path(VENV_BIN) / "ray")  # the `ray` command of this environment

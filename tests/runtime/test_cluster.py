@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from multinode import IDLE_WORKER_CLIENT
+from multinode_clients import IDLE_WORKER_CLIENT
 
 from towerflow.errors import ClusterError
 from towerflow.runtime.cluster import SINGLE_MACHINE_SWITCH, check_reachable

@@ -28,14 +28,13 @@ import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import (  # noqa: F401
-    IDLE_WORKER_CLIENT,
     RAY_CLI,
     LocalCluster,
     can_hide_folders,
     cluster_spec_file,
     multinode_cluster_fixture,
 )
-from multinode_clients import PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
+from multinode_clients import IDLE_WORKER_CLIENT, PLACEMENT_CLIENT, SPREAD_CLIENT, WARM_READER_CLIENT
 from multinode_drivers import (
     alive_actors,
     client_report,

@@ -150,8 +150,13 @@ class CheckpointActions:
         `memory_checkpoint_draining_s`; an elastic run's workers there are replaced ahead (the
         resize asks for spares in their places). Each such node is told of once, as a fault tag."""
         memory = self.memory_checkpoints
-        workers = {worker: self.group.slots[worker].actor for worker in self.group.running}
-        for notice in self.drain_watch.look(self.shards, workers if self.elastic.elastic else None):
+        # Only an elastic run's workers can move (the others' bundles stay on the draining node).
+        workers = (
+            {worker: self.group.slots[worker].actor for worker in self.group.running}
+            if self.elastic.elastic
+            else None
+        )
+        for notice in self.drain_watch.look(self.shards, workers):
             actions = []
             if notice.shards and memory.draining_every_s is not None:
                 if self.shard_group.memory_holders(self._worker_actors()):

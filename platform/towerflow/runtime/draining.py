@@ -101,8 +101,10 @@ class DrainWatch:
 
     def _on(self, draining: dict[str, int], actors: dict[int, Any]) -> dict[str, list[int]]:
         """Per draining node, the indices of `actors` on it."""
-        on = {node: [] for node in draining}
-        for index, actor in actors.items() if draining else ():
+        on: dict[str, list[int]] = {node: [] for node in draining}
+        if not on:  # no node drains: no actor's node is looked up
+            return on
+        for index, actor in actors.items():
             node = self._node(actor)
             if node in on:
                 on[node].append(index)
