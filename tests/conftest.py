@@ -55,6 +55,34 @@ def blob_data(tmp_path_factory) -> Path:
     return folder
 
 
+# Fixtures that start a Ray cluster of their own (tests/multinode.py's LocalCluster).
+OWN_CLUSTER_FIXTURES = frozenset({"multinode_cluster", "ray_head"})
+
+
+def _starts_own_cluster(item: pytest.Item) -> bool:
+    return bool(OWN_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that start a Ray cluster of their own run last (in their order), after every
+    test on the session's embedded Ray, which is then shut down (below): idle, it still takes a
+    tenth of the 2-core machine (docs/testing.md), which these modules' three-node clusters need."""
+    own = {_module_of(item) for item in items if _starts_own_cluster(item)}
+    items.sort(key=lambda item: _module_of(item) in own)  # stable: the order is kept otherwise
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _starts_own_cluster(item):
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
 _module_seconds: dict[str, float] = {}
 
 

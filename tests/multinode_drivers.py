@@ -1,6 +1,6 @@
 """Drivers run as users run them on the multi-node test cluster (`python -m towerflow train` with
 RAY_ADDRESS), and what the cluster's state API and MLflow say of them: the helpers of
-test_multinode_cluster.py's and test_multinode_driver_loss.py's fault tests."""
+the test_multinode_*.py modules' fault tests."""
 
 from __future__ import annotations
 

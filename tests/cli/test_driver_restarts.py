@@ -1,7 +1,7 @@
 """`training.failure.driver_restarts`: the command starts its driver again where a signal killed it.
 
 The children here are small Python programs standing in for the driver (the real driver's restart,
-taking its run's live shards and workers over, is test_multinode_cluster.py's): they kill themselves
+taking its run's live shards and workers over, is test_multinode_driver_loss.py's): they kill themselves
 with a real SIGKILL, exit, or wait for a stop signal, and say what they were started with.
 """
 

@@ -1,5 +1,5 @@
 """`towerflow cluster leave`: which process is a node's `ray start`. Run for real, draining a node of
-the multi-node cluster, in tests/runtime/test_multinode_cluster.py (here it would stop this
+the multi-node cluster, in tests/runtime/test_multinode_draining.py (here it would stop this
 machine's nodes)."""
 
 from towerflow.local_cluster.node_leave import _runs_ray_start

@@ -1,5 +1,5 @@
 """DrainWatch: which nodes holding the run's shards drain, each told of once (the real drain, on the
-multi-node cluster, is test_multinode_cluster.py's)."""
+multi-node cluster, is test_multinode_draining.py's)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Elastic workers on the session's Ray: a running job shrinks and grows when `towerflow scale`
 asks (through the run's control actor), without restarting its shards. Nodes joining and leaving
-are in test_multinode_cluster.py (multi-node)."""
+are in test_multinode_draining.py (multi-node)."""
 
 from __future__ import annotations
 

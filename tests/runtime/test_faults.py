@@ -1,6 +1,6 @@
 """Faults injected for real into running jobs on the session's Ray: a worker's process SIGKILLed,
 a worker paused (SIGSTOP) until it counts as hung, NaN losses skipped. The multi-node faults (a
-node stopped) are in test_multinode_cluster.py."""
+node stopped) are in test_multinode_cluster.py and test_multinode_draining.py."""
 
 from __future__ import annotations
 

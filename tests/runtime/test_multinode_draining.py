@@ -2,7 +2,8 @@
 LocalCluster, one for this module): a node holding a shard drained as the autoscaler tells of a
 preempted instance (`ray drain-node`), then lost; a node that leaves as a Kubernetes pod's preStop
 makes it (`towerflow cluster leave`: SIGTERM to its `ray start`, which drains first); an elastic
-run's worker on a draining node replaced ahead by a spare on another node.
+run that grows onto a node that joins, has its worker on a draining node replaced ahead by a spare
+on another node, shrinks when a node is lost and on `towerflow scale`.
 
 Everything reaches Ray through client subprocesses and the dashboard's HTTP API: this process never
 calls `ray.init` (another module's in-process Ray may be running).
@@ -39,10 +40,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss_redoes_seconds(
     multinode_cluster, blob_data, tmp_path
 ):
-    """A node holding a shard drains (a preempted instance's notice, as the autoscaler gives it):
-    the run, which kept no memory checkpoint (every 600 s), keeps one every 2 s
-    (`memory_checkpoint_draining_s`) until the node goes; its loss rolls the shards back to one
-    taken after the notice, where it went back to the run's start."""
+    """A node holding a shard (and a worker, where Ray put one there) drains (a preempted
+    instance's notice, as the autoscaler gives it): the run, which kept no memory checkpoint (every
+    600 s), keeps one every 2 s (`memory_checkpoint_draining_s`) until the node goes; its loss
+    rolls the shards back to one taken after the notice, the other shard's copy on another node,
+    where it went back to the run's start; the shard's replacement is placed again if Ray put it
+    on the dying node, and the run finishes."""
     cluster = multinode_cluster
     cluster.add_node(num_cpus=2)  # room for what the drained node held, beside the run
     layout = {"placement": "spread", "ps": 2, "cpus_per_ps": 0.25}
@@ -58,10 +61,12 @@ def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss
     driver = start_driver(cluster, spec)
     run_id = wait_for_step(uri, "drained", 20, driver)
     shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
+    worker_nodes = {a["node_id"] for a in alive_actors(cluster, "TowerWorker")}
     victims = [n for n in cluster.nodes if not n.killed and n.node_id in shard_nodes - {cluster.head.node_id}]
     if not victims:
         driver.kill()
         pytest.skip("Ray placed the shards on the head")
+    victims.sort(key=lambda n: n.node_id not in worker_nodes)  # a shard's and a worker's node first
     cluster.drain_node(victims[0], deadline_s=30)
     told = wait_for_fault(uri, run_id, "is draining", driver)
     assert f"(Ray node {victims[0].node_id[:12]}) is draining (its deadline in " in told, told
@@ -104,22 +109,26 @@ def test_a_node_that_leaves_as_a_pod_does_drains_first_and_the_watch_sees_its_sh
     assert left.returncode == 0 and took_s >= 8, left.stdout + left.stderr  # it drained before it stopped
 
 
-def test_an_elastic_runs_worker_on_a_draining_node_is_replaced_ahead_by_a_spare_elsewhere(
+def test_an_elastic_run_grows_onto_a_new_node_swaps_a_draining_ones_worker_ahead_and_shrinks(
     multinode_cluster, blob_data, tmp_path
 ):
-    """An elastic run's workers are outside its placement groups: one on a draining node trains on
-    until a spare, asked for at the notice and started on another node, takes its place in one
-    resize; the node's loss then costs no worker."""
+    """One elastic run through every change of its size a cluster makes (one run: each costs a
+    minute): it grows onto a node that joins; that node drains, and its worker, outside the run's
+    placement groups, trains on until a spare, asked for at the notice and started on a node that
+    joins then, takes its place in one resize, so the drained node's loss costs no worker; that
+    second node is lost, its worker with it, and the run goes on without it; `towerflow scale`
+    shrinks it to one worker."""
     cluster = multinode_cluster
     # 1.5 CPUs a worker: a 2-CPU node holds one, beside a shard or Ray Data's share.
     elastic = {"workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
-    spec, uri = spec_file(tmp_path, blob_data, "elastic-drained", cluster=elastic, max_steps=100_000)
+    spec, uri = spec_file(tmp_path, blob_data, "elastic", cluster=elastic, max_steps=100_000)
     driver = start_driver(cluster, spec)
-    run_id = wait_for_step(uri, "elastic-drained", 10, driver)
+    run_id = wait_for_step(uri, "elastic", 10, driver)
     client = MlflowClient(uri)
     started = client.get_run(run_id).data.metrics["workers"]
-    scale = [sys.executable, "-m", "towerflow", "scale", run_id, "--workers", str(int(started) + 1)]
-    subprocess.run(scale, cwd=REPO, env=cluster.env(), check=True, capture_output=True, timeout=120)
+    assert 1 <= started < 4
+    # One more, not up to max: the spare started for the drained node's worker is then a swap.
+    _scale(cluster, run_id, int(started) + 1)
     doomed = cluster.add_node(num_cpus=2)  # the one more worker starts there
     wait_for_metric(uri, run_id, "workers", started + 1, driver)
     cluster.drain_node(doomed, deadline_s=300)
@@ -127,18 +136,34 @@ def test_an_elastic_runs_worker_on_a_draining_node_is_replaced_ahead_by_a_spare_
     assert "with worker(s) " in told and told.endswith(
         "its workers are replaced ahead, as spares start elsewhere"
     )
-    cluster.add_node(num_cpus=2)  # room for the spare asked for in its place
+    spare_node = cluster.add_node(num_cpus=2)  # room for the spare asked for in its place
     deadline = time.monotonic() + 180
     while any(a["node_id"] == doomed.node_id for a in alive_actors(cluster, "TowerWorker")):
         assert time.monotonic() < deadline and driver.poll() is None, "the worker was not replaced ahead"
         time.sleep(1)
     cluster.kill_node(doomed)  # nothing of the run is left there
+    assert client.get_run(run_id).data.metrics.get("workers_lost", 0) == 0
+    assert any(a["node_id"] == spare_node.node_id for a in alive_actors(cluster, "TowerWorker"))
+    cluster.kill_node(spare_node)  # its worker is lost; the run goes on without it
+    wait_for_metric(uri, run_id, "workers", started, driver)
+    _scale(cluster, run_id, 1)
+    wait_for_metric(uri, run_id, "workers", 1.0, driver)
     step = client.get_run(run_id).data.metrics["global_step"]
-    wait_for_step(uri, "elastic-drained", step + 10, driver)  # and it trains on
+    wait_for_step(uri, "elastic", step + 10, driver)  # and it trains on
     os.killpg(driver.pid, signal.SIGTERM)
     out, _ = driver.communicate(timeout=120)
     run = client.get_run(run_id)
     assert run.info.status == "KILLED", out[-3000:]
-    assert run.data.metrics.get("workers_lost", 0) == 0, out[-3000:]
+    assert run.data.metrics["workers_lost"] == 1, out[-3000:]
+    assert any(
+        k.startswith("towerflow.fault.") and "went on without it" in v for k, v in run.data.tags.items()
+    )
     history = [m.value for m in sorted(client.get_metric_history(run_id, "workers"), key=lambda m: m.step)]
-    assert history == [started, started + 1, started + 1], history  # the swap: one resize, the same size
+    # the growth, the swap (one resize, the same size), the loss, the scale
+    assert history == [started, started + 1, started + 1, started, 1.0], history
+
+
+def _scale(cluster, run_id: str, workers: int) -> None:
+    scale = [sys.executable, "-m", "towerflow", "scale", run_id, "--workers", str(workers)]
+    done = subprocess.run(scale, cwd=REPO, env=cluster.env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,6 +1,6 @@
 """The run's control point as the keeper of a kept run's shards: its lease, and the end it puts to
 a run that has had no driver for its grace period (real Ray actors and placement groups). The whole
-path, a driver SIGKILLed and its shards taken over, is in test_multinode_cluster.py."""
+path, a driver SIGKILLed and its shards taken over, is in test_multinode_driver_loss.py."""
 
 from __future__ import annotations
 
