@@ -92,10 +92,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
 
 
+SUITE_LIMIT_S = 35 * 60  # the whole suite, on the 2-core CI machine
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The slowest modules: where the suite's minutes go (it must stay under 35 on 2 cores)."""
+    """The slowest modules: where the suite's minutes go; and, where the tests' time comes near
+    the suite's limit (35 minutes on 2 cores), a line that says so."""
     if not _module_seconds:
         return
     terminalreporter.section("slowest modules")
     for module, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:12]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    total = sum(_module_seconds.values())
+    if total > 0.9 * SUITE_LIMIT_S:
+        terminalreporter.write_line(
+            f"the tests took {total / 60:.1f} of the suite's {SUITE_LIMIT_S // 60} minutes: make room "
+            "before adding a slow test (docs/testing.md)",
+            yellow=True,
+        )
