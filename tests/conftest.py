@@ -70,7 +70,8 @@ def _module_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules that start a Ray cluster of their own run last (in their order), after every
     test on the session's embedded Ray, which is then shut down (below): idle, it still takes a
-    tenth of the 2-core machine (docs/testing.md), which these modules' three-node clusters need."""
+    tenth of the 2-core machine (docs/testing.md), which these modules' three-node clusters need.
+    So no test of such a module may ask for `ray_cluster`: it reaches its cluster from subprocesses."""
     own = {_module_of(item) for item in items if _starts_own_cluster(item)}
     items.sort(key=lambda item: _module_of(item) in own)  # stable: the order is kept otherwise
 
