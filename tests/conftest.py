@@ -63,8 +63,8 @@ def _starts_own_cluster(item: pytest.Item) -> bool:
     return bool(OWN_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-def _module_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -72,8 +72,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     test on the session's embedded Ray, which is then shut down (below): idle, it still takes a
     tenth of the 2-core machine (docs/testing.md), which these modules' three-node clusters need.
     So no test of such a module may ask for `ray_cluster`: it reaches its cluster from subprocesses."""
-    own = {_module_of(item) for item in items if _starts_own_cluster(item)}
-    items.sort(key=lambda item: _module_of(item) in own)  # stable: the order is kept otherwise
+    own = {_module_of(item.nodeid) for item in items if _starts_own_cluster(item)}
+    items.sort(key=lambda item: _module_of(item.nodeid) in own)  # stable: the order is kept otherwise
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -89,7 +89,7 @@ _module_seconds: dict[str, float] = {}
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Sum each module's setup, call and teardown time, for the summary below."""
-    module = report.nodeid.split("::", 1)[0]
+    module = _module_of(report.nodeid)
     _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
 
 
