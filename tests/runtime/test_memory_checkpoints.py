@@ -89,8 +89,9 @@ class Placed:
 
 
 def _shards_in(bundles: list[int], node_of: dict[int, str]) -> ShardGroup:
-    group = ShardGroup(spec=None, apply_threads=None, placement=Placed(node_of))
-    group._bundles = bundles  # as start() takes them from the placement's roles
+    """Shards in `bundles` (each shard stands for its bundle's number here)."""
+    group = ShardGroup(spec=None, apply_threads=None, placement=Placed(node_of), node_of=node_of.get)
+    group.actors = group._bundles = bundles  # as start() takes them from the placement's roles
     return group
 
 

@@ -58,11 +58,12 @@ class DrainWatch:
 
     def __init__(
         self,
-        draining_nodes: Callable[[], dict[str, int]] | None = None,
+        draining_nodes: Callable[[], dict[str, int] | None] | None = None,
         node_of: Callable[[Any], str | None] = actor_node,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._draining_nodes = draining_nodes or _ray_draining_nodes
+        # () -> draining node id -> deadline; None: no answer yet (a BackgroundAnswer's, on the driver)
+        self._draining_nodes = draining_nodes or ray_draining_nodes
         self._node_of = node_of
         self._clock = clock
         self._looked_at = -math.inf
@@ -81,6 +82,8 @@ class DrainWatch:
         self._looked_at = now
         try:
             draining = self._draining_nodes()
+            if draining is None:
+                return []
             on_shards = self._on(draining, dict(enumerate(shards)))
             on_workers = self._on(draining, dict(workers or {}))
         except Exception as exc:  # monitoring must never stop training
@@ -117,7 +120,7 @@ class DrainWatch:
         return self._nodes[key]
 
 
-def _ray_draining_nodes() -> dict[str, int]:
+def ray_draining_nodes() -> dict[str, int]:
     """Ray's draining nodes: node id (hex) -> deadline (ms since the epoch, 0: none), as Ray Data
     reads them (its scheduler avoids them)."""
     from ray._private.state import state

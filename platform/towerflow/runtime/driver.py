@@ -21,13 +21,14 @@ import ray
 
 from towerflow.errors import TrainingError
 from towerflow.runtime.checkpointing import CheckpointActions
-from towerflow.runtime.draining import DrainWatch
+from towerflow.runtime.draining import LOOK_EVERY_S, DrainWatch, ray_draining_nodes
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator, past_step_events
 from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.head_watch import BackgroundAnswer, HeadWatch
 from towerflow.runtime.hook_queries import HookQueries
-from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, end_hooks
+from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, end_hooks
 from towerflow.runtime.memory_checkpoints import MemoryCheckpoints
 from towerflow.runtime.placement import ActorPlacement
 from towerflow.runtime.protocol import protocol_for, step_shape
@@ -80,7 +81,10 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self.memory_checkpoints = MemoryCheckpoints(
             failure.memory_checkpoint_every_s, failure.memory_checkpoint_draining_s
         )
-        self.drain_watch = DrainWatch()  # nodes holding shards that are about to go
+        # The GCS is asked off the loop, which a lost head's restart must not hold up (head_watch.py).
+        self.gcs_answers = BackgroundAnswer(ray_draining_nodes, LOOK_EVERY_S, "towerflow-gcs-watch")
+        self.drain_watch = DrainWatch(self.gcs_answers)  # nodes holding shards that are about to go
+        self.head_watch = HeadWatch(self.gcs_answers)
         # cluster.spare_workers; a worker's start also builds the model (and, on a GPU, sets it up)
         self.worker_spares = SparePool(self._new_spare_worker, "worker", answer_timeout_s=30.0)
         self.elastic = ElasticPolicy.for_spec(spec)
@@ -232,6 +236,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                     self.stop_signals.name,
                 )
                 self.context.request_stop(f"stopped by {self.stop_signals.name}")
+            self._watch_head()
             if not stopping:
                 self._keep_memory_checkpoint()
             if self.context.stop_requested:
@@ -263,6 +268,17 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self._report(self.aggregator.flush())
         self.state = State.FINISHED
         return [summary for _, summary in sorted(self._summaries.items())]
+
+    def _watch_head(self) -> None:
+        """The head's silence: a warning as it starts, a fault tag once it is over (the training
+        goes on meanwhile: head_watch.py)."""
+        silence = self.head_watch.look(self.group.global_step)
+        if silence is None:
+            return
+        if not silence.over:
+            log.warning("%s", silence.describe())
+        else:
+            self._tell_fault(FaultEvent(silence.from_step, silence.describe(), "training went on"))
 
     def _turn(self, *, suspect_shards: bool = False) -> list[Any]:
         """One poll of the cluster and what the failure policy decides about it; returns the step

@@ -36,6 +36,7 @@ from typing import Any
 import ray
 
 from towerflow.errors import ClusterError
+from towerflow.runtime.actors import ACTOR_GONE
 
 log = logging.getLogger(__name__)
 
@@ -269,9 +270,25 @@ def declared_dead(actor: Any) -> bool:
     return _actor_record(actor).get("State") == "DEAD"
 
 
-def actor_node(actor: Any) -> str | None:
-    """The node an actor runs on, as Ray's actor table says (None where it has none yet)."""
-    return _actor_record(actor).get("Address", {}).get("NodeID") or None
+def actor_node(actor: Any, timeout_s: float = 5.0) -> str | None:
+    """The node an actor runs on, as the actor itself says: a direct call, with no GCS on the way
+    (a lost head's would hold the asker up until it is back: runtime/head_watch.py). None where it
+    does not answer within `timeout_s` (gone, or busy). Asked once per actor: the run's shards and
+    workers are never restarted, so never move."""
+    key = actor._actor_id.hex()
+    if key not in _actor_nodes:
+        try:
+            _actor_nodes[key] = ray.get(actor.__ray_call__.remote(_own_node), timeout=timeout_s)
+        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
+            return None
+    return _actor_nodes[key]
+
+
+def _own_node(_actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+_actor_nodes: dict[str, str] = {}  # actor id -> its node, once known
 
 
 def _actor_record(actor: Any) -> dict[str, Any]:

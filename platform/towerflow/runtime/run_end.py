@@ -69,6 +69,7 @@ class RunEnd:
         )
 
     def _release(self) -> None:
+        self.gcs_answers.close()
         self.group.kill()
         self.worker_spares.kill()
         self.shard_group.kill()

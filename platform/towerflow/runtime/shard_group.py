@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -30,9 +30,16 @@ log = logging.getLogger(__name__)
 
 
 class ShardGroup:
-    def __init__(self, spec: Any, apply_threads: int | None, placement: Any) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        apply_threads: int | None,
+        placement: Any,
+        node_of: Callable[[Any], str | None] = actor_node,
+    ) -> None:
         self.spec = spec
         self.actor_placement = placement  # ActorPlacement: each shard's bundle
+        self._node_of = node_of  # an actor -> its node
         self.apply_threads = apply_threads  # sync shards borrow the waiting workers' cores to apply
         self.actors: list[Any] = []
         self.variables: list[Any] = []  # VariableInfo, in model order
@@ -42,6 +49,7 @@ class ShardGroup:
         self.initial_values: list[Any] | None = None  # the model's, for a rollback with no checkpoint
         self._bundles: list[int] = []  # per shard, its bundle (numbered across the run's placement groups)
         self._warned_of_copies_beside = False
+        self._nodes_looked_at: list[str | None] | None = None  # the shards' nodes, as peer_holders last saw
         self._replaced: set[int] = set()  # shards put in others' places since the last load: hold nothing
         self.detached = False  # the shards outlive the driver: a kept run's (runtime/run_keeper.py)
         # cluster.spare_shards; a shard's start is a TensorFlow import: 15 s is a loaded node's
@@ -213,8 +221,8 @@ class ShardGroup:
         if self.actors and self.spares.spares:
             return [self.spares.spares[0][0]]
         if self.actors and workers:
-            shard_node = actor_node(self.actors[0])
-            elsewhere = (worker for worker in workers if actor_node(worker) not in (shard_node, None))
+            shard_node = self._node_of(self.actors[0])
+            elsewhere = (worker for worker in workers if self._node_of(worker) not in (shard_node, None))
             return [next(elsewhere, workers[0])]
         return []
 
@@ -236,11 +244,13 @@ class ShardGroup:
         """Per shard, the shard that holds a copy of its part of a memory checkpoint: on another node
         wherever the shards' placement allows (`peer_ring`). Warns once where it does not, on a
         cluster of several nodes: that node's loss goes back to the stored checkpoint."""
-        node_of = self.actor_placement.node_of()
-        nodes = [node_of.get(bundle) for bundle in self._bundles]
+        nodes = [self._node_of(shard) for shard in self.actors]  # asked of the shards, not of the GCS
         holders = peer_ring(nodes)
         beside = [s for s, h in enumerate(holders) if nodes[s] is not None and nodes[s] == nodes[h]]
-        if beside and len(set(node_of.values()) - {None}) > 1 and not self._warned_of_copies_beside:
+        if not beside or self._warned_of_copies_beside or nodes == self._nodes_looked_at:
+            return holders
+        self._nodes_looked_at = nodes  # the run's bundles' nodes, asked of the GCS once per placement
+        if len(set(self.actor_placement.node_of().values()) - {None}) > 1:
             self._warned_of_copies_beside = True
             log.warning(
                 "memory checkpoints: the copies of shard(s) %s are held on their own node (the shards' "

@@ -179,7 +179,7 @@ class MLflowTracker(Hook):
         step = event.global_step
         self._window.add(event)
         if self._system is not None:  # on its own clock, whatever log_every_steps is
-            self._buffer.extend(self._system.poll(int(time.time() * 1000)))
+            self._buffer.extend(self._system.poll())
         if step - self._last_logged_step >= self.log_every_steps or step == 1 or event.nonfinite:
             self._log_step(event)
         if time.monotonic() - self._last_flush >= self.flush_every_s:
@@ -226,7 +226,7 @@ class MLflowTracker(Hook):
         if self._client is None or self.run_id is None:
             return
         if self._system is not None:
-            self._buffer.extend(self._system.stop(int(time.time() * 1000)))
+            self._buffer.extend(self._system.stop())
             self._system = None
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:

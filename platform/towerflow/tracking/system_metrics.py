@@ -89,14 +89,19 @@ def node_labels(nodes: list[dict[str, Any]]) -> dict[str, str]:
 
 
 class ClusterSystemMetrics:
-    """Driver side: starts one sampler per alive Ray node, turns their drains into MLflow metrics."""
+    """Driver side: starts one sampler per alive Ray node and drains them every interval in a thread
+    of its own, turning the drains into MLflow metrics that `poll` hands over. The thread, not the
+    driver's loop, waits on Ray: a sampler whose node went with a lost head is waited on until the
+    GCS is back (runtime/head_watch.py)."""
 
     def __init__(self, interval_s: float = 10.0) -> None:
         self.interval_s = interval_s
         self.samplers: dict[str, Any] = {}  # label -> actor
         self._steps: dict[str, int] = {}
-        self._pending: dict[Any, str] = {}  # drain ref -> label
-        self._last_poll = 0.0
+        self._collected: list[Any] = []  # MLflow Metrics drained, not yet polled
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self, first_steps: dict[str, int] | None = None) -> None:
         """`first_steps`: per node label, the sample number to go on from (a resumed run's)."""
@@ -109,50 +114,57 @@ class ClusterSystemMetrics:
                 self.interval_s
             )
             self._steps[label] = (first_steps or {}).get(label, 0)
-        self._last_poll = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._keep_draining, name="towerflow-node-metrics", daemon=True
+        )
+        self._thread.start()
 
-    def poll(self, now_ms: int) -> list[Any]:
-        """MLflow Metric objects of the drains that are back; asks for the next ones every interval."""
-        metrics = self._collect(timeout=0, now_ms=now_ms)
-        if self.samplers and time.monotonic() - self._last_poll >= self.interval_s and not self._pending:
-            self._last_poll = time.monotonic()
-            self._pending = {actor.drain.remote(): label for label, actor in self.samplers.items()}
+    def poll(self) -> list[Any]:
+        """MLflow Metric objects of the drains that came back since the last poll; never waits."""
+        with self._lock:
+            metrics, self._collected = self._collected, []
         return metrics
 
-    def stop(self, now_ms: int, timeout_s: float = 10.0) -> list[Any]:
+    def stop(self, timeout_s: float = 10.0) -> list[Any]:
         """The last samples of every node; the samplers are gone afterwards."""
-        metrics = self._collect(timeout=timeout_s, now_ms=now_ms)
-        self._pending = {actor.stop.remote(): label for label, actor in self.samplers.items()}
-        metrics += self._collect(timeout=timeout_s, now_ms=now_ms)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._collect({actor.stop.remote(): label for label, actor in self.samplers.items()}, timeout_s)
         for actor in self.samplers.values():
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         self.samplers = {}
-        return metrics
+        return self.poll()
 
-    def _collect(self, timeout: float, now_ms: int) -> list[Any]:
+    def _keep_draining(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            # a node that does not answer within the interval is not waited for again
+            self._collect(
+                {actor.drain.remote(): label for label, actor in self.samplers.items()}, self.interval_s
+            )
+
+    def _collect(self, pending: dict[Any, str], timeout: float) -> None:
         from mlflow.entities import Metric
 
-        if not self._pending:
-            return []
-        ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=timeout)
-        metrics = []
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+        now_ms = int(time.time() * 1000)
         for ref in ready:
-            label = self._pending.pop(ref)
+            label = pending[ref]
             try:
                 values = ray.get(ref)
             except Exception:  # a node went away: its metrics stop, the run goes on
                 continue
             if not values:
                 continue
-            step = self._steps[label]
-            self._steps[label] = step + 1
-            metrics.extend(
-                Metric(f"{PREFIX}/{label}/{k}", v, now_ms, step) for k, v in sorted(values.items())
-            )
-        if timeout:  # at stop: a node that did not answer in time is not waited for again
-            self._pending.clear()
-        return metrics
+            with self._lock:
+                step = self._steps[label]
+                self._steps[label] = step + 1
+                self._collected.extend(
+                    Metric(f"{PREFIX}/{label}/{k}", v, now_ms, step) for k, v in sorted(values.items())
+                )
 
 
 def next_sample_steps(client: Any, run_id: str) -> dict[str, int]:

@@ -1,0 +1,127 @@
+"""The cluster's head gone silent, and a driver that trains on through it.
+
+With GCS fault tolerance (the GCS's tables in an external Redis: KubeRay's
+`gcsFaultToleranceOptions`), a lost head is started again and finds the cluster as it was; the
+other nodes, their actors and a driver on one of them live on. Meanwhile a Ray call that needs the
+GCS (which nodes drain, which live) waits for it, up to `RAY_gcs_rpc_server_reconnect_timeout_s`,
+while the shards, the workers and the data pipeline go on: actors call each other directly. So the
+driver never asks the GCS on its loop: `BackgroundAnswer` asks from a thread of its own and the loop
+reads the latest answer, and `HeadWatch` tells when the answers stop and when they come back.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# A look at the GCS answers in under a millisecond: this long without one is a head gone, not a
+# busy one (the GCS's own health checks of a raylet give up after 5 missed seconds).
+SILENT_AFTER_S = 5.0
+
+
+class BackgroundAnswer(Generic[T]):
+    """`ask()`'s latest answer, asked every `every_s` in a daemon thread that the first read starts.
+    A read never waits: before the first answer it is None, and while `ask` waits or fails, the last
+    one stays (`silent_s` says for how long)."""
+
+    def __init__(
+        self, ask: Callable[[], T], every_s: float, name: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._ask, self._every_s, self._name, self._clock = ask, every_s, name, clock
+        self._latest: T | None = None
+        self._answered_at = clock()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self) -> T | None:
+        self._start()
+        with self._lock:
+            return self._latest
+
+    def silent_s(self) -> float:
+        """Seconds since the last answer (since the first read, before the first answer)."""
+        self._start()
+        with self._lock:
+            return self._clock() - self._answered_at
+
+    def _start(self) -> None:
+        if self._thread is None and not self._closed.is_set():
+            with self._lock:
+                self._answered_at = self._clock()
+            self._thread = threading.Thread(target=self._keep_asking, name=self._name, daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Ask no more (a call waiting on the GCS ends the thread when it returns)."""
+        self._closed.set()
+
+    def _keep_asking(self) -> None:
+        while not self._closed.is_set():
+            try:
+                answer = self._ask()
+            except Exception as exc:  # a look that fails changes nothing; the silence grows
+                log.debug("%s: no answer: %s", self._name, exc)
+            else:
+                with self._lock:
+                    self._latest, self._answered_at = answer, self._clock()
+            self._closed.wait(self._every_s)
+
+
+class HeadState(enum.Enum):
+    ANSWERING = "answering"
+    SILENT = "silent"
+
+
+@dataclass(frozen=True)
+class HeadSilence:
+    """The GCS stopped answering at `from_step` (`over`: it answers again, after `seconds`)."""
+
+    from_step: int
+    seconds: float
+    over: bool
+
+    def describe(self) -> str:
+        if not self.over:
+            return (
+                f"the cluster's head (its GCS) has not answered for {self.seconds:.0f} s, since step "
+                f"{self.from_step}: training goes on; Ray waits for a lost head to come back "
+                "(GCS fault tolerance) or gives up after RAY_gcs_rpc_server_reconnect_timeout_s"
+            )
+        return (
+            f"the cluster's head (its GCS) did not answer for {self.seconds:.0f} s, from step "
+            f"{self.from_step} (a head lost and started again, or one too busy to answer)"
+        )
+
+
+class HeadWatch:
+    """Tells once when `answers` fall silent for `silent_after_s`, and once when they come back."""
+
+    def __init__(self, answers: BackgroundAnswer, silent_after_s: float = SILENT_AFTER_S) -> None:
+        self._answers = answers
+        self._silent_after_s = silent_after_s
+        self.state = HeadState.ANSWERING
+        self._from_step = 0
+        self._longest_s = 0.0
+
+    def look(self, step: int) -> HeadSilence | None:
+        silent_s = self._answers.silent_s()
+        if self.state is HeadState.ANSWERING:
+            if silent_s < self._silent_after_s:
+                self._from_step = step  # the last step seen while it answered
+                return None
+            self.state, self._longest_s = HeadState.SILENT, silent_s
+            return HeadSilence(self._from_step, silent_s, over=False)
+        if silent_s >= self._silent_after_s:
+            self._longest_s = max(self._longest_s, silent_s)
+            return None
+        self.state = HeadState.ANSWERING
+        # The silence lasted until the answer that ended it: the longest seen, within a look's period.
+        return HeadSilence(self._from_step, self._longest_s, over=True)

@@ -1,0 +1,99 @@
+"""The driver's answers from the GCS, asked off its loop, and the head's silence told once each way
+(runtime/head_watch.py). A real head lost and started again: tests/runtime/test_multinode_head_loss.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from towerflow.runtime.head_watch import BackgroundAnswer, HeadState, HeadWatch
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_read_never_waits_for_an_answer_that_hangs_and_the_last_answer_stays():
+    answering = threading.Event()
+    answering.set()
+    calls = []
+
+    def ask() -> int:
+        answering.wait()  # as a GCS call waits while the head is down
+        calls.append(1)
+        return len(calls)
+
+    answers = BackgroundAnswer(ask, every_s=0.01, name="test-answers")
+    try:
+        _wait_for(lambda: (answers() or 0) >= 2)
+        answering.clear()  # the head goes
+        time.sleep(0.1)
+        started = time.monotonic()
+        held = answers()
+        assert time.monotonic() - started < 0.05  # the read did not wait
+        assert held is not None and answers.silent_s() >= 0.05
+        answering.set()  # the head is back
+        _wait_for(lambda: answers() > held)
+        assert answers.silent_s() < 1.0
+    finally:
+        answers.close()
+        answering.set()
+
+
+def test_nothing_is_answered_before_the_first_answer_and_a_failing_look_keeps_the_last():
+    first = threading.Event()
+    calls = []
+
+    def ask() -> dict[str, int]:
+        calls.append(1)
+        if len(calls) == 1:
+            first.wait()
+            return {"n1": 0}
+        raise RuntimeError("GCS unavailable")
+
+    answers = BackgroundAnswer(ask, every_s=0.01, name="test-answers")
+    try:
+        assert answers() is None  # the first look waits
+        first.set()
+        _wait_for(lambda: len(calls) >= 5)  # then every look fails
+        assert answers() == {"n1": 0}
+        assert answers.silent_s() >= 0.03
+    finally:
+        answers.close()
+        first.set()
+
+
+class _Silence:
+    """A BackgroundAnswer's silence, set by the test."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def silent_s(self) -> float:
+        return self.seconds
+
+
+def test_the_head_watch_tells_once_when_the_head_falls_silent_and_once_when_it_answers_again():
+    silence = _Silence()
+    watch = HeadWatch(silence, silent_after_s=5.0)
+    silence.seconds = 0.4
+    assert watch.look(step=100) is None
+    silence.seconds = 4.9
+    assert watch.look(step=101) is None  # a busy head, not yet a silent one
+    silence.seconds = 5.2
+    went = watch.look(step=130)
+    assert went is not None and not went.over and went.from_step == 101
+    assert "has not answered for 5 s, since step 101" in went.describe()
+    assert watch.state is HeadState.SILENT
+    silence.seconds = 9.0
+    assert watch.look(step=400) is None  # told once
+    silence.seconds = 14.5
+    assert watch.look(step=600) is None
+    silence.seconds = 0.3
+    back = watch.look(step=650)
+    assert back is not None and back.over and back.from_step == 101 and back.seconds == 14.5
+    assert "did not answer for 14 s, from step 101" in back.describe()
+    assert watch.state is HeadState.ANSWERING and watch.look(step=651) is None
