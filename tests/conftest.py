@@ -56,7 +56,7 @@ def blob_data(tmp_path_factory) -> Path:
 
 
 # Fixtures that start a Ray cluster of their own (tests/multinode.py's LocalCluster).
-OWN_CLUSTER_FIXTURES = frozenset({"multinode_cluster", "ray_head"})
+OWN_CLUSTER_FIXTURES = frozenset({"multinode_cluster", "gcs_ft_cluster", "ray_head"})
 
 
 def _starts_own_cluster(item: pytest.Item) -> bool:

