@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Iterator
@@ -20,6 +21,9 @@ MLFLOW_URI = "http://towerflow-mlflow:5000"
 MAX_RAYJOB_NAME = 47
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 SECRETISH = re.compile(r"PASSWORD|TOKEN|SECRET|CREDENTIAL|_KEY$")
+# How long KubeRay's worker pods wait for a lost GCS (RAY_gcs_rpc_server_reconnect_timeout_s, which
+# KubeRay sets under GCS fault tolerance): a head back later has lost the cluster anyway.
+GCS_RECONNECT_S = 600
 
 
 # --- pods and containers ------------------------------------------------------------------------
@@ -203,13 +207,92 @@ def node_capacity(group: Object) -> tuple[float, float]:
     return cpus, gpus
 
 
+def custom_resources(group: Object) -> dict[str, float]:
+    """The custom resources a group's pods offer Ray, from rayStartParams["resources"] in KubeRay's
+    format (a JSON object inside a quoted string, '"{\\"name\\": 1}"'), read as Ray's autoscaler
+    reads it: the outer quotes dropped, the backslashes removed, whole numbers only. Raises
+    ValueError for a value that is not in that format."""
+    text = (group.get("rayStartParams") or {}).get("resources")
+    if text is None:
+        return {}
+    try:
+        found = json.loads(text[1:-1].replace("\\", ""))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"rayStartParams.resources {text!r} is not '\"{{...}}\"' JSON: {exc}") from None
+    if not isinstance(found, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in found.items()
+    ):
+        raise ValueError(f"rayStartParams.resources {text!r} must map names to whole numbers")
+    return {name: float(amount) for name, amount in found.items()}
+
+
+def group_resources(group: Object) -> dict[str, float]:
+    """What one pod of a group offers Ray: CPUs, GPUs and custom resources."""
+    cpus, gpus = node_capacity(group)
+    return {"CPU": cpus, "GPU": gpus, **custom_resources(group)}
+
+
+def starting_groups(cluster: Object) -> list[tuple[str, Object, int]]:
+    """(name, group, pods at start) for the head ("head") and each worker group at minReplicas."""
+    groups = [("head", cluster["headGroupSpec"], 1)]
+    return groups + [
+        (group["groupName"], group, group.get("minReplicas", 0))
+        for group in cluster.get("workerGroupSpecs") or []
+    ]
+
+
+def entrypoint_demand(job_spec: Object) -> tuple[dict[str, float], list[str]]:
+    """(what a RayJob's entrypoint asks of the node it runs on, problems): entrypointNumCpus,
+    entrypointNumGpus and the JSON object of entrypointResources. Nothing asked: Ray runs the
+    entrypoint on the head."""
+    demand = {
+        name: float(job_spec[field])
+        for name, field in (("CPU", "entrypointNumCpus"), ("GPU", "entrypointNumGpus"))
+        if job_spec.get(field)
+    }
+    text = job_spec.get("entrypointResources")
+    if text is None:
+        return demand, []
+    try:
+        asked = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return demand, [f"entrypointResources {text!r} is not JSON: {exc}"]
+    if not isinstance(asked, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in asked.values()
+    ):
+        return demand, [f"entrypointResources {text!r} must map resource names to amounts"]
+    if set(asked) & {"CPU", "GPU", "memory"}:
+        return demand, [f"entrypointResources {text!r}: ask for CPUs, GPUs and memory with their own fields"]
+    return {**demand, **{name: float(amount) for name, amount in asked.items()}}, []
+
+
+def entrypoint_problems(where: str, job_spec: Object) -> list[str]:
+    """A RayJob whose entrypoint asks for resources must find them on one pod that is there at start
+    (the head or a worker group's minReplicas): its driver starts at once rather than waiting for
+    the autoscaler."""
+    demand, problems = entrypoint_demand(job_spec)
+    if problems or not demand:
+        return [f"{where}: {p}" for p in problems]
+    cluster = job_spec["rayClusterSpec"]
+    try:
+        hosts = [
+            name
+            for name, group, count in starting_groups(cluster)
+            if count >= 1
+            and all(group_resources(group).get(key, 0.0) + 1e-9 >= amount for key, amount in demand.items())
+        ]
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if not hosts:
+        return [f"{where}: no pod there at start offers what its entrypoint asks for ({demand})"]
+    return []
+
+
 def starting_nodes(cluster: Object) -> list[dict[str, float]]:
     """Each node's resources as Ray counts them, with each worker group at minReplicas: what a job
     finds at start, before the autoscaler adds anything."""
-    groups = [(cluster["headGroupSpec"], 1)]
-    groups += [(group, group.get("minReplicas", 0)) for group in cluster.get("workerGroupSpecs") or []]
     nodes = []
-    for group, count in groups:
+    for _, group, count in starting_groups(cluster):
         cpus, gpus = node_capacity(group)
         nodes += [{"CPU": cpus, "GPU": gpus}] * count
     return nodes
@@ -264,6 +347,7 @@ def rayjob_problems(job: Object, cluster: Object) -> list[str]:
             f"{where}: its rayClusterSpec must be the RayCluster {cluster['metadata']['name']}'s spec"
         )
         return problems
+    problems += entrypoint_problems(where, spec)
     spec_path, overrides, entry_problems = entrypoint_spec(spec.get("entrypoint", ""))
     problems += [f"{where}: {p}" for p in entry_problems]
     if spec_path is None:
@@ -291,6 +375,79 @@ def rayjob_problems(job: Object, cluster: Object) -> list[str]:
     for secret in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         if "secretKeyRef" not in (env.get(secret, {}).get("valueFrom") or {}):
             problems.append(f"{where}: the head's {secret} must come from a Secret")
+    return problems
+
+
+def submitter_patience_s(backoff_limit: int) -> float:
+    """How long after its first failure a Kubernetes Job's last retry starts at the latest: the Job
+    controller waits 10 s, 20 s, 40 s ... (at most 6 minutes) before each retry."""
+    return sum(min(10 * 2**attempt, 360) for attempt in range(backoff_limit))
+
+
+def head_fault_tolerance_problems(objects: tuple[Object, ...] | list[Object]) -> list[str]:
+    """A build whose Ray clusters outlive their head (the cpu-ha overlay): the GCS's tables in a Redis
+    of the build, its password from a Secret; the head trains nothing; each RayJob's driver in a
+    group of its own, which only it asks for, always there and with no CPUs to draw training there;
+    and job submitters that retry for as long as the other pods wait for the head."""
+    clusters = [o for o in objects if o["kind"] == "RayCluster"]
+    if len(clusters) != 1:
+        return [f"one RayCluster expected, not {len(clusters)}"]
+    cluster = clusters[0]
+    where, spec = name_of(cluster), cluster["spec"]
+    options = spec.get("gcsFaultToleranceOptions")
+    if options is None:
+        return [f"{where}: no gcsFaultToleranceOptions: the GCS's tables die with the head"]
+    problems = []
+    host, _, port = (options.get("redisAddress") or "").rpartition(":")
+    services = {
+        o["metadata"]["name"]: {p["port"] for p in o["spec"].get("ports") or []}
+        for o in objects
+        if o["kind"] == "Service"
+    }
+    if not port.isdigit() or int(port) not in services.get(host, set()):
+        problems.append(
+            f"{where}: redisAddress {options.get('redisAddress')!r} is no Service port of the build"
+        )
+    password = options.get("redisPassword") or {}
+    if "value" in password or "secretKeyRef" not in (password.get("valueFrom") or {}):
+        problems.append(f"{where}: the Redis password must come from a Secret (redisPassword.valueFrom)")
+    if (spec["headGroupSpec"].get("rayStartParams") or {}).get("num-cpus") != "0":
+        problems.append(f"{where}: the head must keep num-cpus 0 (no training there)")
+    try:
+        offers = {name: group_resources(group) for name, group, _ in starting_groups(spec)}
+    except ValueError as exc:
+        return problems + [f"{where}: {exc}"]
+    groups = {name: group for name, group, _ in starting_groups(spec)}
+    for job in (o for o in objects if o["kind"] == "RayJob"):
+        demand, asked_problems = entrypoint_demand(job["spec"])
+        custom = {key for key in demand if key not in ("CPU", "GPU")}
+        if asked_problems or not custom:
+            problems += [f"{name_of(job)}: {p}" for p in asked_problems] or [
+                f"{name_of(job)}: asks for no resource of the drivers' group: its driver runs on the head"
+            ]
+            continue
+        hosts = [name for name, offer in offers.items() if custom <= set(offer)]
+        if len(hosts) != 1 or hosts[0] == "head":
+            problems.append(
+                f"{name_of(job)}: {sorted(custom)} must be offered by one worker group, not {hosts}"
+            )
+            continue
+        group = groups[hosts[0]]
+        if not 1 <= group.get("minReplicas", 0) == group.get("maxReplicas", 0):
+            problems.append(
+                f"{where}: group {hosts[0]} (the drivers') needs minReplicas = maxReplicas >= 1: always there"
+            )
+        if offers[hosts[0]]["CPU"] or offers[hosts[0]]["GPU"]:
+            problems.append(
+                f"{where}: group {hosts[0]} (the drivers') must offer no CPUs or GPUs: training would go there"
+            )
+        backoff = (job["spec"].get("submitterConfig") or {}).get("backoffLimit", 2)
+        if submitter_patience_s(backoff) < GCS_RECONNECT_S:
+            problems.append(
+                f"{name_of(job)}: submitterConfig.backoffLimit {backoff} gives up "
+                f"{submitter_patience_s(backoff):g} s after the head's loss, before the other pods do "
+                f"({GCS_RECONNECT_S} s): KubeRay would fail the job and start it over on a new cluster"
+            )
     return problems
 
 
@@ -403,9 +560,38 @@ def pod_labels(objects: tuple[Object, ...]) -> dict[str, dict[str, str]]:
             for group in spec.get("workerGroupSpecs") or []:
                 labels = group["template"]["metadata"]["labels"]
                 found[f"{where} {group['groupName']}"] = {**labels, "ray.io/node-type": "worker"}
+            if spec.get("gcsFaultToleranceOptions") is not None:
+                # KubeRay's Redis clean-up Job, run when the cluster is deleted: the head's pod
+                # template with another node type.
+                found[f"{where} redis-cleanup"] = {**head, "ray.io/node-type": "redis-cleanup"}
         if obj["kind"] == "RayJob":
             found[f"{name_of(obj)} submitter"] = obj["spec"]["submitterPodTemplate"]["metadata"]["labels"]
     return found
+
+
+def egress_allowed(policies: list[Object], labels: dict[str, str], to: dict[str, str], port: int) -> bool:
+    """Whether the NetworkPolicies let a pod with `labels` open a TCP connection to a pod of this
+    namespace with labels `to` on `port` (allowed where no policy restricts its egress)."""
+    chosen = [
+        p
+        for p in policies
+        # Without policyTypes, a policy restricts egress where it has egress rules.
+        if "Egress" in p["spec"].get("policyTypes", ["Egress"] if "egress" in p["spec"] else [])
+        and selects(p["spec"]["podSelector"], labels)
+    ]
+    if not chosen:
+        return True
+    for policy in chosen:
+        for rule in policy["spec"].get("egress") or []:
+            ports = rule.get("ports")
+            if ports and not any(p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in ports):
+                continue
+            peers = rule.get("to")
+            if not peers or any(
+                set(peer) == {"podSelector"} and selects(peer["podSelector"], to) for peer in peers
+            ):
+                return True
+    return False
 
 
 def only_from(peers: list[Object] | None, allowed: set[str], pods: dict[str, dict[str, str]]) -> list[str]:

@@ -18,7 +18,7 @@ from tests.k8s import rules, schemas
 from tests.k8s.schemas import K8S, build, of_kind
 
 BUILDS = schemas.kustomizations()
-OVERLAYS = [K8S / "overlays" / "cpu", K8S / "overlays" / "gpu"]
+OVERLAYS = [K8S / "overlays" / "cpu", K8S / "overlays" / "gpu", K8S / "overlays" / "cpu-ha"]
 PIPELINES = sorted(p.name for p in (REPO / "pipelines").glob("*.yaml"))
 DOC = REPO / "docs" / "kubernetes.md"
 
@@ -40,7 +40,7 @@ def objects(request) -> tuple[dict, ...]:
 
 
 def test_the_expected_kustomizations_exist():
-    assert {_id(p) for p in BUILDS} >= {"base", "overlays/cpu", "overlays/gpu"}
+    assert {_id(p) for p in BUILDS} >= {"base", "overlays/cpu", "overlays/gpu", "overlays/cpu-ha"}
 
 
 def test_every_object_passes_its_schema_strictly(objects):
@@ -151,16 +151,49 @@ def test_network_policies_admit_only_whom_they_should(objects):
                 "the operator only, not every namespace"
             )
             assert not rules.only_from([p for p in peers if p not in others], ray | submitters, pods)
+    if "towerflow-redis" in pods:
+        # The GCS's tables: the Ray heads (their GCS) and KubeRay's Redis clean-up Job only.
+        gcs = {role for role in ray if role.endswith((" head", " redis-cleanup"))}
+        assert any(role.endswith(" redis-cleanup") for role in gcs), "a build with Redis has GCS FT on"
+        problems = rules.only_from(rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods)
+        assert not problems, f"towerflow-redis:6379: {problems}"
+        for role in gcs:
+            assert rules.egress_allowed(policies, pods[role], pods["towerflow-redis"], 6379), role
+        redis = [p for p in policies if rules.selects(p["spec"]["podSelector"], pods["towerflow-redis"])]
+        assert any("Egress" in p["spec"]["policyTypes"] and not p["spec"].get("egress") for p in redis), (
+            "Redis opens no connection"
+        )
+
+
+def test_the_cpu_ha_overlay_survives_the_heads_loss():
+    objects = build(K8S / "overlays" / "cpu-ha")
+    problems = rules.head_fault_tolerance_problems(objects)
+    assert not problems, "\n".join(problems)
+    cluster = of_kind(objects, "RayCluster")[0]["spec"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert rules.custom_resources(groups["drivers"]) == {"towerflow-driver": 1}
+    assert not any(rules.custom_resources(g) for n, g in groups.items() if n != "drivers")
+    assert not rules.custom_resources(cluster["headGroupSpec"])
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    for job in of_kind(objects, "RayJob"):
+        assert rules.entrypoint_demand(job["spec"]) == ({"towerflow-driver": 1.0}, []), schemas.name_of(job)
+    # The CPU workers are the cpu overlay's: the jobs' capacity is what it was.
+    cpu = of_kind(build(K8S / "overlays" / "cpu"), "RayCluster")[0]["spec"]
+    assert groups["cpu"] == cpu["workerGroupSpecs"][0]
+    assert rules.starting_capacity(cluster) == rules.starting_capacity(cpu)
+    # Opt-in: the other overlays keep their GCS in the head and their drivers on it.
+    for overlay in (K8S / "overlays" / "cpu", K8S / "overlays" / "gpu"):
+        assert rules.head_fault_tolerance_problems(build(overlay))
+        assert not any("towerflow-redis" in schemas.name_of(o) for o in build(overlay))
 
 
 def test_no_secret_values_in_the_repository():
     for path in K8S.rglob("*.yaml"):
-        for obj in yaml.safe_load_all(path.read_text()):
-            if not obj:
-                continue
-            assert "secretGenerator" not in obj, f"{path}: Secrets are created by hand, not generated"
-            if obj.get("kind") == "Secret":
-                assert not obj.get("data") and not obj.get("stringData"), f"{path}: a Secret with values"
+        # Wherever an object sits: a manifest, a kustomization, a patch (a JSON patch is a list).
+        for node in rules.walk_dicts(list(yaml.safe_load_all(path.read_text()))):
+            assert "secretGenerator" not in node, f"{path}: Secrets are created by hand, not generated"
+            if node.get("kind") == "Secret":
+                assert not node.get("data") and not node.get("stringData"), f"{path}: a Secret with values"
 
 
 def test_the_doc_creates_every_secret_the_manifests_read():
@@ -324,6 +357,92 @@ def test_the_checks_refuse_a_broken_object(breakage):
     assert not check(objects), "the unbroken build must pass"
     BREAKAGES[breakage][0](objects)
     assert check(objects), f"{breakage} went unnoticed"
+
+
+def _redis_peers(objects):
+    return _by_name(objects, "NetworkPolicy", "towerflow-redis")["spec"]["ingress"][0]["from"]
+
+
+def _gcs_ft(objects):
+    return _cluster(objects)["spec"]["gcsFaultToleranceOptions"]
+
+
+def _head_params(objects):
+    return _cluster(objects)["spec"]["headGroupSpec"]["rayStartParams"]
+
+
+def _every_job(objects, change):
+    for job in (o for o in objects if o["kind"] == "RayJob"):
+        change(job["spec"])
+
+
+def _drivers(objects):
+    return next(g for g in _cluster(objects)["spec"]["workerGroupSpecs"] if g["groupName"] == "drivers")
+
+
+HA_BREAKAGES = {
+    "a job whose driver runs on the head": lambda objs: _every_job(
+        objs, lambda spec: spec.pop("entrypointResources")
+    ),
+    "a job that asks for what no pod offers": lambda objs: _every_job(
+        objs, lambda spec: spec.update(entrypointResources='{"towerflow-drivers": 1}')
+    ),
+    "entrypointResources that are not JSON": lambda objs: _every_job(
+        objs, lambda spec: spec.update(entrypointResources="towerflow-driver=1")
+    ),
+    "a submitter that gives up before the head is back": lambda objs: _every_job(
+        objs, lambda spec: spec["submitterConfig"].update(backoffLimit=2)
+    ),
+    "a drivers group the autoscaler may remove": lambda objs: _drivers(objs).update(minReplicas=0),
+    "a drivers group that draws training": lambda objs: _drivers(objs)["rayStartParams"].pop("num-cpus"),
+    "custom resources not in KubeRay's format": lambda objs: _drivers(objs)["rayStartParams"].update(
+        resources='{"towerflow-driver": 1}'
+    ),
+    "a head that trains": lambda objs: _head_params(objs).update({"num-cpus": "2"}),
+    "a Redis password in the manifest": lambda objs: _gcs_ft(objs).update(redisPassword={"value": "hunter2"}),
+    "a Redis address that is no Service": lambda objs: _gcs_ft(objs).update(redisAddress="redis:6379"),
+}
+
+
+@pytest.mark.parametrize("breakage", HA_BREAKAGES)
+def test_the_head_fault_tolerance_checks_refuse_a_broken_build(breakage):
+    objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu-ha")))
+    assert not rules.head_fault_tolerance_problems(objects), "the unbroken build must pass"
+    HA_BREAKAGES[breakage](objects)
+    assert rules.head_fault_tolerance_problems(objects), f"{breakage} went unnoticed"
+
+
+def test_a_job_whose_driver_finds_no_pod_is_refused():
+    objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu-ha")))
+    job = _by_name(objects, "RayJob", "mnist-sync")
+    assert not rules.rayjob_problems(job, _cluster(objects))
+    job["spec"]["entrypointResources"] = '{"towerflow-driver": 2}'
+    assert rules.rayjob_problems(job, _cluster(objects))
+
+
+def test_a_redis_reachable_from_the_workers_is_refused():
+    objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu-ha")))
+    pods = rules.pod_labels(tuple(objects))
+    gcs = {role for role in pods if role.endswith((" head", " redis-cleanup"))}
+    policies = of_kind(objects, "NetworkPolicy")
+    assert not rules.only_from(rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods)
+    _redis_peers(objects).append(
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "ray-node"}}}
+    )
+    assert rules.only_from(rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods)
+
+
+def test_a_head_that_may_not_reach_redis_is_refused():
+    objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu-ha")))
+    pods = rules.pod_labels(tuple(objects))
+    head = next(labels for role, labels in pods.items() if role.endswith(" head"))
+    assert rules.egress_allowed(of_kind(objects, "NetworkPolicy"), head, pods["towerflow-redis"], 6379)
+    deny = {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "ray-node"}},
+        "policyTypes": ["Egress"],
+    }
+    objects.append({"kind": "NetworkPolicy", "metadata": {"name": "deny-egress"}, "spec": deny})
+    assert not rules.egress_allowed(of_kind(objects, "NetworkPolicy"), head, pods["towerflow-redis"], 6379)
 
 
 def test_a_database_reachable_from_anywhere_is_refused():
