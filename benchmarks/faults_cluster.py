@@ -44,6 +44,12 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   it holds a worker (`ray drain-node`) and another 2-CPU node joins: the spare asked for at the
   notice starts there and takes the worker's place in one resize; then the drained node is lost.
   Survived: no worker lost and the run finished at max_steps; recovery: the notice to that resize.
+- head lost and started again (sync), GCS in Redis: on a cluster of its own (its GCS's tables in a
+  real Redis, tests/redis_store.py; a head with no CPUs and two 2-CPU nodes), `3 * --steps` steps,
+  the driver on a node that is not the head's (as in k8s/overlays/cpu-ha); at step `--at` the head
+  is SIGKILLed and started again 3 s later on the same ports. Against a clean run of the same
+  configuration on that cluster. Recovery: the head's kill to alive again; the notes add the steps
+  MLflow heard of meanwhile (the run trains on through it: runtime/head_watch.py).
 
 Survived, in the other rows: the driver exits 0 and its MLflow run is FINISHED at max_steps. One round is
 eleven drivers' runs and two resumed ones: about 30 minutes on 2 cores with the cluster's start
@@ -93,6 +99,10 @@ SHARD_NODE_LOST = "shard's node lost (sync), no notice"
 SHARD_NODE_DRAINED = "shard's node lost (sync), after a drain notice"  # memory_checkpoint_draining_s
 CLEAN_LONGER = "clean sync, longer"
 ELASTIC_DRAINED = "elastic: node drained, then lost"
+HEAD_LOST = "head lost and started again (sync), GCS in Redis"
+CLEAN_FT = "clean sync, GCS in Redis"
+# The rows run on a cluster of their own: its GCS's tables in a Redis, a head with no CPUs.
+GCS_FT_ROWS = frozenset({HEAD_LOST, CLEAN_FT})
 # Which rows each kind of run gives, and each faulted row's clean run.
 BASELINE = {
     "node lost (sync)": "clean sync",
@@ -104,6 +114,7 @@ BASELINE = {
     "elastic: node joins": "clean elastic",
     "elastic: node lost": "clean elastic",
     ELASTIC_DRAINED: "clean elastic",
+    HEAD_LOST: CLEAN_FT,
 }
 Log = Callable[[str], None]
 
@@ -111,9 +122,12 @@ Log = Callable[[str], None]
 # -- the runs ---------------------------------------------------------------------------------------
 
 
-def clean_run(cluster, args, tmp: Path, name: str, config: dict, max_steps: int) -> dict:
+def clean_run(
+    cluster, args, tmp: Path, name: str, config: dict, max_steps: int, *extra: str, node: Any = None
+) -> dict:
     client = mlflow_client(tmp)
-    driver = start_driver(cluster, write_spec(tmp, name, args, config, max_steps), tmp / "driver.log")
+    spec = write_spec(tmp, name, args, config, max_steps, *extra)
+    driver = start_driver(cluster, spec, tmp / "driver.log", node=node)
     try:
         driver.wait()
     finally:
@@ -175,6 +189,50 @@ def shard_node_lost(cluster, args, tmp: Path, log: Log, *, notice: bool) -> dict
             examples_per_sec=driver.examples_per_sec(),
             steps_redone=run.data.metrics.get("steps_redone", 0.0),
             notes=notes,
+        )
+    }
+
+
+def clean_gcs_ft(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    return {
+        CLEAN_FT: clean_run(
+            cluster, args, tmp, "clean-ft", SYNC, longer_steps(args), *OFF_THE_HEAD, node=cluster.nodes[1]
+        )
+    }
+
+
+# The driver on another node than the head (as a RayJob's in the drivers group of k8s/overlays/
+# cpu-ha), its command running it alone (a restarted one would join the head: train_command).
+OFF_THE_HEAD = ("training.failure.driver_restarts=0",)
+
+
+def head_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+    """The head SIGKILLed at step `--at` (its GCS, raylet and dashboard) and started again 3 s later on
+    the same ports, as KubeRay restarts a lost head pod; the GCS reads its tables back from Redis.
+    The driver and every actor of the run are on the other nodes. Recovery: the head's restart (its
+    kill to alive again); the notes add the steps MLflow heard of while it was away."""
+    client = mlflow_client(tmp)
+    steps = longer_steps(args)  # room for the head's absence within the run
+    spec = write_spec(tmp, "head-lost", args, SYNC, steps, *OFF_THE_HEAD)
+    driver = start_driver(cluster, spec, tmp / "driver.log", node=cluster.nodes[1])
+    try:
+        run_id, seen = wait_for_step(client, "head-lost", args.at, driver)
+        lost, started = now_ms(), time.monotonic()
+        cluster.restart_head()
+        away_s, back = time.monotonic() - started, now_ms()
+        log(f"  head lost at step {seen:g} (MLflow), alive again {away_s:.1f} s later")
+        driver.wait()
+    finally:
+        driver.kill()
+    ok, run, notes = run_outcome(client, run_id, driver, steps)
+    during = [m.value for m in client.get_metric_history(run_id, "global_step") if lost < m.timestamp < back]
+    notes.append(
+        f"steps heard of while the head was away: {len(during)}"
+        + (f" ({min(during):g} to {max(during):g})" if during else "")
+    )
+    return {
+        HEAD_LOST: result(
+            driver.wall_s, ok, examples_per_sec=driver.examples_per_sec(), recovery_s=away_s, notes=notes
         )
     }
 
@@ -424,6 +482,8 @@ RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (clean_elastic, ("clean elastic",)),
     (elastic, ("elastic: node joins", "elastic: node lost")),
     (elastic_drained, (ELASTIC_DRAINED,)),
+    (clean_gcs_ft, (CLEAN_FT,)),
+    (head_lost, (HEAD_LOST,)),
 ]
 
 
@@ -451,31 +511,44 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def run_cluster_cases(args: argparse.Namespace, log: Log) -> list[dict]:
-    """Start a 3-node LocalCluster, run `args.rounds` rounds of the cluster cases (each with its clean
-    run), stop the cluster, and return the faulted cases' table rows."""
+    """Start a 3-node LocalCluster (and, for the head's loss, one whose GCS keeps its tables in a
+    Redis), run `args.rounds` rounds of the cluster cases (each with its clean run), stop the
+    clusters, and return the faulted cases' table rows."""
     runs = selected_runs(args.only)
     if not runs:
         return []
     sys.path.insert(0, str(ROOT / "tests"))  # tests/multinode.py: the multi-node cluster of the tests
     from multinode import LocalCluster
+    from redis_store import RedisStore
 
     ensure_mnist(DATA, log)
     results: dict[str, list[dict]] = {}
-    cluster = LocalCluster(head_cpus=2, node_cpus=(2, 2))
+    plain = [(run, rows) for run, rows in runs if not GCS_FT_ROWS & set(rows)]
+    with_redis = [(run, rows) for run, rows in runs if GCS_FT_ROWS & set(rows)]
     on_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # stop the nodes on a SIGTERM too
     try:
-        cluster.start()
-        for round_ in range(args.rounds):
-            for run, rows in runs[round_ % len(runs) :] + runs[: round_ % len(runs)]:
-                log(f"round {round_ + 1} (cluster): {', '.join(rows)}")
-                for row, outcome in guarded(run, rows, cluster, args, log).items():
-                    results.setdefault(row, []).append(outcome)
-                    log(f"  {row}: {outcome}")
+        if plain:
+            with LocalCluster(head_cpus=2, node_cpus=(2, 2)) as cluster:
+                _rounds(plain, cluster, args, log, results)
+        if with_redis:
+            with (
+                RedisStore() as redis,
+                LocalCluster(head_cpus=0, node_cpus=(2, 2), gcs_store=redis) as cluster,
+            ):
+                _rounds(with_redis, cluster, args, log, results)
     finally:
-        cluster.shutdown()
         signal.signal(signal.SIGTERM, on_term)
     return [
         summarize(row, results[row], results[BASELINE[row]], ratio=not row.startswith("driver killed"))
         for row in BASELINE
         if row in results
     ]
+
+
+def _rounds(runs: list, cluster, args: argparse.Namespace, log: Log, results: dict[str, list[dict]]) -> None:
+    for round_ in range(args.rounds):
+        for run, rows in runs[round_ % len(runs) :] + runs[: round_ % len(runs)]:
+            log(f"round {round_ + 1} (cluster): {', '.join(rows)}")
+            for row, outcome in guarded(run, rows, cluster, args, log).items():
+                results.setdefault(row, []).append(outcome)
+                log(f"  {row}: {outcome}")

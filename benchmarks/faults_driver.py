@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,10 +85,13 @@ class Driver:
         return float(found[-1].replace(",", "")) if found else None
 
 
-def start_driver(cluster, spec: Path, output: Path, *args: str) -> Driver:
+def start_driver(cluster, spec: Path, output: Path, *args: str, node: Any = None) -> Driver:
+    """`towerflow train SPEC` on `cluster`; with `node`, its driver on that node (not the head's)."""
+    from multinode_drivers import train_command  # tests/ (run_cluster_cases puts it on the path)
+
     with open(output, "ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "towerflow", "train", str(spec), "--no-progress", *args],
+            train_command(spec, *args, node=node),
             cwd=ROOT,
             env={**cluster.env(), "TF_CPP_MIN_LOG_LEVEL": "2"},
             stdin=subprocess.DEVNULL,

@@ -74,7 +74,12 @@ def spec_file(
 
 def start_driver(cluster: LocalCluster, spec: Path, *args: str) -> subprocess.Popen:
     """`towerflow train` on the cluster, as a user runs it (its driver joins the head's raylet)."""
-    return _towerflow(cluster, ["-m", "towerflow", "train", str(spec), "--no-progress", *args])
+    return _towerflow(cluster, train_command(spec, *args))
+
+
+def start_driver_on(cluster: LocalCluster, node: Node, spec: Path, *args: str) -> subprocess.Popen:
+    """`towerflow train` with its driver on `node` (`train_command`)."""
+    return _towerflow(cluster, train_command(spec, *args, node=node))
 
 
 # A driver joined to one node's raylet: `ray.init` picks the node by its temp dir, then the command
@@ -85,19 +90,21 @@ _DRIVER_ON_NODE = (
 )
 
 
-def start_driver_on(cluster: LocalCluster, node: Node, spec: Path, *args: str) -> subprocess.Popen:
-    """`towerflow train` with its driver on `node`, as a driver in a worker pod of its own is on
-    Kubernetes. On one machine Ray joins a driver to the head's raylet, whichever node it starts
-    from (it prefers the head among the raylets of the host): this one names its node. Its command
-    runs no driver of its own (`driver_restarts` 0 in `spec`: a restarted child would join the head)."""
-    return _towerflow(
-        cluster, ["-c", _DRIVER_ON_NODE, node.temp_dir, "train", str(spec), "--no-progress", *args]
-    )
+def train_command(spec: Path, *args: str, node: Node | None = None) -> list[str]:
+    """The argv of `towerflow train SPEC --no-progress ARGS`; with `node`, its driver on that node,
+    as a driver in a worker pod of its own is on Kubernetes. On one machine Ray joins a driver to
+    the head's raylet, whichever node it starts from (it prefers the head among the raylets of the
+    host): this one names its node. Its command runs no driver of its own (`driver_restarts` 0 in
+    `spec`: a restarted child would join the head)."""
+    train = ["train", str(spec), "--no-progress", *args]
+    if node is None:
+        return [sys.executable, "-m", "towerflow", *train]
+    return [sys.executable, "-c", _DRIVER_ON_NODE, node.temp_dir, *train]
 
 
 def _towerflow(cluster: LocalCluster, args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, *args],
+        args,
         cwd=REPO,
         env={**cluster.env(), "TF_CPP_MIN_LOG_LEVEL": "2"},
         stdout=subprocess.PIPE,

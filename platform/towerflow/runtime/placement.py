@@ -28,6 +28,7 @@ seldom as the layout allows (a warning says when it would every time).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections import Counter
@@ -36,7 +37,6 @@ from typing import Any
 import ray
 
 from towerflow.errors import ClusterError
-from towerflow.runtime.actors import ACTOR_GONE
 
 log = logging.getLogger(__name__)
 
@@ -270,17 +270,32 @@ def declared_dead(actor: Any) -> bool:
     return _actor_record(actor).get("State") == "DEAD"
 
 
-def actor_node(actor: Any, timeout_s: float = 5.0) -> str | None:
-    """The node an actor runs on, as the actor itself says: a direct call, with no GCS on the way
-    (a lost head's would hold the asker up until it is back: runtime/head_watch.py). None where it
-    does not answer within `timeout_s` (gone, or busy). Asked once per actor: the run's shards and
-    workers are never restarted, so never move."""
+def ask_node(actor: Any) -> Any:
+    """Ask `actor` where it runs, without waiting for the answer (`actor_node` reads it); returns
+    the actor. Asked as an actor is made, the answer comes as its start ends, before it is busy
+    (a worker's calls can fill its threads for as long as a resize takes)."""
     key = actor._actor_id.hex()
-    if key not in _actor_nodes:
-        try:
-            _actor_nodes[key] = ray.get(actor.__ray_call__.remote(_own_node), timeout=timeout_s)
-        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
-            return None
+    if key not in _actor_nodes and key not in _asked:
+        _asked[key] = actor.__ray_call__.remote(_own_node).future()
+    return actor
+
+
+def actor_node(actor: Any) -> str | None:
+    """The node an actor runs on, as the actor itself said: a direct call, with no GCS on the way (a
+    lost head's would hold the asker up until it is back: runtime/head_watch.py). Never waits:
+    None until the actor has answered `ask_node` (asked here if it was not), or where it is gone.
+    Kept once known: the run's shards and workers are never restarted, so never move."""
+    key = actor._actor_id.hex()
+    if key in _actor_nodes:
+        return _actor_nodes[key]
+    ask_node(actor)
+    answer = _asked[key]
+    if not answer.done():
+        return None
+    del _asked[key]  # answered: kept below, or asked again next time (an actor gone says nothing)
+    if answer.exception() is not None:
+        return None
+    _actor_nodes[key] = answer.result()
     return _actor_nodes[key]
 
 
@@ -289,6 +304,7 @@ def _own_node(_actor: Any) -> str:
 
 
 _actor_nodes: dict[str, str] = {}  # actor id -> its node, once known
+_asked: dict[str, concurrent.futures.Future] = {}  # actor id -> its answer to come
 
 
 def _actor_record(actor: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from towerflow.runtime.actors import ACTOR_GONE, kill_quietly
+from towerflow.runtime.placement import ask_node
 from towerflow.runtime.run_keeper import LiveRun, compatibility
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
@@ -191,15 +192,19 @@ class RunActors:
             config.ready_node_for_reading = self._ready_node_for_reading
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
         lifetime = {"lifetime": "detached"} if self._kept_worker(worker_id) else {}
-        return actor.options(**self.actor_placement.worker_options(worker_id), **lifetime).remote(config)
+        return ask_node(
+            actor.options(**self.actor_placement.worker_options(worker_id), **lifetime).remote(config)
+        )
 
     def _new_spare_worker(self, bundle: int) -> Any:
         """A warm spare worker in this bundle, with no id yet: it takes a lost one's (`assume`)."""
         cluster = self.spec.cluster
         actor = worker_actor(cluster.cpus_per_worker, cluster.gpus_per_worker)
         lifetime = {"lifetime": "detached"} if self.actor_placement.detached else {}
-        return actor.options(**self.actor_placement.bundle_options(bundle), **lifetime).remote(
-            self._idless_worker_config()
+        return ask_node(
+            actor.options(**self.actor_placement.bundle_options(bundle), **lifetime).remote(
+                self._idless_worker_config()
+            )
         )
 
     def _replacement_for(self, worker_id: int) -> Any:

@@ -17,7 +17,7 @@ from towerflow.checkpoint.stores import StoredCheckpoint
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
 from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, peer_ring
-from towerflow.runtime.placement import actor_node
+from towerflow.runtime.placement import actor_node, ask_node
 from towerflow.runtime.protocol import make_protocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.pushes import Placement
@@ -334,4 +334,4 @@ class ShardGroup:
         cpus = self.spec.cluster.cpus_per_ps
         lifetime = {"lifetime": "detached"} if self.detached else {}
         actor = shard_actor(cpus).options(**self.actor_placement.bundle_options(bundle), **lifetime)
-        return actor.remote(index, cpus, apply_threads=self.apply_threads)
+        return ask_node(actor.remote(index, cpus, apply_threads=self.apply_threads))
