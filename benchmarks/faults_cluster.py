@@ -54,7 +54,8 @@ Each faulted run is paired with a clean run of the same configuration in the sam
 Survived, in the other rows: the driver exits 0 and its MLflow run is FINISHED at max_steps. One round is
 eleven drivers' runs and two resumed ones: about 30 minutes on 2 cores with the cluster's start
 (estimated from its parts: the shard's-node rows took 8 minutes for two rounds, the elastic ones
-13), up to 5 more where a resize never comes (RESIZE_TIMEOUT_S); `--only` runs a part.
+13), up to 5 more where a resize never comes (RESIZE_TIMEOUT_S); the head's-loss pair, on its own
+cluster, 3 more a round (10 minutes for three rounds with that cluster's start); `--only` runs a part.
 """
 
 from __future__ import annotations

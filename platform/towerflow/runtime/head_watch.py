@@ -24,6 +24,8 @@ T = TypeVar("T")
 # A look at the GCS answers in under a millisecond: this long without one is a head gone, not a
 # busy one (the GCS's own health checks of a raylet give up after 5 missed seconds).
 SILENT_AFTER_S = 5.0
+# Answers this fresh (a look every second, each under a millisecond) say the head was there.
+FRESH_S = 2.0
 
 
 class BackgroundAnswer(Generic[T]):
@@ -114,8 +116,9 @@ class HeadWatch:
     def look(self, step: int) -> HeadSilence | None:
         silent_s = self._answers.silent_s()
         if self.state is HeadState.ANSWERING:
-            if silent_s < self._silent_after_s:
+            if silent_s < FRESH_S:
                 self._from_step = step  # the last step seen while it answered
+            if silent_s < self._silent_after_s:
                 return None
             self.state, self._longest_s = HeadState.SILENT, silent_s
             return HeadSilence(self._from_step, silent_s, over=False)
