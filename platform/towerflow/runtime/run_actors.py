@@ -81,7 +81,7 @@ class RunActors:
             except ACTOR_GONE:
                 assumed = False
             if assumed:
-                self.group.take_over(worker_id, worker.actor, worker.last_run)
+                self.group.take_over(worker_id, ask_node(worker.actor), worker.last_run)
                 taken.append(worker.actor)
             else:
                 kill_quietly(worker.actor)  # a new worker takes its bundle once Ray frees it

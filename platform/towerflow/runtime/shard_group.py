@@ -65,6 +65,8 @@ class ShardGroup:
         """Take over the live shards of a run whose driver was lost (runtime/run_keeper.py); its
         spare shards end, and new ones start in their bundles."""
         self.actors, self._bundles = list(handover.shards), list(handover.shard_bundles)
+        for shard in self.actors:
+            ask_node(shard)
         for spare in handover.spares:
             kill_quietly(spare)
         self.spares.start(self.actor_placement.spare_shard_bundles(self._bundles))
