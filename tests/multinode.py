@@ -47,6 +47,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from node_processes import MOUNT_NAMESPACE, descendants, is_raylet, node_id_of, raylet_of, stop_processes
 from redis_store import RedisStore, redis_server_binary
 from support import blob_spec, free_ports, sqlite_store
 
@@ -189,7 +190,7 @@ class LocalCluster:
     ) -> Node:
         """Join one more node to the cluster; with `wait`, return once the GCS reports it alive.
         `hidden`: folders the node does not see (an empty one mounted over each, in a mount
-        namespace of its own), as a machine without the others' disks; `can_hide_folders()` says
+        namespace of its own), as a machine without the others' disks; `node_processes.can_hide_folders()` says
         whether this machine allows it. `drain_s`: on SIGTERM (`towerflow cluster leave`) the node drains that
         long at most (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; 0, every other node's: it stops at once)."""
         node = self._launch(
@@ -242,7 +243,7 @@ class LocalCluster:
             command.append(f"--resources={json.dumps(resources)}")
         if hidden:  # `ray start` in a mount namespace of its own, an empty folder over each hidden one
             mounts = " && ".join(f"mount -t tmpfs -o size=1m none {shlex.quote(d)}" for d in hidden)
-            command = [*_MOUNT_NAMESPACE, "sh", "-c", f'{mounts} && exec "$@"', "sh", *command]
+            command = [*MOUNT_NAMESPACE, "sh", "-c", f'{mounts} && exec "$@"', "sh", *command]
         # drain_s 0: on SIGTERM it stops at once, not after draining for Ray's 30 s
         env = {**self._node_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)}
         if "--head" in args and self.gcs_store is not None:
@@ -278,8 +279,8 @@ class LocalCluster:
                         )
                     nodes[i] = node = self._relaunch(node)
                 if not node.node_id:
-                    raylet = _raylet_of(node)
-                    node.node_id = _node_id_of(raylet) if raylet else ""
+                    raylet = raylet_of(node.process.pid)
+                    node.node_id = node_id_of(raylet) if raylet else ""
             if all(n.node_id for n in nodes):
                 with contextlib.suppress(OSError, ValueError):  # the dashboard may not answer yet
                     states = self.node_states()
@@ -365,19 +366,8 @@ class LocalCluster:
         """Lose `node` as a crash would: SIGKILL its raylet (no goodbye to the GCS), then all the rest."""
         if node is self.head:
             raise ValueError("the head holds the GCS and the dashboard: stop it with shutdown()")
-        if node.killed:
-            return
-        group = node.process.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGSTOP)  # frozen, its raylet starts no worker we would not see
-        processes = _descendants(node)
-        for process in [p for p in processes if _is_raylet(p)] + processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
-        node.process.wait()
-        node.killed = True
+        if not node.killed:
+            _crash(node)
 
     def restart_head(self, down_s: float = 3) -> float:
         """Lose the head as a crash would (SIGKILL: its GCS, raylet and dashboard), then start it
@@ -387,16 +377,7 @@ class LocalCluster:
         if self.gcs_store is None:
             raise ValueError("the cluster has no GCS store: it would not outlive its head")
         old = self.head
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(old.process.pid, signal.SIGSTOP)
-        processes = _descendants(old)
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(old.process.pid, signal.SIGKILL)
-        old.process.wait()
-        old.killed = True
+        _crash(old)
         time.sleep(down_s)
         start = time.monotonic()
         shutil.rmtree(old.temp_dir, ignore_errors=True)
@@ -419,61 +400,25 @@ class LocalCluster:
         self.shutdown()
 
 
-_MOUNT_NAMESPACE = ["unshare", "--mount", "--propagation", "private"]
-
-
-def can_hide_folders() -> bool:
-    """Whether nodes may be started with folders hidden from them (a mount namespace needs root,
-    or CAP_SYS_ADMIN)."""
-    probe = [*_MOUNT_NAMESPACE, "sh", "-c", "mount -t tmpfs -o size=1m none /mnt"]
-    with contextlib.suppress(OSError):
-        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    return False
-
-
-def _descendants(node: Node) -> list[psutil.Process]:
-    with contextlib.suppress(psutil.NoSuchProcess):
-        return psutil.Process(node.process.pid).children(recursive=True)
-    return []
-
-
-def _is_raylet(process: psutil.Process) -> bool:
-    with contextlib.suppress(psutil.Error):
-        cmdline = process.cmdline()
-        return bool(cmdline) and os.path.basename(cmdline[0]) == "raylet"
-    return False
-
-
-def _raylet_of(node: Node) -> psutil.Process | None:
-    return next((p for p in _descendants(node) if _is_raylet(p)), None)
-
-
-def _node_id_of(raylet: psutil.Process) -> str:
-    with contextlib.suppress(psutil.Error):
-        for arg in raylet.cmdline():
-            if arg.startswith("--node_id="):
-                return arg.split("=", 1)[1]
-    return ""
+def _crash(node: Node) -> None:
+    """SIGKILL a node's raylet, then every other process of it (its `ray start` first frozen, so that
+    its raylet starts no worker we would not see)."""
+    group = node.process.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGSTOP)
+    processes = descendants(group)
+    for process in [p for p in processes if is_raylet(p)] + processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    node.process.wait()
+    node.killed = True
 
 
 def _stop(nodes: list[Node], timeout: float = 30) -> None:
-    """SIGTERM each `ray start --block` (it stops what it started), then SIGKILL whatever is left."""
-    leftovers = []
-    for node in nodes:
-        leftovers += _descendants(node)  # workers too, which sit in process groups of their own
-        with contextlib.suppress(ProcessLookupError):
-            node.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for node in nodes:
-        try:
-            node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.process.pid, signal.SIGKILL)
-            node.process.wait()
-    for process in leftovers:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
+    """SIGTERM each node's `ray start --block` (it stops what it started), then SIGKILL what is left."""
+    stop_processes([node.process for node in nodes], timeout)
 
 
 def cluster_spec_file(

@@ -13,11 +13,12 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from support import free_ports
+
+from towerflow.local_cluster.processes import wait_until
 
 
 def redis_server_binary() -> str | None:
@@ -56,22 +57,28 @@ class RedisStore:
             f'port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\nsave ""\n'
             f"appendonly no\ndir {self._dir}\n"
         )
-        self.process = subprocess.Popen(
-            [binary, str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"redis-server did not listen on {self.address} within {timeout:.0f} s")
+        log = Path(self._dir) / "redis.log"
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(
+                [binary, str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            wait_until(
+                self._listens, process=self.process, what="redis-server", log_path=log, timeout_s=timeout
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _listens(self) -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+            return True
+        return False
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

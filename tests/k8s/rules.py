@@ -21,9 +21,6 @@ MLFLOW_URI = "http://towerflow-mlflow:5000"
 MAX_RAYJOB_NAME = 47
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 SECRETISH = re.compile(r"PASSWORD|TOKEN|SECRET|CREDENTIAL|_KEY$")
-# How long KubeRay's worker pods wait for a lost GCS (RAY_gcs_rpc_server_reconnect_timeout_s, which
-# KubeRay sets under GCS fault tolerance): a head back later has lost the cluster anyway.
-GCS_RECONNECT_S = 600
 
 
 # --- pods and containers ------------------------------------------------------------------------
@@ -378,79 +375,6 @@ def rayjob_problems(job: Object, cluster: Object) -> list[str]:
     return problems
 
 
-def submitter_patience_s(backoff_limit: int) -> float:
-    """How long after its first failure a Kubernetes Job's last retry starts at the latest: the Job
-    controller waits 10 s, 20 s, 40 s ... (at most 6 minutes) before each retry."""
-    return sum(min(10 * 2**attempt, 360) for attempt in range(backoff_limit))
-
-
-def head_fault_tolerance_problems(objects: tuple[Object, ...] | list[Object]) -> list[str]:
-    """A build whose Ray clusters outlive their head (the cpu-ha overlay): the GCS's tables in a Redis
-    of the build, its password from a Secret; the head trains nothing; each RayJob's driver in a
-    group of its own, which only it asks for, always there and with no CPUs to draw training there;
-    and job submitters that retry for as long as the other pods wait for the head."""
-    clusters = [o for o in objects if o["kind"] == "RayCluster"]
-    if len(clusters) != 1:
-        return [f"one RayCluster expected, not {len(clusters)}"]
-    cluster = clusters[0]
-    where, spec = name_of(cluster), cluster["spec"]
-    options = spec.get("gcsFaultToleranceOptions")
-    if options is None:
-        return [f"{where}: no gcsFaultToleranceOptions: the GCS's tables die with the head"]
-    problems = []
-    host, _, port = (options.get("redisAddress") or "").rpartition(":")
-    services = {
-        o["metadata"]["name"]: {p["port"] for p in o["spec"].get("ports") or []}
-        for o in objects
-        if o["kind"] == "Service"
-    }
-    if not port.isdigit() or int(port) not in services.get(host, set()):
-        problems.append(
-            f"{where}: redisAddress {options.get('redisAddress')!r} is no Service port of the build"
-        )
-    password = options.get("redisPassword") or {}
-    if "value" in password or "secretKeyRef" not in (password.get("valueFrom") or {}):
-        problems.append(f"{where}: the Redis password must come from a Secret (redisPassword.valueFrom)")
-    if (spec["headGroupSpec"].get("rayStartParams") or {}).get("num-cpus") != "0":
-        problems.append(f"{where}: the head must keep num-cpus 0 (no training there)")
-    try:
-        offers = {name: group_resources(group) for name, group, _ in starting_groups(spec)}
-    except ValueError as exc:
-        return problems + [f"{where}: {exc}"]
-    groups = {name: group for name, group, _ in starting_groups(spec)}
-    for job in (o for o in objects if o["kind"] == "RayJob"):
-        demand, asked_problems = entrypoint_demand(job["spec"])
-        custom = {key for key in demand if key not in ("CPU", "GPU")}
-        if asked_problems or not custom:
-            problems += [f"{name_of(job)}: {p}" for p in asked_problems] or [
-                f"{name_of(job)}: asks for no resource of the drivers' group: its driver runs on the head"
-            ]
-            continue
-        hosts = [name for name, offer in offers.items() if custom <= set(offer)]
-        if len(hosts) != 1 or hosts[0] == "head":
-            problems.append(
-                f"{name_of(job)}: {sorted(custom)} must be offered by one worker group, not {hosts}"
-            )
-            continue
-        group = groups[hosts[0]]
-        if not 1 <= group.get("minReplicas", 0) == group.get("maxReplicas", 0):
-            problems.append(
-                f"{where}: group {hosts[0]} (the drivers') needs minReplicas = maxReplicas >= 1: always there"
-            )
-        if offers[hosts[0]]["CPU"] or offers[hosts[0]]["GPU"]:
-            problems.append(
-                f"{where}: group {hosts[0]} (the drivers') must offer no CPUs or GPUs: training would go there"
-            )
-        backoff = (job["spec"].get("submitterConfig") or {}).get("backoffLimit", 2)
-        if submitter_patience_s(backoff) < GCS_RECONNECT_S:
-            problems.append(
-                f"{name_of(job)}: submitterConfig.backoffLimit {backoff} gives up "
-                f"{submitter_patience_s(backoff):g} s after the head's loss, before the other pods do "
-                f"({GCS_RECONNECT_S} s): KubeRay would fail the job and start it over on a new cluster"
-            )
-    return problems
-
-
 def raycluster_problems(cluster: Object, ray_version: str) -> list[str]:
     where, spec = name_of(cluster), cluster["spec"]
     problems = []
@@ -515,95 +439,4 @@ def _drain_problems(where: str, group: Object) -> list[str]:
             f"{where}: group {name}: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S ({drain_s:g}) must be set, 10 s "
             f"or more below terminationGracePeriodSeconds ({grace_s})"
         )
-    return problems
-
-
-# --- NetworkPolicies ----------------------------------------------------------------------------
-
-
-def selects(selector: Object, labels: dict[str, str]) -> bool:
-    if set(selector) - {"matchLabels"}:
-        raise AssertionError(f"this check reads matchLabels only, not {sorted(selector)}")
-    return all(labels.get(key) == value for key, value in (selector.get("matchLabels") or {}).items())
-
-
-def ingress_peers(policies: list[Object], labels: dict[str, str], port: int) -> list[Object] | None:
-    """The peers that the NetworkPolicies let reach a pod with these labels on a TCP port; None when
-    no policy selects the pod (everything may reach it)."""
-    chosen = [
-        p
-        for p in policies
-        if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-        and selects(p["spec"]["podSelector"], labels)
-    ]
-    if not chosen:
-        return None
-    peers = []
-    for policy in chosen:
-        for rule in policy["spec"].get("ingress") or []:
-            ports = rule.get("ports")
-            if ports and not any(p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in ports):
-                continue
-            peers.extend(rule.get("from") or [{"anyone": True}])  # a rule without `from` admits all
-    return peers
-
-
-def pod_labels(objects: tuple[Object, ...]) -> dict[str, dict[str, str]]:
-    """The labels of every kind of pod a build makes, by a short role name."""
-    found = {}
-    for obj in objects:
-        if obj["kind"] in ("Deployment", "StatefulSet"):
-            found[obj["metadata"]["name"]] = obj["spec"]["template"]["metadata"]["labels"]
-        for where, spec in ray_cluster_specs(obj):
-            head = spec["headGroupSpec"]["template"]["metadata"]["labels"]
-            found[f"{where} head"] = {**head, "ray.io/node-type": "head"}
-            for group in spec.get("workerGroupSpecs") or []:
-                labels = group["template"]["metadata"]["labels"]
-                found[f"{where} {group['groupName']}"] = {**labels, "ray.io/node-type": "worker"}
-            if spec.get("gcsFaultToleranceOptions") is not None:
-                # KubeRay's Redis clean-up Job, run when the cluster is deleted: the head's pod
-                # template with another node type.
-                found[f"{where} redis-cleanup"] = {**head, "ray.io/node-type": "redis-cleanup"}
-        if obj["kind"] == "RayJob":
-            found[f"{name_of(obj)} submitter"] = obj["spec"]["submitterPodTemplate"]["metadata"]["labels"]
-    return found
-
-
-def egress_allowed(policies: list[Object], labels: dict[str, str], to: dict[str, str], port: int) -> bool:
-    """Whether the NetworkPolicies let a pod with `labels` open a TCP connection to a pod of this
-    namespace with labels `to` on `port` (allowed where no policy restricts its egress)."""
-    chosen = [
-        p
-        for p in policies
-        # Without policyTypes, a policy restricts egress where it has egress rules.
-        if "Egress" in p["spec"].get("policyTypes", ["Egress"] if "egress" in p["spec"] else [])
-        and selects(p["spec"]["podSelector"], labels)
-    ]
-    if not chosen:
-        return True
-    for policy in chosen:
-        for rule in policy["spec"].get("egress") or []:
-            ports = rule.get("ports")
-            if ports and not any(p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in ports):
-                continue
-            peers = rule.get("to")
-            if not peers or any(
-                set(peer) == {"podSelector"} and selects(peer["podSelector"], to) for peer in peers
-            ):
-                return True
-    return False
-
-
-def only_from(peers: list[Object] | None, allowed: set[str], pods: dict[str, dict[str, str]]) -> list[str]:
-    """Problems unless every peer is a pod selector (this namespace) that selects allowed pods only."""
-    if peers is None:
-        return ["no NetworkPolicy selects it: every pod may reach it"]
-    problems = []
-    for peer in peers:
-        if set(peer) != {"podSelector"}:
-            problems.append(f"peer {peer} is not a pod selector of this namespace")
-            continue
-        reached = {role for role, labels in pods.items() if selects(peer["podSelector"], labels)}
-        if reached - allowed:
-            problems.append(f"peer {peer} also admits {sorted(reached - allowed)}")
     return problems

@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO
 from packaging.requirements import Requirement
 
-from tests.k8s import rules, schemas
+from tests.k8s import ha_rules, network_rules, rules, schemas
 from tests.k8s.schemas import K8S, build, of_kind
 
 BUILDS = schemas.kustomizations()
@@ -123,7 +123,7 @@ def test_the_gpu_overlay_has_gpu_workers_and_trains_on_them():
 
 def test_network_policies_admit_only_whom_they_should(objects):
     policies = of_kind(objects, "NetworkPolicy")
-    pods = rules.pod_labels(objects)
+    pods = network_rules.pod_labels(objects)
     ray = {role for role, labels in pods.items() if labels.get("app.kubernetes.io/component") == "ray-node"}
     assert ray, "the Ray pods carry app.kubernetes.io/component: ray-node"
     submitters = {role for role in pods if role.endswith("submitter")}
@@ -138,28 +138,34 @@ def test_network_policies_admit_only_whom_they_should(objects):
         ("towerflow-postgres", 5432): {"towerflow-mlflow"},
     }
     for (role, port), allowed in checks.items():
-        problems = rules.only_from(rules.ingress_peers(policies, pods[role], port), allowed, pods)
+        problems = network_rules.only_from(
+            network_rules.ingress_peers(policies, pods[role], port), allowed, pods
+        )
         assert not problems, f"{role}:{port}: {problems}"
     for role in ray:
-        peers = rules.ingress_peers(policies, pods[role], 6379)
-        assert not rules.only_from(peers, ray, pods), role
+        peers = network_rules.ingress_peers(policies, pods[role], 6379)
+        assert not network_rules.only_from(peers, ray, pods), role
         if role.endswith(" head"):
             # The dashboard: Ray pods, the RayJob submitters and the KubeRay operator's namespace.
-            peers = rules.ingress_peers(policies, pods[role], 8265)
+            peers = network_rules.ingress_peers(policies, pods[role], 8265)
             others = [p for p in peers if "namespaceSelector" in p]
             assert others and all(p["namespaceSelector"] for p in others), (
                 "the operator only, not every namespace"
             )
-            assert not rules.only_from([p for p in peers if p not in others], ray | submitters, pods)
+            assert not network_rules.only_from([p for p in peers if p not in others], ray | submitters, pods)
     if "towerflow-redis" in pods:
         # The GCS's tables: the Ray heads (their GCS) and KubeRay's Redis clean-up Job only.
         gcs = {role for role in ray if role.endswith((" head", " redis-cleanup"))}
         assert any(role.endswith(" redis-cleanup") for role in gcs), "a build with Redis has GCS FT on"
-        problems = rules.only_from(rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods)
+        problems = network_rules.only_from(
+            network_rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods
+        )
         assert not problems, f"towerflow-redis:6379: {problems}"
         for role in gcs:
-            assert rules.egress_allowed(policies, pods[role], pods["towerflow-redis"], 6379), role
-        redis = [p for p in policies if rules.selects(p["spec"]["podSelector"], pods["towerflow-redis"])]
+            assert network_rules.egress_allowed(policies, pods[role], pods["towerflow-redis"], 6379), role
+        redis = [
+            p for p in policies if network_rules.selects(p["spec"]["podSelector"], pods["towerflow-redis"])
+        ]
         assert any("Egress" in p["spec"]["policyTypes"] and not p["spec"].get("egress") for p in redis), (
             "Redis opens no connection"
         )
@@ -167,7 +173,7 @@ def test_network_policies_admit_only_whom_they_should(objects):
 
 def test_the_cpu_ha_overlay_survives_the_heads_loss():
     objects = build(K8S / "overlays" / "cpu-ha")
-    problems = rules.head_fault_tolerance_problems(objects)
+    problems = ha_rules.head_fault_tolerance_problems(objects)
     assert not problems, "\n".join(problems)
     cluster = of_kind(objects, "RayCluster")[0]["spec"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
@@ -183,7 +189,7 @@ def test_the_cpu_ha_overlay_survives_the_heads_loss():
     assert rules.starting_capacity(cluster) == rules.starting_capacity(cpu)
     # Opt-in: the other overlays keep their GCS in the head and their drivers on it.
     for overlay in (K8S / "overlays" / "cpu", K8S / "overlays" / "gpu"):
-        assert rules.head_fault_tolerance_problems(build(overlay))
+        assert ha_rules.head_fault_tolerance_problems(build(overlay))
         assert not any("towerflow-redis" in schemas.name_of(o) for o in build(overlay))
 
 
@@ -407,9 +413,9 @@ HA_BREAKAGES = {
 @pytest.mark.parametrize("breakage", HA_BREAKAGES)
 def test_the_head_fault_tolerance_checks_refuse_a_broken_build(breakage):
     objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu-ha")))
-    assert not rules.head_fault_tolerance_problems(objects), "the unbroken build must pass"
+    assert not ha_rules.head_fault_tolerance_problems(objects), "the unbroken build must pass"
     HA_BREAKAGES[breakage](objects)
-    assert rules.head_fault_tolerance_problems(objects), f"{breakage} went unnoticed"
+    assert ha_rules.head_fault_tolerance_problems(objects), f"{breakage} went unnoticed"
 
 
 def test_a_job_whose_driver_finds_no_pod_is_refused():
@@ -422,34 +428,42 @@ def test_a_job_whose_driver_finds_no_pod_is_refused():
 
 def test_a_redis_reachable_from_the_workers_is_refused():
     objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu-ha")))
-    pods = rules.pod_labels(tuple(objects))
+    pods = network_rules.pod_labels(tuple(objects))
     gcs = {role for role in pods if role.endswith((" head", " redis-cleanup"))}
     policies = of_kind(objects, "NetworkPolicy")
-    assert not rules.only_from(rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods)
+    assert not network_rules.only_from(
+        network_rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods
+    )
     _redis_peers(objects).append(
         {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "ray-node"}}}
     )
-    assert rules.only_from(rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods)
+    assert network_rules.only_from(
+        network_rules.ingress_peers(policies, pods["towerflow-redis"], 6379), gcs, pods
+    )
 
 
 def test_a_head_that_may_not_reach_redis_is_refused():
     objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu-ha")))
-    pods = rules.pod_labels(tuple(objects))
+    pods = network_rules.pod_labels(tuple(objects))
     head = next(labels for role, labels in pods.items() if role.endswith(" head"))
-    assert rules.egress_allowed(of_kind(objects, "NetworkPolicy"), head, pods["towerflow-redis"], 6379)
+    assert network_rules.egress_allowed(
+        of_kind(objects, "NetworkPolicy"), head, pods["towerflow-redis"], 6379
+    )
     deny = {
         "podSelector": {"matchLabels": {"app.kubernetes.io/component": "ray-node"}},
         "policyTypes": ["Egress"],
     }
     objects.append({"kind": "NetworkPolicy", "metadata": {"name": "deny-egress"}, "spec": deny})
-    assert not rules.egress_allowed(of_kind(objects, "NetworkPolicy"), head, pods["towerflow-redis"], 6379)
+    assert not network_rules.egress_allowed(
+        of_kind(objects, "NetworkPolicy"), head, pods["towerflow-redis"], 6379
+    )
 
 
 def test_a_database_reachable_from_anywhere_is_refused():
     objects = copy.deepcopy(list(build(K8S / "overlays" / "cpu")))
-    pods = rules.pod_labels(tuple(objects))
+    pods = network_rules.pod_labels(tuple(objects))
     policies = of_kind(objects, "NetworkPolicy")
     postgres = _by_name(objects, "NetworkPolicy", "towerflow-postgres")
     postgres["spec"]["ingress"][0]["from"].append({"podSelector": {}})
-    peers = rules.ingress_peers(policies, pods["towerflow-postgres"], 5432)
-    assert rules.only_from(peers, {"towerflow-mlflow"}, pods)
+    peers = network_rules.ingress_peers(policies, pods["towerflow-postgres"], 5432)
+    assert network_rules.only_from(peers, {"towerflow-mlflow"}, pods)

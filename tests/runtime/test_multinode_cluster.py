@@ -27,7 +27,6 @@ from mlflow.tracking import MlflowClient
 from multinode import (  # noqa: F401
     RAY_CLI,
     LocalCluster,
-    can_hide_folders,
     cluster_spec_file,
     multinode_cluster_fixture,
 )
@@ -41,6 +40,7 @@ from multinode_drivers import (
     start_driver,
     wait_for_step,
 )
+from node_processes import can_hide_folders
 
 from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 
