@@ -50,6 +50,10 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   is SIGKILLed and started again 3 s later on the same ports. Against a clean run of the same
   configuration on that cluster. Recovery: the head's kill to alive again; the notes add the steps
   MLflow heard of meanwhile (the run trains on through it: runtime/head_watch.py).
+- driver killed with the head it ran on (sync): that cluster, the driver on the head (where `ray
+  job submit` puts it), `driver killed`'s kill point and measures; the head started again as above
+  before the second `--resume auto` (a RayJob's retry), which takes the live shards over from the
+  run's control point (started again by Ray where it was on the head: runtime/run_control.py).
 
 Survived, in the other rows: the driver exits 0 and its MLflow run is FINISHED at max_steps. One round is
 eleven drivers' runs and two resumed ones: about 30 minutes on 2 cores with the cluster's start
@@ -96,8 +100,9 @@ CLEAN_LONGER = "clean sync, longer"
 ELASTIC_DRAINED = "elastic: node drained, then lost"
 HEAD_LOST = "head lost and started again (sync), GCS in Redis"
 CLEAN_FT = "clean sync, GCS in Redis"
+DRIVER_WITH_HEAD = "driver killed with the head it ran on (sync), GCS in Redis"
 # The rows run on a cluster of their own: its GCS's tables in a Redis, a head with no CPUs.
-GCS_FT_ROWS = frozenset({HEAD_LOST, CLEAN_FT})
+GCS_FT_ROWS = frozenset({HEAD_LOST, CLEAN_FT, DRIVER_WITH_HEAD})
 # Which rows each kind of run gives, and each faulted row's clean run.
 BASELINE = {
     "node lost (sync)": "clean sync",
@@ -110,6 +115,7 @@ BASELINE = {
     "elastic: node lost": "clean elastic",
     ELASTIC_DRAINED: "clean elastic",
     HEAD_LOST: CLEAN_FT,
+    DRIVER_WITH_HEAD: CLEAN_FT,
 }
 Log = Callable[[str], None]
 
@@ -293,17 +299,23 @@ def resumed_outcome(
     return ok, max(0, heard - int(resumed)) if resumed is not None else None, notes
 
 
-def driver_killed(cluster, args, tmp: Path, log: Log, *, kept: bool = True) -> dict[str, dict]:
+def driver_killed(
+    cluster, args, tmp: Path, log: Log, *, kept: bool = True, with_head: bool = False
+) -> dict[str, dict]:
     """`kept`: the shards outlive the driver and the new one takes them over (the default), else
-    they end with it (`driver_grace_s: null`) and the new one goes on from the stored checkpoint."""
+    they end with it (`driver_grace_s: null`) and the new one goes on from the stored checkpoint.
+    `with_head`: the head lost with the driver on it (and the run's control point beside it)."""
     client = mlflow_client(tmp)
     extra = () if kept else ("training.failure.driver_grace_s=null",)
-    spec = write_spec(tmp, "driver-lost", args, SYNC, args.steps, *extra)
+    steps = longer_steps(args) if with_head else args.steps  # as its clean run's
+    spec = write_spec(tmp, "driver-lost", args, SYNC, steps, *extra)
     first = start_driver(cluster, spec, tmp / "driver.log", "--resume", "auto")
     try:
         run_id, heard, checkpoint = at_the_kill_point(client, "driver-lost", args, first)
     finally:
         first.kill()  # as a lost head pod loses it: nobody closes the MLflow run
+    if with_head:
+        log(f"  head alive again {cluster.restart_head():.1f} s after its start")
     log(f"  driver killed at step {heard:g} (MLflow), its newest checkpoint at step {checkpoint}")
     restarted = now_ms()
     second = start_driver(cluster, spec, tmp / "driver2.log", "--resume", "auto")
@@ -312,11 +324,10 @@ def driver_killed(cluster, args, tmp: Path, log: Log, *, kept: bool = True) -> d
         second.wait()
     finally:
         second.kill()
-    ok, redone, notes = resumed_outcome(client, run_id, second, args.steps, heard, "--resume auto")
+    ok, redone, notes = resumed_outcome(client, run_id, second, steps, heard, "--resume auto")
+    row = DRIVER_WITH_HEAD if with_head else DRIVER_KILLED if kept else DRIVER_KILLED_NOT_KEPT
     return {
-        DRIVER_KILLED if kept else DRIVER_KILLED_NOT_KEPT: result(
-            first.wall_s + second.wall_s, ok, steps_redone=redone, recovery_s=recovery, notes=notes
-        )
+        row: result(first.wall_s + second.wall_s, ok, steps_redone=redone, recovery_s=recovery, notes=notes)
     }
 
 
@@ -479,4 +490,5 @@ RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (elastic_drained, (ELASTIC_DRAINED,)),
     (clean_gcs_ft, (CLEAN_FT,)),
     (head_lost, (HEAD_LOST,)),
+    (functools.partial(driver_killed, with_head=True), (DRIVER_WITH_HEAD,)),
 ]

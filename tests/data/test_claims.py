@@ -2,7 +2,7 @@
 reads, forgotten at its close, and withdrawn by the next pipeline's start when the coordinator
 died without closing (as with its killed driver), where Ray Data would keep the claim 180 s.
 (With a driver SIGKILLed on a multi-node cluster:
-tests/runtime/test_multinode_driver_loss.py::test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards.)"""
+tests/runtime/test_multinode_driver_loss.py::test_a_driver_lost_with_its_control_point_is_continued_by_resume_auto_from_its_live_shards.)"""
 
 from __future__ import annotations
 

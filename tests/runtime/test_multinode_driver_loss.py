@@ -1,6 +1,6 @@
 """A driver lost on the multi-node test cluster, run as users run it (`python -m towerflow train`
-with RAY_ADDRESS): SIGKILLed, `--resume auto` continues its run with the same shard and worker
-processes; under `driver_restarts` the command starts its killed driver again, which takes the run
+with RAY_ADDRESS): SIGKILLed with the run's control point, `--resume auto` continues its run with
+the same shard and worker processes; under `driver_restarts` the command starts its killed driver again, which takes the run
 over; with no driver, the kept shards end after the grace period. And the head lost and started
 again, the driver on another node: the run trains on through its absence.
 
@@ -50,7 +50,7 @@ def _the_same_processes_train_on(cluster, actors: dict[str, int], driver: subpro
     assert actors in seen and all(alive.items() <= actors.items() for alive in seen), seen
 
 
-def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
+def test_a_driver_lost_with_its_control_point_is_continued_by_resume_auto_from_its_live_shards(
     gcs_ft_cluster, blob_data, tmp_path
 ):
     """Async, two shards (sync with one: the restart below, which takes the run over alike)."""
@@ -65,7 +65,12 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     )
     driver = start_driver(cluster, spec, "--resume", "auto")  # nothing to resume yet: a new run
     run_id = wait_for_step(uri, name, 30, driver)
-    os.killpg(driver.pid, signal.SIGKILL)  # the driver's process, as a lost head pod would lose it
+    # The driver's process and the run's control point, as the loss of the driver's node loses
+    # both where the control point sits there (a soft affinity: Ray may place it elsewhere, as it
+    # did with the head here). Ray starts the control point again, and it knows the run still.
+    (control,) = alive_actors(cluster, "RunControl")
+    os.killpg(driver.pid, signal.SIGKILL)
+    os.kill(control["pid"], signal.SIGKILL)
     driver.wait()
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "RUNNING"  # nobody closed it
@@ -75,6 +80,10 @@ def test_a_killed_driver_is_continued_by_resume_auto_from_its_live_shards(
     # Its shards and workers outlive it (training.failure.driver_grace_s).
     actors = kept_actors(cluster)
     assert len(actors) == ps + 2, actors  # (2 workers)
+    deadline = time.monotonic() + 60
+    while [a["pid"] for a in alive_actors(cluster, "RunControl")] in ([], [control["pid"]]):
+        assert time.monotonic() < deadline, "Ray did not start the run's control point again"
+        time.sleep(0.5)
     client.set_tag(run_id, "towerflow.fault.001", "an earlier fault of the run")  # kept, numbered after
     resumed = start_driver(cluster, spec, "--resume", "auto")
     _the_same_processes_train_on(cluster, actors, resumed)

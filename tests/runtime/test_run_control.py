@@ -4,6 +4,7 @@ path, a driver SIGKILLed and its shards taken over, is in test_multinode_driver_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -15,7 +16,14 @@ from ray.util import placement_group_table
 from ray.util.placement_group import placement_group
 
 from towerflow.errors import ClusterError
-from towerflow.runtime.run_control import ControlPoint, RunControl, control_name, find_control, request_scale
+from towerflow.runtime.run_control import (
+    ControlPoint,
+    RunControl,
+    control_name,
+    find_control,
+    recall,
+    request_scale,
+)
 
 
 def _gone(actor) -> bool:
@@ -93,3 +101,39 @@ def test_a_control_point_restarted_by_ray_is_told_the_run_again_by_its_driver(ra
         assert ray.get(control.actor.take_over.remote(job)) == {"shards": ["the run's"]}
     finally:
         control.close()
+
+
+def test_a_control_point_restarted_with_its_driver_gone_still_hands_the_run_over(ray_cluster):
+    """The driver's node lost takes the driver and the control point beside it: Ray starts the
+    control point again elsewhere, and it reads back what it was told from the GCS's store."""
+    run_id = uuid.uuid4().hex
+    shard = RunControl.options(num_cpus=0).remote()  # an actor of the run, whose handle is handed over
+    keeper = RunControl.options(
+        name=control_name(run_id), namespace="towerflow", lifetime="detached", max_restarts=-1
+    ).remote(run_id, 60.0, (), "its own id")
+    try:
+        ray.get(keeper.keep.remote("a lost driver's job"))
+        ray.get(keeper.remember.remote({"shards": [shard]}))
+        first = ray.get(keeper.pid.remote())
+        deadline = time.monotonic() + 30  # its record is written by a thread of its own
+        while recall(run_id, "its own id")[1] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert recall(run_id, "another control point's id") == (None, None)  # a new one of the run's
+        os.kill(first, signal.SIGKILL)  # nobody tells it again: its driver is gone
+        deadline, pid = time.monotonic() + 30, first
+        while pid == first and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                pid = ray.get(keeper.pid.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # still restarting
+                continue
+        assert pid != first
+        assert ray.get(keeper.driver_job.remote()) == "a lost driver's job"
+        handover = ray.get(keeper.take_over.remote("the new driver's job"))
+        assert ray.get(handover["shards"][0].pid.remote()) == ray.get(shard.pid.remote())  # the same actor
+    finally:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # it ends itself as it answers
+            ray.get(keeper.end.remote())
+        ray.kill(shard)
+    # Its end deleted the record: a control point of the run made later starts knowing nothing.
+    assert recall(run_id, "its own id") == (None, None)

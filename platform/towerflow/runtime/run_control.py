@@ -11,8 +11,10 @@ take them over (`remember`, `take_over`), and knows its driver is there by the l
 the driver's process renews every few seconds: a driver stuck in a long wait still renews it, a
 lost one does not. After `grace_s` without a renewal it removes the run's placement groups, which
 ends every shard and worker placed in them, and then itself. Otherwise it lives as long as its
-driver. Restarted by Ray (its node lost), it knows the groups (its constructor's arguments) and
-is told the rest again at its driver's next renewal.
+driver. What it is told it also writes to the GCS's key-value store, so that restarted by Ray
+(its process or its node lost: the driver's node, with the driver on it) it knows the run again,
+and a new driver takes the shards over all the same; under GCS fault tolerance that store
+outlives the head too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -44,11 +47,17 @@ def control_name(run_id: str) -> str:
 @ray.remote(num_cpus=0, max_restarts=-1)
 class RunControl:
     def __init__(
-        self, run_id: str = "", grace_s: float | None = None, group_names: tuple[str, ...] = ()
+        self,
+        run_id: str = "",
+        grace_s: float | None = None,
+        group_names: tuple[str, ...] = (),
+        made: str = "",
     ) -> None:
         """`grace_s`: a kept run's, whose driver renews its lease, and whose shards are in the
         placement groups of these names (see the module's docstring). By name: Ray restarts this
-        actor with these arguments, so one restarted (its node lost) still ends them."""
+        actor with these arguments, so one restarted (its node lost) still ends them. `made`: an
+        id of this control point's own, which its record carries, so that one restarted reads
+        its own record back and a new one of the run no earlier one's."""
         self._run_id = run_id
         self._workers: int | None = None
         self._renewed = time.monotonic()
@@ -56,6 +65,12 @@ class RunControl:
         self._group_names = tuple(group_names)
         self._driver_job: str | None = None  # the Ray job of the driver that keeps the run
         self._keeping = grace_s is not None
+        self._noting: threading.Event | None = None  # set: a newer record to write
+        self._writing = threading.Lock()  # held while the record is written, or deleted at the end
+        self._ended = False
+        self._made = made
+        if self._keeping:
+            self._driver_job, self._handover = recall(run_id, made)
         if grace_s is not None:  # from the start: a driver lost before `keep` leaves nothing behind
             watch = threading.Thread(
                 target=self._watch, args=(grace_s,), name="towerflow-keeper", daemon=True
@@ -75,6 +90,7 @@ class RunControl:
         """Keep the run's shards while it has a driver (of Ray job `driver_job`: its placement
         groups are made) and the grace period after."""
         self._driver_job = driver_job
+        self._note()
 
     def pid(self) -> int:
         """This actor's process (tests kill it for real)."""
@@ -95,6 +111,7 @@ class RunControl:
 
     def remember(self, handover: Any) -> None:
         self._handover = handover
+        self._note()
 
     def driver_job(self) -> str | None:
         return self._driver_job
@@ -104,6 +121,7 @@ class RunControl:
         where none is known: a keeper restarted since), now that driver's: it renews the lease
         from here on."""
         self._renewed, self._driver_job = time.monotonic(), driver_job
+        self._note()
         return self._handover
 
     def end(self) -> None:
@@ -114,7 +132,31 @@ class RunControl:
         for name in self._group_names:  # ends every actor placed in it: the shards and their spares
             with contextlib.suppress(Exception):  # not made (a driver lost before), or removed
                 remove_placement_group(get_placement_group(name))
+        with self._writing:  # after any write under way, and no write after it
+            self._ended = True
+            forget(self._run_id)
         kill_quietly(ray.get_runtime_context().current_actor)
+
+    def _note(self) -> None:
+        """Have what a new driver needs written where this actor, restarted, finds it again: by a
+        thread of its own, so that no call (a renewal) waits on the GCS (away with the head)."""
+        if self._noting is None:
+            self._noting = threading.Event()
+            threading.Thread(target=self._write_notes, name="towerflow-record", daemon=True).start()
+        self._noting.set()
+
+    def _write_notes(self) -> None:
+        from ray import cloudpickle
+        from ray.experimental import internal_kv
+
+        while self._noting.wait():
+            self._noting.clear()
+            record = cloudpickle.dumps((self._made, self._driver_job, self._handover))  # the latest
+            with self._writing, contextlib.suppress(Exception):  # the GCS gone for good: no restart
+                if not self._ended:
+                    internal_kv._internal_kv_put(
+                        _record_key(self._run_id), record, overwrite=True, namespace=NAMESPACE
+                    )
 
     def _watch(self, grace_s: float) -> None:
         while time.monotonic() - self._renewed <= grace_s:
@@ -143,6 +185,7 @@ class ControlPoint:
         this driver for that long (`keep` follows once the groups are made); `actor`: the control
         point of a lost driver, whose kept shards this driver took over."""
         self.actor = actor if actor is not None else _create(run_id, grace_s, group_names)
+        self._run_id = run_id
         self._asked: Any = None
         self._seen: int | None = None
         self._renewing: threading.Event | None = None
@@ -181,6 +224,8 @@ class ControlPoint:
         if self._renewing is not None:
             self._renewing.set()
         ray.kill(self.actor)
+        if self._renewing is not None:  # a kept run's: its record goes with it
+            forget(self._run_id)
 
     def end_the_run(self) -> None:
         """End the run's kept shards (their placement groups removed) and the control point."""
@@ -213,6 +258,33 @@ def find_control(run_id: str) -> Any:
         return None
 
 
+def forget(run_id: str) -> None:
+    """Delete what run `run_id`'s control point wrote down (its run is over)."""
+    from ray.experimental import internal_kv
+
+    with contextlib.suppress(Exception):  # the GCS away: a few hundred bytes stay behind
+        internal_kv._internal_kv_del(_record_key(run_id), namespace=NAMESPACE)
+
+
+def _record_key(run_id: str) -> bytes:
+    return f"control-{run_id}".encode()
+
+
+def recall(run_id: str, made: str) -> tuple[str | None, Any]:
+    """What run `run_id`'s control point `made` wrote down before Ray restarted it: its driver's
+    job and the handover; (None, None) where it wrote nothing (it has just been made)."""
+    from ray import cloudpickle
+    from ray.experimental import internal_kv
+
+    try:
+        record = internal_kv._internal_kv_get(_record_key(run_id), namespace=NAMESPACE)
+        writer, job, handover = cloudpickle.loads(record) if record else (None, None, None)
+    except Exception as exc:  # an actor of the run gone for good, say: the driver tells it again
+        log.warning("run %s's control point could not read back its record: %s", run_id, exc)
+        return None, None
+    return (job, handover) if writer == made else (None, None)
+
+
 def _create(run_id: str, grace_s: float | None, group_names: tuple[str, ...]) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -222,7 +294,8 @@ def _create(run_id: str, grace_s: float | None, group_names: tuple[str, ...]) ->
     deadline = time.monotonic() + NAME_FREED_WITHIN_S
     while True:
         try:
-            return RunControl.options(**options, **lifetime).remote(run_id, grace_s, group_names)
+            made = uuid.uuid4().hex
+            return RunControl.options(**options, **lifetime).remote(run_id, grace_s, group_names, made)
         except ValueError:  # the name is still a control point's that was just ended (a lost driver's)
             if time.monotonic() > deadline:
                 raise

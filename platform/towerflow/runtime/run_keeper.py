@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 # killed (new workers start in their places).
 REST_S = 30.0
 RELEASED_REST_S = 10.0
+# How long a resume waits for the run's control point to answer: lost with its node (the driver's,
+# or the head), Ray starts it again once the GCS has declared that node dead (20-40 s were seen
+# after a head's restart).
+CONTROL_RESTART_S = 120.0
 
 
 @dataclass
@@ -109,14 +113,23 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         return None
     control = find_control(run_id)
     if control is None:
+        log.info("run %s has no control point on this Ray cluster: no live shards to take over", run_id)
         return None
     try:
         _wait_for_the_driver_to_go(run_id, control)
         handover = ray.get(control.take_over.remote(ray.get_runtime_context().get_job_id()), timeout=30)
     except ray.exceptions.RayError as exc:
-        log.info("run %s's control point did not answer (%s)", run_id, first_line(exc))
+        log.warning(
+            "run %s's control point did not answer (%s): the run goes on from its stored checkpoint, "
+            "and its kept shards hold their resources until its grace period ends (driver_grace_s)",
+            run_id,
+            first_line(exc),
+        )
         return None
-    if handover is None:  # restarted since (its node lost): it knows the groups, not the shards
+    if handover is None:  # started again without its record: it knows the groups, not the shards
+        log.info(
+            "run %s's control point knows no live shards (started again without its record): they end", run_id
+        )
         control.end.remote()
         return None
     why_not = _changed(handover, spec)
@@ -210,7 +223,7 @@ def _wait_for_the_driver_to_go(run_id: str, control: Any) -> None:
     """Return once the run's driver is gone: its Ray job has ended (Ray says so within a second or
     two of its process's end), or it has not renewed its lease for a while; raise where it goes on
     renewing it: two drivers must never train on one run's shards."""
-    job = ray.get(control.driver_job.remote(), timeout=30)
+    job = _first_answer(run_id, control)
     deadline = time.monotonic() + 3 * LEASE_FRESH_S
     while (seen := ray.get(control.driver_seen_s_ago.remote(), timeout=30)) < LEASE_FRESH_S:
         if job is not None and _job_ended(job):
@@ -221,6 +234,27 @@ def _wait_for_the_driver_to_go(run_id: str, control: Any) -> None:
                 "ago): stop that one (`ray job stop`, or Ctrl-C) before resuming the run"
             )
         time.sleep(0.5)
+
+
+def _first_answer(run_id: str, control: Any) -> str | None:
+    """The driver's job, as the run's control point says once it answers: one that Ray is
+    starting again (its node lost) answers once it has been (CONTROL_RESTART_S at most)."""
+    started = said = time.monotonic()
+    while True:
+        try:
+            return ray.get(control.driver_job.remote(), timeout=10)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            if time.monotonic() - started > CONTROL_RESTART_S:
+                raise
+            time.sleep(1)  # unavailable says so at once
+            if time.monotonic() - said >= 10:
+                said = time.monotonic()
+                log.info(
+                    "run %s's control point has not answered for %.0f s (lost with its node? Ray "
+                    "starts it again once the node is declared dead): waiting",
+                    run_id,
+                    said - started,
+                )
 
 
 def _job_ended(job_id: str) -> bool:
