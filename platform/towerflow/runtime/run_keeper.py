@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 # killed (new workers start in their places).
 REST_S = 30.0
 RELEASED_REST_S = 10.0
+# Sync: once one worker has come to rest, how long the others get to follow before the shards are
+# finished to release them. Sync workers end a step together, so one still running then waits in
+# its push for a gradient that a peer whose data ended with the driver will not send.
+PEER_REST_S = 5.0
 # How long a resume waits for the run's control point to answer: lost with its node (the driver's,
 # or the head), Ray starts it again once the GCS has declared that node dead (20-40 s were seen
 # after a head's restart).
@@ -135,7 +139,7 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
     why_not = _changed(handover, spec)
     workers: dict[int, KeptWorker] = {}
     if why_not is None:
-        workers = _bring_to_rest(handover)
+        workers = _bring_to_rest(handover, sync=spec.training.mode == "sync")
         positions, why_not = _where_they_stand(handover, spec)
     if why_not is not None:
         log.info(
@@ -170,11 +174,12 @@ def _changed(handover: Handover, spec: Any) -> str | None:
     return f"were made for another {', '.join(changed)}" if changed else None
 
 
-def _bring_to_rest(handover: Handover) -> dict[int, KeptWorker]:
+def _bring_to_rest(handover: Handover, sync: bool) -> dict[int, KeptWorker]:
     """The lost driver's workers, each with its run ended: asked to stop after their step (sync
     workers end a step together, so the shards end at one version); those still running after
-    `REST_S` are released by finishing the shards, and killed `RELEASED_REST_S` later (new workers
-    take their places). Its warm spares end (new ones start)."""
+    `REST_S` (sync: `PEER_REST_S` after the first came to rest) are released by finishing the
+    shards, and killed `RELEASED_REST_S` later (new workers take their places). Its warm spares
+    end (new ones start)."""
     for actor in handover.spare_workers:
         kill_quietly(actor)
     kept: dict[int, KeptWorker] = {}
@@ -187,10 +192,12 @@ def _bring_to_rest(handover: Handover) -> dict[int, KeptWorker]:
             for shard in handover.shards:
                 shard.finish.remote()
         asked = {worker_id: actor.rest.remote(wait_s) for worker_id, actor in waiting.items()}
-        ray.wait(list(asked.values()), num_returns=len(asked), timeout=wait_s + 5)
+        _wait_for_rest(list(asked.values()), wait_s + 5, PEER_REST_S if sync and not round_ else None)
         for worker_id, ref in asked.items():
             try:
                 rested = ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:  # the wait cut short (a peer at rest): running
+                continue
             except ray.exceptions.RayError:  # gone, or not answering at all: not asked again
                 kill_quietly(waiting.pop(worker_id))
                 continue
@@ -200,6 +207,17 @@ def _bring_to_rest(handover: Handover) -> dict[int, KeptWorker]:
     for actor in waiting.values():
         kill_quietly(actor)
     return kept
+
+
+def _wait_for_rest(refs: list[Any], timeout_s: float, after_first_s: float | None) -> None:
+    """Until every worker has answered `rest`, `timeout_s` has passed, or `after_first_s` has
+    passed since the first answered."""
+    deadline = time.monotonic() + timeout_s
+    pending = refs
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if ready and after_first_s is not None:
+            deadline = min(deadline, time.monotonic() + after_first_s)
 
 
 def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, int]], str | None]:
