@@ -272,7 +272,8 @@ def _record_key(run_id: str) -> bytes:
 
 def recall(run_id: str, made: str) -> tuple[str | None, Any]:
     """What run `run_id`'s control point `made` wrote down before Ray restarted it: its driver's
-    job and the handover; (None, None) where it wrote nothing (it has just been made)."""
+    job and the handover; (None, None) where it wrote nothing (it has just been made: a record
+    there is an earlier control point's of the run, left where the GCS was away at its end)."""
     from ray import cloudpickle
     from ray.experimental import internal_kv
 

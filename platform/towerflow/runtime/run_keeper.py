@@ -36,8 +36,8 @@ RELEASED_REST_S = 10.0
 # its push for a gradient that a peer whose data ended with the driver will not send.
 PEER_REST_S = 5.0
 # How long a resume waits for the run's control point to answer: lost with its node (the driver's,
-# or the head), Ray starts it again once the GCS has declared that node dead (20-40 s were seen
-# after a head's restart).
+# or the head), Ray starts it again once the GCS has declared that node dead (its health checks
+# failed: tens of seconds).
 CONTROL_RESTART_S = 120.0
 
 
