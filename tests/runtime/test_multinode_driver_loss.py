@@ -1,7 +1,7 @@
 """A driver lost on the multi-node test cluster, run as users run it (`python -m towerflow train`
 with RAY_ADDRESS): SIGKILLed with the run's control point, `--resume auto` continues its run with
-the same shard and worker processes; under `driver_restarts` the command starts its killed driver again, which takes the run
-over; with no driver, the kept shards end after the grace period. And the head lost and started
+the same shard and worker processes; under `driver_restarts` the command starts its killed driver
+again, which takes the run over; with no driver, the kept shards end after the grace period. And the head lost and started
 again, the driver on another node: the run trains on through its absence.
 
 One cluster for the module (tests/multinode.py's `gcs_ft_cluster`: the GCS's tables in a real

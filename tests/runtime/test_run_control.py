@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import uuid
+from typing import Any
 
 import pytest
 import ray
@@ -32,6 +33,17 @@ def _gone(actor) -> bool:
     except ray.exceptions.RayActorError:
         return True
     return False
+
+
+def _once_restarted(ask, done) -> Any:
+    """The answer of `ask()` (a call to an actor Ray is starting again) once `done` takes it, or
+    the last one after 30 s (None while it was still restarting)."""
+    deadline, answer = time.monotonic() + 30, None
+    while not done(answer) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # restarting
+            answer = ray.get(ask(), timeout=5)
+    return answer
 
 
 def test_a_kept_run_without_a_driver_loses_its_placement_groups_and_its_keeper(ray_cluster):
@@ -89,14 +101,8 @@ def test_a_control_point_restarted_by_ray_is_told_the_run_again_by_its_driver(ra
     try:
         control.keep()
         control.remember({"shards": ["the run's"]})  # what a new driver would take over
-        os.kill(ray.get(control.actor.pid.remote()), signal.SIGKILL)  # Ray starts it again, knowing nothing
-        deadline, told = time.monotonic() + 30, None
-        while told != job and time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                told = ray.get(control.actor.driver_job.remote(), timeout=5)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # still restarting
-                continue
+        os.kill(ray.get(control.actor.pid.remote()), signal.SIGKILL)  # Ray starts it again
+        told = _once_restarted(control.actor.driver_job.remote, lambda told: told == job)
         assert told == job
         assert ray.get(control.actor.take_over.remote(job)) == {"shards": ["the run's"]}
     finally:
@@ -120,13 +126,7 @@ def test_a_control_point_restarted_with_its_driver_gone_still_hands_the_run_over
             time.sleep(0.1)
         assert recall(run_id, "another control point's id") == (None, None)  # a new one of the run's
         os.kill(first, signal.SIGKILL)  # nobody tells it again: its driver is gone
-        deadline, pid = time.monotonic() + 30, first
-        while pid == first and time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                pid = ray.get(keeper.pid.remote(), timeout=5)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # still restarting
-                continue
+        pid = _once_restarted(keeper.pid.remote, lambda pid: pid not in (None, first))
         assert pid != first
         assert ray.get(keeper.driver_job.remote()) == "a lost driver's job"
         handover = ray.get(keeper.take_over.remote("the new driver's job"))

@@ -65,17 +65,16 @@ class RunControl:
         self._group_names = tuple(group_names)
         self._driver_job: str | None = None  # the Ray job of the driver that keeps the run
         self._keeping = grace_s is not None
-        self._noting: threading.Event | None = None  # set: a newer record to write
+        self._noting = threading.Event()  # set: a newer record to write
         self._writing = threading.Lock()  # held while the record is written, or deleted at the end
         self._ended = False
         self._made = made
-        if self._keeping:
-            self._driver_job, self._handover = recall(run_id, made)
-        if grace_s is not None:  # from the start: a driver lost before `keep` leaves nothing behind
-            watch = threading.Thread(
+        if self._keeping:  # from the start: a driver lost before `keep` leaves nothing behind
+            self._driver_job, self._handover = recall(run_id, made)  # started again by Ray, it wrote one
+            threading.Thread(
                 target=self._watch, args=(grace_s,), name="towerflow-keeper", daemon=True
-            )
-            watch.start()
+            ).start()
+            threading.Thread(target=self._write_notes, name="towerflow-record", daemon=True).start()
 
     def scale(self, workers: int) -> bool:
         """Leave a worker count; False where the run has no driver to pick it up."""
@@ -100,7 +99,7 @@ class RunControl:
 
     def renew(self) -> bool:
         """The driver is there; returns whether this actor knows the run's handover (one restarted
-        by Ray, its node lost, does not until the driver tells it again)."""
+        by Ray reads it back from its record; where it could not, the driver tells it again)."""
         self._renewed = time.monotonic()
         return self._handover is not None
 
@@ -140,9 +139,6 @@ class RunControl:
     def _note(self) -> None:
         """Have what a new driver needs written where this actor, restarted, finds it again: by a
         thread of its own, so that no call (a renewal) waits on the GCS (away with the head)."""
-        if self._noting is None:
-            self._noting = threading.Event()
-            threading.Thread(target=self._write_notes, name="towerflow-record", daemon=True).start()
         self._noting.set()
 
     def _write_notes(self) -> None:
