@@ -148,6 +148,17 @@ def kept_actors(cluster: LocalCluster) -> dict[str, int]:
     return {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
 
 
+def kept_actor_states(cluster: LocalCluster) -> list[tuple]:
+    """Every shard and worker the GCS lists, dead ones too: (class, state, pid, death cause), to
+    say in a failure what became of a run's actors."""
+    reply = cluster.state_api("/api/v0/actors?limit=1000&detail=true")
+    return [
+        (a["class_name"], a["state"], a["pid"], (a.get("death_cause") or {}))
+        for a in reply["data"]["result"]["result"]
+        if a["class_name"] in KEPT
+    ]
+
+
 def placement_groups(cluster: LocalCluster, job: str) -> list[dict]:
     """The job's placement groups that still hold their resources."""
     reply = cluster.state_api("/api/v0/placement_groups?limit=1000&detail=true")

@@ -28,6 +28,7 @@ from multinode_drivers import (
     alive_actors,
     client_report,
     finish,
+    kept_actor_states,
     kept_actors,
     placement_groups,
     spec_file,
@@ -47,7 +48,10 @@ def _the_same_processes_train_on(cluster, actors: dict[str, int], driver: subpro
     while driver.poll() is None:
         seen.append(kept_actors(cluster))
         time.sleep(0.5)
-    assert actors in seen and all(alive.items() <= actors.items() for alive in seen), seen
+    assert actors in seen and all(alive.items() <= actors.items() for alive in seen), (
+        seen,
+        kept_actor_states(cluster),
+    )
 
 
 def test_a_driver_lost_with_its_control_point_is_continued_by_resume_auto_from_its_live_shards(
@@ -195,8 +199,9 @@ def test_a_sync_run_trains_on_through_the_heads_loss_with_the_same_processes(
     lost_at = time.time()
     cluster.restart_head()  # SIGKILLed: its GCS, raylet and dashboard; started again 3 s later
     back_at = time.time()
-    # The restarted GCS knows the run's actors from Redis: the same processes, still alive.
-    assert kept_actors(cluster) == actors
+    # The restarted GCS knows the run's actors from Redis: the same processes train on. (Polled: one
+    # CI run's first look right after the restart listed none of them; the next look says more.)
+    _the_same_processes_train_on(cluster, actors, driver)
     out = finish(driver)
     assert driver.poll() is not None and kept_actors(cluster) == {}
     client = MlflowClient(uri)
