@@ -174,7 +174,7 @@ class LocalCluster:
                 args.append(f"--redis-password={self.gcs_store.password}")
             head = self._launch("head", self.head_cpus, None, *args)
             self._wait_alive([head])
-            self._wait_alive([self.add_node(cpus, wait=False) for cpus in self.node_cpus])
+            self.add_nodes(*self.node_cpus)
         except BaseException:
             self.shutdown()
             raise
@@ -204,6 +204,10 @@ class LocalCluster:
         if wait:
             (node,) = self._wait_alive([node])
         return node
+
+    def add_nodes(self, *cpus: float) -> list[Node]:
+        """Join a node with each of these CPU counts, all at once; return them once all are alive."""
+        return self._wait_alive([self.add_node(count, wait=False) for count in cpus])
 
     def _launch(
         self,

@@ -1,5 +1,5 @@
 """The driver's answers from the GCS, asked off its loop, and the head's silence told once each way
-(runtime/head_watch.py). A real head lost and started again: tests/runtime/test_multinode_head_loss.py."""
+(runtime/head_watch.py). A real head lost and started again: tests/runtime/test_multinode_driver_loss.py."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ def test_a_read_never_waits_for_an_answer_that_hangs_and_the_last_answer_stays()
         held = answers()
         assert time.monotonic() - started < 0.05  # the read did not wait
         assert held is not None and answers.silent_s() >= 0.05
+        assert not answers.answered_after(started)  # what waits for the GCS waits on
         answering.set()  # the head is back
         _wait_for(lambda: answers() > held)
-        assert answers.silent_s() < 1.0
+        assert answers.silent_s() < 1.0 and answers.answered_after(started)
     finally:
         answers.close()
         answering.set()
@@ -57,10 +58,14 @@ def test_nothing_is_answered_before_the_first_answer_and_a_failing_look_keeps_th
     answers = BackgroundAnswer(ask, every_s=0.01, name="test-answers")
     try:
         assert answers() is None  # the first look waits
+        assert not answers.answered_after(float("-inf"))
         first.set()
+        _wait_for(lambda: answers() is not None)
+        answered = time.monotonic()
         _wait_for(lambda: len(calls) >= 5)  # then every look fails
         assert answers() == {"n1": 0}
         assert answers.silent_s() >= 0.03
+        assert not answers.answered_after(answered)  # a failed look is no answer
     finally:
         answers.close()
         first.set()

@@ -2,7 +2,8 @@
 with RAY_ADDRESS): SIGKILLed with the run's control point, `--resume auto` continues its run with
 the same shard and worker processes; under `driver_restarts` the command starts its killed driver
 again, which takes the run over; with no driver, the kept shards end after the grace period. And the head lost and started
-again, the driver on another node: the run trains on through its absence.
+again with a worker's node, the driver on a node of its own: the run trains on through the head's
+absence, and replaces the worker once the head is back.
 
 One cluster for the module (tests/multinode.py's `gcs_ft_cluster`: the GCS's tables in a real
 Redis, a head with no CPUs, two 2-CPU nodes), the head's loss last. Everything reaches Ray through
@@ -182,34 +183,59 @@ def test_a_lost_drivers_shards_end_after_the_grace_period(gcs_ft_cluster, blob_d
     assert not placement_groups(cluster, "orphans")
 
 
-def test_a_sync_run_trains_on_through_the_heads_loss_with_the_same_processes(
+def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_with_it(
     gcs_ft_cluster, blob_data, tmp_path
 ):
-    """Sync, one shard, the driver on another node than the head (as a RayJob's entrypoint in a
-    worker pod: docs/kubernetes.md, the cpu-ha overlay). Peers restart everything on a head's loss."""
+    """Sync, one shard, the driver on a node of its own (as a RayJob's entrypoint in a worker pod:
+    docs/kubernetes.md, the cpu-ha overlay); the head and a worker's node lost together, as one
+    Kubernetes node with both pods. The shard and the other worker train on through the head's
+    absence, the same processes; the lost worker's replacement waits for the head. Peers restart
+    everything on a head's loss."""
     cluster = gcs_ft_cluster
-    name, steps = "head-loss", 1500  # steps enough to outlast the head's absence (~15 s) in a fast hour
+    # A node for the driver, its data's coordinator and its control point; one with room for the
+    # lost worker's replacement.
+    driver_node, _ = cluster.add_nodes(0, 2)
+    # Steps enough to outlast the head's absence (~15 s) and the replacement's start in a fast hour
+    name, steps = "head-loss", 2500
     spec, uri = spec_file(
         tmp_path, blob_data, name, max_steps=steps, checkpoint_every=500, failure={"driver_restarts": 0}
     )
-    driver = start_driver_on(cluster, cluster.nodes[1], spec)
+    driver = start_driver_on(cluster, driver_node, spec)
     run_id = wait_for_step(uri, name, 30, driver)
     actors = kept_actors(cluster)
     assert len(actors) == 3, actors  # a shard and 2 workers
+    # A node with a worker and not the shard: a shard's node has room for one worker at most.
+    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
+    workers = alive_actors(cluster, "TowerWorker")
+    victim = next(n for n in cluster.nodes if n.node_id in {w["node_id"] for w in workers} - shard_nodes)
+    survivors = {
+        k: v
+        for k, v in actors.items()
+        if k not in {w["actor_id"] for w in workers if w["node_id"] == victim.node_id}
+    }
     lost_at = time.time()
+    cluster.kill_node(victim)
     cluster.restart_head()  # SIGKILLed: its GCS, raylet and dashboard; started again 3 s later
     back_at = time.time()
-    # The restarted GCS knows the run's actors from Redis: the same processes train on. (Polled: one
-    # CI run's first look right after the restart listed none of them; the next look says more.)
-    _the_same_processes_train_on(cluster, actors, driver)
+    seen = []
+    while driver.poll() is None:
+        seen.append(kept_actors(cluster))
+        time.sleep(0.5)
+    # The restarted GCS knows the run's actors from Redis: the shard and the other worker, the same
+    # processes; one new process, the lost worker's replacement.
+    assert any(survivors.items() <= alive.items() for alive in seen), (seen, kept_actor_states(cluster))
+    assert len(set().union(*seen) - actors.keys()) == 1, seen
     out = finish(driver)
-    assert driver.poll() is not None and kept_actors(cluster) == {}
+    assert kept_actors(cluster) == {}
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == steps, out[-3000:]
-    faults = [v for k, v in run.data.tags.items() if k.startswith("towerflow.fault.")]
-    assert len(faults) == 1 and "the cluster's head (its GCS) did not answer for" in faults[0], faults
-    assert "training went on" in faults[0]
+    assert run.data.metrics["workers_replaced"] == 1 and "worker_recovery_s" in run.data.metrics, out[-3000:]
+    faults = sorted(v for k, v in run.data.tags.items() if k.startswith("towerflow.fault."))
+    assert len(faults) == 2, faults
+    head, worker = faults
+    assert "the cluster's head (its GCS) did not answer for" in head and "training went on" in head
+    assert re.match(r"worker \d lost at step \d+: .*: replaced$", worker), worker
     # Steps were trained and logged while the head was gone (its first and last seconds aside).
     during = {
         m.value

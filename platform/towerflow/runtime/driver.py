@@ -32,7 +32,7 @@ from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, Se
 from towerflow.runtime.memory_checkpoints import MemoryCheckpoints
 from towerflow.runtime.placement import ActorPlacement
 from towerflow.runtime.protocol import protocol_for, step_shape
-from towerflow.runtime.recovery import RecoveryActions, State
+from towerflow.runtime.recovery import PendingReplacement, RecoveryActions, State
 from towerflow.runtime.result import TrainResult
 from towerflow.runtime.run_actors import RunActors
 from towerflow.runtime.run_control import ControlPoint
@@ -98,6 +98,8 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self._backlog: list[Any] = []  # records drained while a hook waited (capture_state), to report
         self._ready_events: list[Any] = []  # steps completed by a resize's drain, to report
         self._summaries: dict[int, dict[str, Any]] = {}  # worker id -> its run's summary
+        # lost worker id -> its new actor's run, until Ray can place it (recovery.py)
+        self._pending_replacements: dict[int, PendingReplacement] = {}
         self._rollbacks = self._steps_redone = 0
         self.poll_s = poll_s
         self.return_parameters = return_parameters
@@ -256,12 +258,20 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                     self.failure_policy.record(hung)
                     self._log_losses()
                 running = self.group.running
+            if self._pending_replacements and (why := self._why_nothing_is_left()) is not None:
+                for worker_id in self._drop_pending_replacements():
+                    log.info("worker %d's replacement is not started: %s", worker_id, why)
             if running and not released and self._all_waiting_to_start(running):
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
                 # a stop or the end of the data): nothing is in flight, so end the shards to let them go.
                 ray.get([s.finish.remote() for s in self.shards])
                 released = True
-            if not running and not self._backlog and not self._ready_events:
+            if (
+                not running
+                and not self._pending_replacements
+                and not self._backlog
+                and not self._ready_events
+            ):
                 # (steps a hook's wait drained at the very end are reported by one more turn first)
                 self.state = State.FINISHING
         ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
@@ -288,6 +298,9 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self.worker_spares.refill()
         self._keep_handover_current()
         self.worker_spares.warm(self._warm_up_spare)  # traces its step ahead, once members have batches
+        self._replace_pending()
+        if self._pending_replacements and not self.group.running:
+            time.sleep(self.poll_s)  # nothing runs until a replacement starts
         status = self.group.poll(self.poll_s)
         self._summaries.update(status.finished)
         for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost

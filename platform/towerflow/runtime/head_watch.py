@@ -38,7 +38,8 @@ class BackgroundAnswer(Generic[T]):
     ) -> None:
         self._ask, self._every_s, self._name, self._clock = ask, every_s, name, clock
         self._latest: T | None = None
-        self._answered_at = clock()
+        self._answered_at = clock()  # the first read's time until the first answer (silent_s)
+        self._last_answer_at: float | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,6 +54,12 @@ class BackgroundAnswer(Generic[T]):
         self._start()
         with self._lock:
             return self._clock() - self._answered_at
+
+    def answered_after(self, moment: float) -> bool:
+        """Whether an answer came after `moment` (this clock's): the GCS was there since."""
+        self._start()
+        with self._lock:
+            return self._last_answer_at is not None and self._last_answer_at > moment
 
     def _start(self) -> None:
         if self._thread is None and not self._closed.is_set():
@@ -73,7 +80,8 @@ class BackgroundAnswer(Generic[T]):
                 log.debug("%s: no answer: %s", self._name, exc)
             else:
                 with self._lock:
-                    self._latest, self._answered_at = answer, self._clock()
+                    self._latest = answer
+                    self._answered_at = self._last_answer_at = self._clock()
             self._closed.wait(self._every_s)
 
 

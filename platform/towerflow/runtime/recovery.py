@@ -9,6 +9,7 @@ import enum
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -18,6 +19,7 @@ from towerflow.runtime.actors import ACTOR_GONE
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, LossKind
 from towerflow.runtime.hooks import FaultEvent
+from towerflow.runtime.placement import declared_dead
 from towerflow.runtime.worker_messages import Rejoin
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,19 @@ class State(enum.Enum):
     FINISHING = "finishing"
     FINISHED = "finished"
     ERRORED = "errored"
+
+
+# How long a lost worker's replacement waits for Ray to declare it dead before taking its bundle
+# anyway (a lost node's: once its health checks have failed, 5 of them 3 s apart by default).
+DECLARED_DEAD_WAIT_S = 120.0
+
+
+@dataclass(frozen=True)
+class PendingReplacement:
+    """A lost worker's replacement not started yet: what it will run, and when the worker was lost."""
+
+    run_args: tuple[Any, ...]
+    since: float
 
 
 class RecoveryActions:
@@ -74,6 +89,7 @@ class RecoveryActions:
         and version; no actor restarts but those that leave."""
         self.state = State.RESIZING
         before, started = len(self.group.slots), time.monotonic()
+        self._drop_pending_replacements()  # the lost are let go or replaced below
         self._close_data()  # a worker waiting at an epoch barrier for a lost split's consumer goes on
         # Sync survivors wait for a lost worker's gradient: the shards step without it first.
         self._retire([i for i, slot in self.group.slots.items() if slot.lost])
@@ -171,8 +187,8 @@ class RecoveryActions:
 
     def _replace_workers(self, losses: list[ActorLoss]) -> None:
         """Each lost worker's steps go on without it at once (the shards retire it); a warm spare
-        (`cluster.spare_workers`) or a new actor takes its id, its split and its unused rows, and
-        joins the steps when it has started."""
+        (`cluster.spare_workers`) takes its id, its split and its unused rows now, a new actor once
+        Ray can place one (`_replace_pending`), and joins the steps when it has started."""
         self._retire([loss.index for loss in losses])
         model_state = self.model_state()
         # The chief hears of steps a poll late; the shard counted every gradient the worker sent.
@@ -186,18 +202,45 @@ class RecoveryActions:
             leftover = split.leftover(used) if hasattr(split, "leftover") else []
             handed_over = used + sum(piece.rows for piece in leftover)
             rest = split.taken_over(handed_over) if hasattr(split, "taken_over") else split
-            spare = self._replacement_for(loss.index)
-            self.group.replace(
-                loss.index,
-                self.shards,
-                self._placement(),
-                self.shard_group.buckets,
-                rest,
-                Rejoin(leftover, model_state),
-                actor=spare,
-            )
+            run_args = (rest, Rejoin(leftover, model_state))
+            spare = self._take_spare_worker(loss.index)
+            if spare is not None:
+                self._replace(loss.index, run_args, spare)
+            else:
+                self._pending_replacements[loss.index] = PendingReplacement(run_args, time.monotonic())
             self._fault(loss, "replaced by a warm spare" if spare is not None else "replaced")
         self._log_losses()
+
+    def _replace(self, worker_id: int, run_args: tuple[Any, ...], actor: Any = None) -> None:
+        self.group.replace(
+            worker_id, self.shards, self._placement(), self.shard_group.buckets, *run_args, actor=actor
+        )
+
+    def _replace_pending(self) -> None:
+        """Start the lost workers' new actors that Ray can place now. Placing one needs the GCS: not
+        before it has answered since the loss (a node lost with the head waits for the head's
+        return, while the others train on), nor before Ray has declared the lost one dead, where
+        it held a bundle (its node's health checks: until then the bundle points at the lost node)."""
+        for worker_id, pending in list(self._pending_replacements.items()):
+            if not self.gcs_answers.answered_after(pending.since):
+                continue
+            waited = time.monotonic() - pending.since
+            lost = self.group.slots[worker_id].actor
+            if self.actor_placement.holds_worker(worker_id) and not declared_dead(lost):
+                if waited < DECLARED_DEAD_WAIT_S:
+                    continue
+                log.warning(
+                    "Ray has not declared worker %d dead after %.0f s; replacing it anyway", worker_id, waited
+                )
+            del self._pending_replacements[worker_id]
+            self._replace(worker_id, pending.run_args)
+            self._log_losses()  # workers_replaced
+
+    def _drop_pending_replacements(self) -> list[int]:
+        """Forget the replacements not started yet (their workers stay lost); returns their ids."""
+        dropped = sorted(self._pending_replacements)
+        self._pending_replacements.clear()
+        return dropped
 
     def _roll_back(self, losses: list[ActorLoss], lost_workers: Sequence[ActorLoss] = ()) -> None:
         """A shard is lost: every shard goes back to the newest checkpoint together (never a mix of
@@ -226,7 +269,9 @@ class RecoveryActions:
         )
         self.aggregator.start()
         model_state = state.model_state if state is not None else {}
-        spares = {loss.index: self._replacement_for(loss.index) for loss in lost_workers}  # or None
+        # Those lost before, whose replacements wait for Ray, are replaced with them.
+        lost_ids = [loss.index for loss in lost_workers] + self._drop_pending_replacements()
+        spares = {worker_id: self._replacement_for(worker_id) for worker_id in lost_ids}  # or None
         for worker_id, split in self.data_splits.items():
             rejoin = Rejoin([], model_state)
             self.group.rerun(
