@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from common import ensure_mnist, machine, make_log
-from faults_cluster import ELASTIC_STEPS
+from faults_cluster_elastic import ELASTIC_STEPS
 from faults_cluster_rows import summarize
 from faults_cluster_run import run_cluster_cases
 

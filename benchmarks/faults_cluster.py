@@ -54,9 +54,13 @@ Each faulted run is paired with a clean run of the same configuration in the sam
   job submit` puts it), `driver killed`'s kill point and measures; the head started again as above
   before the second `--resume auto` (a RayJob's retry), which takes the live shards over from the
   run's control point (started again by Ray where it was on the head: runtime/run_control.py).
+- head lost with a worker's node (sync): as "head lost", but a node holding a worker (not the
+  shard's) is SIGKILLed with the head, as one Kubernetes node with both pods; the driver on a
+  0-CPU node of its own, and a 2-CPU node joins before the run (the replacement's room).
+  Survived: also the lost worker replaced; the notes add the longest gap between steps heard of.
 
 Survived, in the other rows: the driver exits 0 and its MLflow run is FINISHED at max_steps. One round is
-eleven drivers' runs and two resumed ones: about 30 minutes on 2 cores with the cluster's start
+twelve drivers' runs and two resumed ones: about 32 minutes on 2 cores with the cluster's start
 (estimated from its parts: the shard's-node rows took 8 minutes for two rounds, the elastic ones
 13), up to 5 more where a resize never comes (RESIZE_TIMEOUT_S); the head's-loss pair, on its own
 cluster, 3 more a round (10 minutes for three rounds with that cluster's start); `--only` runs a part.
@@ -70,12 +74,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from faults_cluster_rows import result, write_spec
+from faults_cluster_elastic import ELASTIC_DRAINED, clean_elastic, elastic, elastic_drained
+from faults_cluster_rows import SYNC, Log, clean_run, result, write_spec
 from faults_driver import (
     CaseError,
     Driver,
     actors,
-    latest_run,
     mlflow_client,
     now_ms,
     poll_store,
@@ -88,21 +92,18 @@ from faults_driver import (
     wait_for_step,
 )
 
-SYNC = {"workers": 2, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5, "data_cpus": 0.5}
-ELASTIC = {**SYNC, "workers": {"min": 1, "max": 4}, "cpus_per_worker": 1.5}
-ELASTIC_STEPS = 200  # room for a spare's start (10-40 s here) and two resizes before max_steps
 DRIVER_KILLED = "driver killed (sync)"
 DRIVER_KILLED_NOT_KEPT = "driver killed (sync), shards not kept"  # driver_grace_s: null, as before
 DRIVER_RESTARTED = "driver killed (sync), started again by its command"  # training.failure.driver_restarts
 SHARD_NODE_LOST = "shard's node lost (sync), no notice"
 SHARD_NODE_DRAINED = "shard's node lost (sync), after a drain notice"  # memory_checkpoint_draining_s
 CLEAN_LONGER = "clean sync, longer"
-ELASTIC_DRAINED = "elastic: node drained, then lost"
 HEAD_LOST = "head lost and started again (sync), GCS in Redis"
 CLEAN_FT = "clean sync, GCS in Redis"
 DRIVER_WITH_HEAD = "driver killed with the head it ran on (sync), GCS in Redis"
+HEAD_WITH_NODE = "head lost with a worker's node (sync), GCS in Redis"
 # The rows run on a cluster of their own: its GCS's tables in a Redis, a head with no CPUs.
-GCS_FT_ROWS = frozenset({HEAD_LOST, CLEAN_FT, DRIVER_WITH_HEAD})
+GCS_FT_ROWS = frozenset({HEAD_LOST, CLEAN_FT, DRIVER_WITH_HEAD, HEAD_WITH_NODE})
 # Which rows each kind of run gives, and each faulted row's clean run.
 BASELINE = {
     "node lost (sync)": "clean sync",
@@ -116,28 +117,11 @@ BASELINE = {
     ELASTIC_DRAINED: "clean elastic",
     HEAD_LOST: CLEAN_FT,
     DRIVER_WITH_HEAD: CLEAN_FT,
+    HEAD_WITH_NODE: CLEAN_FT,
 }
-Log = Callable[[str], None]
 
 
 # -- the runs ---------------------------------------------------------------------------------------
-
-
-def clean_run(
-    cluster, args, tmp: Path, name: str, config: dict, max_steps: int, *extra: str, node: Any = None
-) -> dict:
-    client = mlflow_client(tmp)
-    spec = write_spec(tmp, name, args, config, max_steps, *extra)
-    driver = start_driver(cluster, spec, tmp / "driver.log", node=node)
-    try:
-        driver.wait()
-    finally:
-        driver.kill()
-    run = poll_store(lambda: latest_run(client, name))
-    if run is None:
-        return result(driver.wall_s, False, notes=[f"no MLflow run: {driver.text(2000)!r}"])
-    ok, _, notes = run_outcome(client, run.info.run_id, driver, max_steps)
-    return result(driver.wall_s, ok, examples_per_sec=driver.examples_per_sec(), notes=notes)
 
 
 def clean_sync(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
@@ -207,18 +191,32 @@ def clean_gcs_ft(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
 OFF_THE_HEAD = ("training.failure.driver_restarts=0",)
 
 
-def head_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
+def head_lost(cluster, args, tmp: Path, log: Log, *, with_node: bool = False) -> dict[str, dict]:
     """The head SIGKILLed at step `--at` (its GCS, raylet and dashboard) and started again 3 s later on
     the same ports, as KubeRay restarts a lost head pod; the GCS reads its tables back from Redis.
     The driver and every actor of the run are on the other nodes. Recovery: the head's restart (its
-    kill to alive again); the notes add the steps MLflow heard of while it was away."""
+    kill to alive again); the notes add the steps MLflow heard of while it was away. `with_node`: a
+    node with a worker (not the shard's) is lost with the head, as one Kubernetes node with both
+    pods; the driver is then on a node of its own with no CPUs, and a 2-CPU node joins first (room
+    for the replacement, and the next case's room once the lost one is gone)."""
+    row, name = (HEAD_WITH_NODE, "head-node-lost") if with_node else (HEAD_LOST, "head-lost")
     client = mlflow_client(tmp)
     steps = longer_steps(args)  # room for the head's absence within the run
-    spec = write_spec(tmp, "head-lost", args, SYNC, steps, *OFF_THE_HEAD)
-    driver = start_driver(cluster, spec, tmp / "driver.log", node=cluster.nodes[1])
+    node = cluster.nodes[1]
+    if with_node:
+        node = next((n for n in cluster.nodes[1:] if not n.killed and n.num_cpus == 0), None)
+        node = node or cluster.add_node(num_cpus=0)  # kept for the next rounds
+        cluster.add_node(num_cpus=2)
+    spec = write_spec(tmp, name, args, SYNC, steps, *OFF_THE_HEAD)
+    driver = start_driver(cluster, spec, tmp / "driver.log", node=node)
     try:
-        run_id, seen = wait_for_step(client, "head-lost", args.at, driver)
+        run_id, seen = wait_for_step(client, name, args.at, driver)
+        victim = victim_node(cluster) if with_node else None
+        if with_node and victim is None:
+            raise CaseError("no node with a worker apart from the shard's")
         lost, started = now_ms(), time.monotonic()
+        if victim is not None:
+            cluster.kill_node(victim)
         cluster.restart_head()
         away_s, back = time.monotonic() - started, now_ms()
         log(f"  head lost at step {seen:g} (MLflow), alive again {away_s:.1f} s later")
@@ -226,20 +224,25 @@ def head_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     finally:
         driver.kill()
     ok, run, notes = run_outcome(client, run_id, driver, steps)
-    during = [m.value for m in client.get_metric_history(run_id, "global_step") if lost < m.timestamp < back]
+    history = sorted(client.get_metric_history(run_id, "global_step"), key=lambda m: m.timestamp)
+    during = [m.value for m in history if lost < m.timestamp < back]
     notes.append(
         f"steps heard of while the head was away: {len(during)}"
         + (f" ({min(during):g} to {max(during):g})" if during else "")
+        + f"; the longest time between two: {max_gap_s(history):.1f} s"
     )
+    if with_node:
+        ok = ok and run.data.metrics.get("workers_replaced") == 1
     return {
-        HEAD_LOST: result(
+        row: result(
             driver.wall_s, ok, examples_per_sec=driver.examples_per_sec(), recovery_s=away_s, notes=notes
         )
     }
 
 
-def clean_elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
-    return {"clean elastic": clean_run(cluster, args, tmp, "clean-elastic", ELASTIC, args.elastic_steps)}
+def max_gap_s(history: list[Any]) -> float:
+    """The longest time between two records of a metric's history (sorted by time), in seconds."""
+    return max((b.timestamp - a.timestamp for a, b in zip(history, history[1:])), default=0) / 1000
 
 
 def node_lost(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
@@ -356,125 +359,6 @@ def driver_restarted(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     }
 
 
-def resize_seconds(client, run_id: str, workers: float, since_ms: int, driver: Driver) -> tuple[float, float]:
-    """(seconds from `since_ms` to MLflow's `workers` record of `workers`, seconds from that record to
-    the first step after the resize): the resize, and the pause before training goes on (the data
-    pipeline starts again). Steps drained by the resize are reported after it: they do not count."""
-    resized = wait_for_record(client, run_id, "workers", since_ms, driver, lambda m: m.value == workers)
-    step = wait_for_record(
-        client, run_id, "global_step", resized.timestamp, driver, lambda m: m.value > resized.step
-    )
-    return seconds_after(resized, since_ms), seconds_after(step, resized.timestamp)
-
-
-def elastic(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
-    client = mlflow_client(tmp)
-    spec = write_spec(tmp, "elastic", args, ELASTIC, args.elastic_steps)
-    driver = start_driver(cluster, spec, tmp / "driver.log")
-    seen: dict[str, tuple[float, float]] = {}  # grow, shrink: (resize s, pause s)
-    node, notes = None, []
-    try:
-        run_id, _ = wait_for_step(client, "elastic", args.at, driver)
-        started = client.get_run(run_id).data.metrics["workers"]
-        asked = time.monotonic()
-        node = cluster.add_node(num_cpus=2)  # room for the pending spare
-        notes.append(
-            f"{started:g} workers at first; {node.name} alive {time.monotonic() - asked:.1f} s after"
-        )
-        seen["grow"] = resize_seconds(client, run_id, started + 1, now_ms(), driver)
-        log(f"  grew {seen['grow'][0]:.1f} s after {node.name} joined")
-        if node.node_id not in {a["node_id"] for a in actors(cluster, "TowerWorker")}:
-            notes.append(f"the run grew, but {node.name} holds no worker")
-        killed = now_ms()
-        cluster.kill_node(node)  # while the grown run trains
-        seen["shrink"] = resize_seconds(client, run_id, started, killed, driver)
-        log(f"  shrank {seen['shrink'][0]:.1f} s after {node.name} was lost")
-        driver.wait()
-    except CaseError as exc:
-        notes.append(f"{exc}")
-    finally:
-        driver.kill()
-        if node is not None and not node.killed:
-            cluster.kill_node(node)  # the next case gets the room this one started with
-    notes += [
-        f"{k}: `workers` changed {r:.1f} s after, the next step {p:.1f} s later" for k, (r, p) in seen.items()
-    ]
-    # The driver's own account of each resize: how long the workers took to stop, the data to plan.
-    notes += [
-        line.split("resized", 1)[1].strip() for line in driver.text().splitlines() if "resized from" in line
-    ]
-    run = poll_store(lambda: latest_run(client, "elastic"))
-    ok, outcome = (
-        run_outcome(client, run.info.run_id, driver, args.elastic_steps)[::2] if run else (False, [])
-    )
-    rate = driver.examples_per_sec()
-    grow, shrink = seen.get("grow", (None,))[0], seen.get("shrink", (None,))[0]
-    return {
-        "elastic: node joins": result(
-            driver.wall_s, grow is not None, examples_per_sec=rate, recovery_s=grow, notes=notes + outcome
-        ),
-        # not tried when the run never grew; survived: it shrank, trained on and finished at max_steps
-        "elastic: node lost": result(
-            driver.wall_s,
-            None if grow is None else ok and shrink is not None,
-            examples_per_sec=rate,
-            recovery_s=shrink,
-        ),
-    }
-
-
-def elastic_drained(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
-    """As `elastic`, but the node the run grew onto is drained (`ray drain-node`, 300 s of
-    deadline) and a second node joins: the spare asked for at the notice starts there and takes
-    the drained node's worker's place in one resize (`workers` recorded again at the same count);
-    then the drained node is lost. Survived: no worker lost, the run finished at max_steps.
-    Recovery: the notice to that resize."""
-    client = mlflow_client(tmp)
-    driver = start_driver(
-        cluster, write_spec(tmp, "elastic-drained", args, ELASTIC, args.elastic_steps), tmp / "driver.log"
-    )
-    added: list[Any] = []
-    notes: list[str] = []
-    swap = None
-    try:
-        run_id, _ = wait_for_step(client, "elastic-drained", args.at, driver)
-        started = client.get_run(run_id).data.metrics["workers"]
-        added.append(cluster.add_node(num_cpus=2))  # room for the pending spare
-        resize_seconds(client, run_id, started + 1, now_ms(), driver)
-        noticed = now_ms()
-        cluster.drain_node(added[0], deadline_s=300)
-        added.append(cluster.add_node(num_cpus=2))  # room for the spare asked for at the notice
-        swap, pause = resize_seconds(client, run_id, started + 1, noticed, driver)
-        log(f"  {added[0].name}'s worker replaced {swap:.1f} s after the notice")
-        notes.append(
-            f"{started:g} workers at first; replaced {swap:.1f} s after the notice, next step {pause:.1f} s later"
-        )
-        cluster.kill_node(added[0])
-        driver.wait()
-    except CaseError as exc:
-        notes.append(f"{exc}")
-    finally:
-        driver.kill()
-        for node in added:
-            if not node.killed:
-                cluster.kill_node(node)  # the next case gets the room this one started with
-            cluster.wait_for_state(node, "DEAD")  # before the next run counts the room there is
-    run = poll_store(lambda: latest_run(client, "elastic-drained"))
-    ok, outcome = (
-        run_outcome(client, run.info.run_id, driver, args.elastic_steps)[::2] if run else (False, [])
-    )
-    lost = run.data.metrics.get("workers_lost", 0.0) if run else None
-    return {
-        ELASTIC_DRAINED: result(
-            driver.wall_s,
-            ok and swap is not None and lost == 0,
-            examples_per_sec=driver.examples_per_sec(),
-            recovery_s=swap,
-            notes=notes + outcome,
-        )
-    }
-
-
 # What each run gives: its function and the rows it fills.
 RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (clean_sync, ("clean sync",)),
@@ -491,4 +375,5 @@ RUNS: list[tuple[Callable[..., dict[str, dict]], tuple[str, ...]]] = [
     (clean_gcs_ft, (CLEAN_FT,)),
     (head_lost, (HEAD_LOST,)),
     (functools.partial(driver_killed, with_head=True), (DRIVER_WITH_HEAD,)),
+    (functools.partial(head_lost, with_node=True), (HEAD_WITH_NODE,)),
 ]

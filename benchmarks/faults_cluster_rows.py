@@ -1,18 +1,23 @@
 """The rows of benchmarks/faults_cluster.py: one run's outcome (`result`), a table row from a case's
-runs and its clean runs (`summarize`), and the LeNet spec every cluster case runs (`write_spec`)."""
+runs and its clean runs (`summarize`), the LeNet spec every cluster case runs (`write_spec`) and a
+clean run of it (`clean_run`)."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
-from faults_driver import ROOT, tracking_uri
+from faults_driver import ROOT, latest_run, mlflow_client, poll_store, run_outcome, start_driver, tracking_uri
 
+Log = Callable[[str], None]
 SPEC = ROOT / "pipelines" / "mnist_sync.yaml"
 DATA = ROOT / "data" / "bench-mnist"
+# The cluster part of the spec: sized for 2-CPU nodes (1 CPU a worker, 0.5 a shard, 0.5 for Ray Data).
+SYNC = {"workers": 2, "ps": 1, "cpus_per_worker": 1, "cpus_per_ps": 0.5, "data_cpus": 0.5}
 
 
 # -- rows: the shape faults.py prints ---------------------------------------------------------------
@@ -86,3 +91,20 @@ def write_spec(
     validate_spec(raw, source=str(path))
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def clean_run(
+    cluster, args, tmp: Path, name: str, config: dict, max_steps: int, *extra: str, node: Any = None
+) -> dict:
+    client = mlflow_client(tmp)
+    spec = write_spec(tmp, name, args, config, max_steps, *extra)
+    driver = start_driver(cluster, spec, tmp / "driver.log", node=node)
+    try:
+        driver.wait()
+    finally:
+        driver.kill()
+    run = poll_store(lambda: latest_run(client, name))
+    if run is None:
+        return result(driver.wall_s, False, notes=[f"no MLflow run: {driver.text(2000)!r}"])
+    ok, _, notes = run_outcome(client, run.info.run_id, driver, max_steps)
+    return result(driver.wall_s, ok, examples_per_sec=driver.examples_per_sec(), notes=notes)
