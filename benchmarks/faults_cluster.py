@@ -181,7 +181,14 @@ def shard_node_lost(cluster, args, tmp: Path, log: Log, *, notice: bool) -> dict
 def clean_gcs_ft(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
     return {
         CLEAN_FT: clean_run(
-            cluster, args, tmp, "clean-ft", SYNC, longer_steps(args), *OFF_THE_HEAD, node=cluster.nodes[1]
+            cluster,
+            args,
+            tmp,
+            "clean-ft",
+            SYNC,
+            longer_steps(args),
+            *OFF_THE_HEAD,
+            node=off_the_head(cluster),
         )
     }
 
@@ -189,6 +196,12 @@ def clean_gcs_ft(cluster, args, tmp: Path, log: Log) -> dict[str, dict]:
 # The driver on another node than the head (as a RayJob's in the drivers group of k8s/overlays/
 # cpu-ha), its command running it alone (a restarted one would join the head: train_command).
 OFF_THE_HEAD = ("training.failure.driver_restarts=0",)
+
+
+def off_the_head(cluster) -> Any:
+    """A live node with CPUs that is not the head: where those drivers run (a node lost by an
+    earlier case is not there any more)."""
+    return next(n for n in cluster.nodes[1:] if not n.killed and n.num_cpus > 0)
 
 
 def head_lost(cluster, args, tmp: Path, log: Log, *, with_node: bool = False) -> dict[str, dict]:
@@ -202,7 +215,7 @@ def head_lost(cluster, args, tmp: Path, log: Log, *, with_node: bool = False) ->
     row, name = (HEAD_WITH_NODE, "head-node-lost") if with_node else (HEAD_LOST, "head-lost")
     client = mlflow_client(tmp)
     steps = longer_steps(args)  # room for the head's absence within the run
-    node = cluster.nodes[1]
+    node = off_the_head(cluster)
     if with_node:
         node = next((n for n in cluster.nodes[1:] if not n.killed and n.num_cpus == 0), None)
         node = node or cluster.add_node(num_cpus=0)  # kept for the next rounds
