@@ -148,6 +148,14 @@ def kept_actors(cluster: LocalCluster) -> dict[str, int]:
     return {a["actor_id"]: a["pid"] for kind in KEPT for a in alive_actors(cluster, kind)}
 
 
+def nodes_with_a_worker_and_no_shard(cluster: LocalCluster) -> list[Node]:
+    """Live nodes, the head aside, that hold a worker of the run and none of its shards: a node
+    whose loss costs a worker only."""
+    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
+    worker_nodes = {a["node_id"] for a in alive_actors(cluster, "TowerWorker")}
+    return [n for n in cluster.nodes[1:] if not n.killed and n.node_id in worker_nodes - shard_nodes]
+
+
 def kept_actor_states(cluster: LocalCluster) -> list[tuple]:
     """Every shard and worker the GCS lists, dead ones too: (class, state, pid, death cause), to
     say in a failure what became of a run's actors."""

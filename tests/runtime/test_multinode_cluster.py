@@ -36,6 +36,7 @@ from multinode_drivers import (
     client_report,
     finish,
     node_held,
+    nodes_with_a_worker_and_no_shard,
     spec_file,
     start_driver,
     wait_for_step,
@@ -230,15 +231,7 @@ def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_clus
     spec, uri = spec_file(tmp_path, blob_data, "node-loss", max_steps=600)
     driver = start_driver(cluster, spec)
     run_id = wait_for_step(uri, "node-loss", 20, driver)
-    head = cluster.head.node_id
-    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
-    victims = [
-        node
-        for node in cluster.nodes
-        if not node.killed
-        and node.node_id not in shard_nodes | {head}
-        and any(a["node_id"] == node.node_id for a in alive_actors(cluster, "TowerWorker"))
-    ]
+    victims = nodes_with_a_worker_and_no_shard(cluster)
     if not victims:
         driver.kill()
         pytest.skip(

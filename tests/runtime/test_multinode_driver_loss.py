@@ -31,6 +31,7 @@ from multinode_drivers import (
     finish,
     kept_actor_states,
     kept_actors,
+    nodes_with_a_worker_and_no_shard,
     placement_groups,
     spec_file,
     start_driver,
@@ -41,14 +42,20 @@ from multinode_drivers import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _the_same_processes_train_on(cluster, actors: dict[str, int], driver: subprocess.Popen) -> None:
-    """While `driver` runs, the kept shards and workers are `actors`: all of them at once, and never
-    another process (the run's end kills the workers, then the shards, so a look in between sees
-    some of them)."""
+def _kept_actors_while(cluster, driver: subprocess.Popen) -> list[dict[str, int]]:
+    """The kept shards and workers (`kept_actors`), looked at every half second while `driver` runs."""
     seen = []
     while driver.poll() is None:
         seen.append(kept_actors(cluster))
         time.sleep(0.5)
+    return seen
+
+
+def _the_same_processes_train_on(cluster, actors: dict[str, int], driver: subprocess.Popen) -> None:
+    """While `driver` runs, the kept shards and workers are `actors`: all of them at once, and never
+    another process (the run's end kills the workers, then the shards, so a look in between sees
+    some of them)."""
+    seen = _kept_actors_while(cluster, driver)
     assert actors in seen and all(alive.items() <= actors.items() for alive in seen), (
         seen,
         kept_actor_states(cluster),
@@ -204,23 +211,15 @@ def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_wit
     run_id = wait_for_step(uri, name, 30, driver)
     actors = kept_actors(cluster)
     assert len(actors) == 3, actors  # a shard and 2 workers
-    # A node with a worker and not the shard: a shard's node has room for one worker at most.
-    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
-    workers = alive_actors(cluster, "TowerWorker")
-    victim = next(n for n in cluster.nodes if n.node_id in {w["node_id"] for w in workers} - shard_nodes)
-    survivors = {
-        k: v
-        for k, v in actors.items()
-        if k not in {w["actor_id"] for w in workers if w["node_id"] == victim.node_id}
-    }
+    # There is one: a shard's node has room for one worker at most.
+    victim = nodes_with_a_worker_and_no_shard(cluster)[0]
+    lost = {w["actor_id"] for w in alive_actors(cluster, "TowerWorker") if w["node_id"] == victim.node_id}
+    survivors = {k: v for k, v in actors.items() if k not in lost}
     lost_at = time.time()
     cluster.kill_node(victim)
     cluster.restart_head()  # SIGKILLed: its GCS, raylet and dashboard; started again 3 s later
     back_at = time.time()
-    seen = []
-    while driver.poll() is None:
-        seen.append(kept_actors(cluster))
-        time.sleep(0.5)
+    seen = _kept_actors_while(cluster, driver)
     # The restarted GCS knows the run's actors from Redis: the shard and the other worker, the same
     # processes; one new process, the lost worker's replacement.
     assert any(survivors.items() <= alive.items() for alive in seen), (seen, kept_actor_states(cluster))

@@ -48,6 +48,10 @@ STRATEGIES = {
 }
 _PROGRESS_EVERY_S = 30.0
 
+# How long a lost actor's replacement waits for Ray to declare it dead before taking its bundle
+# anyway (a lost node's: once its health checks have failed, 5 of them 3 s apart by default).
+DECLARED_DEAD_WAIT_S = 120.0
+
 
 class ActorPlacement:
     """The run's placement groups, and the scheduling options of each shard and worker."""
@@ -194,7 +198,7 @@ class ActorPlacement:
         """Whether this worker id (and its replacements) has a bundle of its own."""
         return bool(self.groups) and worker_id in self._worker_bundles
 
-    def await_declared_dead(self, actor: Any, timeout_s: float = 120.0) -> None:
+    def await_declared_dead(self, actor: Any, timeout_s: float = DECLARED_DEAD_WAIT_S) -> None:
         """Wait until Ray has declared a lost actor dead, before its replacement takes the bundle.
 
         Ray declares a killed process dead at once, but an actor whose node died only once the

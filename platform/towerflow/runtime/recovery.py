@@ -19,7 +19,7 @@ from towerflow.runtime.actors import ACTOR_GONE
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, LossKind
 from towerflow.runtime.hooks import FaultEvent
-from towerflow.runtime.placement import declared_dead
+from towerflow.runtime.placement import DECLARED_DEAD_WAIT_S, declared_dead
 from towerflow.runtime.worker_messages import Rejoin
 
 log = logging.getLogger(__name__)
@@ -33,11 +33,6 @@ class State(enum.Enum):
     FINISHING = "finishing"
     FINISHED = "finished"
     ERRORED = "errored"
-
-
-# How long a lost worker's replacement waits for Ray to declare it dead before taking its bundle
-# anyway (a lost node's: once its health checks have failed, 5 of them 3 s apart by default).
-DECLARED_DEAD_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
