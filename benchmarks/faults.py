@@ -117,6 +117,7 @@ def run_once(case: dict, args: argparse.Namespace, tmp: Path) -> dict:
         f"supervision.checkpoint.every_steps={args.every}",
         "supervision.log_every_steps=1000",
         "training.failure.worker_timeout_s=10",
+        "cluster.keep_actors_s=0",  # each run starts its own actors: no run's start is another's kept ones
         *case.get("overrides", []),
     ]
     hook = Inject(case.get("target"), args.at, case.get("signal", signal.SIGKILL))

@@ -71,6 +71,7 @@ def job_spec(data: Path, workers: int, ps: int, steps: int):
             f"training.max_steps={steps}",
             "supervision.eval=null",
             "export.saved_model=false",
+            "cluster.keep_actors_s=0",  # a job's whole start, new actors: not the last round's kept ones
         ],
     )
 

@@ -133,7 +133,7 @@ def towerflow_spec(args: argparse.Namespace, workers: int, max_steps: int, model
         cluster.cpus_per_worker={cpus} cluster.cpus_per_ps=0.5 cluster.data_cpus=1 training.mode=sync
         training.max_steps={max_steps} training.replicas_to_aggregate={workers}
         training.total_num_replicas={workers} export.saved_model=false export.register_as=null
-        supervision.eval=null supervision.checkpoint.enabled=false""".split()
+        supervision.eval=null supervision.checkpoint.enabled=false cluster.keep_actors_s=0""".split()
     return load_spec(SPEC, [f"data.train.paths={args.data}/train-*", *overrides, *args.set])
 
 

@@ -3,7 +3,8 @@
 Public API: ``train`` runs a job spec end to end; ``load_spec`` reads and validates one;
 ``Hook`` (with ``SessionInfo``, ``RunContext``, ``StepEvent``, ``RunOutcome``) is the base of user hooks;
 ``keep_ray_local`` (called before Ray is imported) keeps a Ray that ``train`` starts on 127.0.0.1,
-with token authentication, as the CLI does.
+with token authentication, as the CLI does; ``release_kept_actors`` ends now the actors a finished
+run keeps for the next run in this process (``cluster.keep_actors_s``).
 """
 
 import os
@@ -25,6 +26,7 @@ __all__ = [
     "__version__",
     "keep_ray_local",
     "load_spec",
+    "release_kept_actors",
     "train",
 ]
 _HOOK_API = {"Hook", "RunContext", "RunOutcome", "SessionInfo", "StepEvent"}
@@ -44,6 +46,10 @@ def __getattr__(name: str):
         from towerflow.spec import load_spec
 
         return load_spec
+    if name == "release_kept_actors":
+        from towerflow.runtime.actor_pool import release_kept_actors
+
+        return release_kept_actors
     if name in _HOOK_API:
         from towerflow.runtime import hooks
 

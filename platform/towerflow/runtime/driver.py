@@ -168,7 +168,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             try:
                 failed_at_end = end_hooks(begun, self.session, outcome)
             finally:
-                self._release()
+                self._release(outcome)
             if failed_at_end is not None:
                 raise failed_at_end
 

@@ -94,6 +94,12 @@ class ActorPlacement:
         self.groups: list[Any] = []
         self.detached = False  # the groups outlive the driver: a kept run's (runtime/run_keeper.py)
 
+    def shape(self) -> tuple[Any, ...]:
+        """What another run's placement must equal for its actors to take this one's bundles
+        (runtime/actor_pool.py): the strategy, and each role's bundles."""
+        counts = (self.shards, self.grouped_workers, self.spare_shards, self.spare_workers)
+        return self.strategy, counts, tuple(tuple(sorted(b.items())) for b in self.bundles)
+
     def group_names(self) -> tuple[str, ...]:
         """The names of the run's placement groups (made by `reserve`)."""
         return tuple(self._parts)

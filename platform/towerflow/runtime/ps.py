@@ -47,7 +47,7 @@ class ParameterShard(ShardCheckpoints):
     def __init__(self, shard_id: int | None, cpus: float = 0.5, *, apply_threads: int | None = None) -> None:
         """`shard_id` None: a warm spare, whose place `load` gives it."""
         # Sync workers wait while shards apply, so a sync shard may use their cores for the apply.
-        configure_tensorflow(TFProcessConfig(cpus=max(cpus, apply_threads or 0), keras=False))
+        configure_tensorflow(shard_tf_config(cpus, apply_threads))
         import tensorflow as tf
 
         self.shard_id = shard_id
@@ -59,6 +59,12 @@ class ParameterShard(ShardCheckpoints):
         self._written: dict[int, ShardSnapshot] = {}
         # (shard id, version) -> another shard's state, held for it: its part of a memory checkpoint
         self._peer_copies: dict[tuple[int, int], ShardSnapshot] = {}
+
+    def reset(self, shard_id: int) -> None:
+        """A kept shard's next run (runtime/actor_pool.py), as shard `shard_id`: the last run's
+        copies go; `load` gives it the rest."""
+        self.shard_id = shard_id
+        self._written, self._peer_copies = {}, {}
 
     def load(
         self,
@@ -394,6 +400,11 @@ def _nbytes(variable) -> int:
         int(np.prod(variable.shape))
         * np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype)).itemsize
     )
+
+
+def shard_tf_config(cpus: float, apply_threads: int | None) -> TFProcessConfig:
+    """A shard's TensorFlow set-up: threads from its CPUs, or from the workers' it borrows to apply."""
+    return TFProcessConfig(cpus=max(cpus, apply_threads or 0), keras=False)
 
 
 def shard_actor(cpus: float):

@@ -9,8 +9,10 @@ from typing import Any
 
 import ray
 
+from towerflow.runtime.actor_pool import KEPT_ACTORS, KEPT_ANSWER_S
 from towerflow.runtime.actors import ACTOR_GONE, kill_quietly
 from towerflow.runtime.placement import ask_node
+from towerflow.runtime.ps import shard_tf_config
 from towerflow.runtime.run_keeper import LiveRun, compatibility
 from towerflow.runtime.worker import worker_actor
 from towerflow.runtime.worker_config import WorkerConfig, worker_config
@@ -25,8 +27,11 @@ class RunActors:
     def _create_actors(self, count: int) -> None:
         session = self.session
         live = self.initial_state if isinstance(self.initial_state, LiveRun) else None
+        idle = None
         if live is not None:  # a lost driver's shards, in their placement groups, taken over
             self.actor_placement = self.shard_group.actor_placement = live.handover.placement
+        elif (idle := KEPT_ACTORS.take(self._reuse_key())) is not None:  # the last run's, here
+            self.actor_placement = self.shard_group.actor_placement = idle.placement
         else:
             kept = self._kept_beyond_the_driver()
             self.actor_placement.detached = self.shard_group.detached = kept
@@ -35,12 +40,16 @@ class RunActors:
                 self.control.keep()
         self._start_steps = {i: self._worker_config(i).start_at_step for i in range(count)}
         taken = self._take_kept_workers(live.workers if live is not None else {}, count)
+        if idle is not None:
+            self._rebuild_idle_workers(idle.workers, count)
         self.group.start([i for i in range(count) if i not in self.group.slots])
         self.worker_spares.start(self.actor_placement.spare_worker_bundles())  # beside the workers
         # The shards start (import TensorFlow) while worker 0 builds the model; they get their
         # pieces once its variables are known.
         if live is not None:
             self.shard_group.adopt(live.handover)
+        elif idle is not None:
+            self.shard_group.reuse(idle.shards, idle.shard_bundles)
         else:
             self.shard_group.start()
         self._keep_handover_current()
@@ -88,6 +97,30 @@ class RunActors:
         if taken:
             log.info("worker(s) %s of the lost driver train on", sorted(self.group.slots))
         return taken
+
+    def _rebuild_idle_workers(self, idle: dict[int, Any], count: int) -> None:
+        """A finished run's kept workers (runtime/actor_pool.py) take their ids again, each built
+        anew under this run's config; one that fails to (gone, paused, or its build raised) ends,
+        and a new worker starts in its bundle (one whose build raises says so as it starts)."""
+        asked = {i: worker.rebuild.remote(self._worker_config(i)) for i, worker in idle.items() if i < count}
+        for worker_id, worker in sorted(idle.items()):
+            try:
+                rebuilt = worker_id in asked and ray.get(asked[worker_id], timeout=KEPT_ANSWER_S)
+            except ray.exceptions.RayError:
+                rebuilt = False
+            if rebuilt:
+                self.group.take_over(worker_id, ask_node(worker), last_run=0)
+            else:
+                kill_quietly(worker)
+
+    def _reuse_key(self) -> Any:
+        """What a finished run's kept actors must have been made for to take this run's places:
+        the placement's shape and each actor's TensorFlow set-up; None where this run keeps its
+        actors in other ways (an elastic run's workers have no bundles; a kept run's are detached)."""
+        if self.elastic.elastic or self._kept_beyond_the_driver():
+            return None
+        shard_tf = shard_tf_config(self.spec.cluster.cpus_per_ps, self._apply_threads())
+        return self.actor_placement.shape(), shard_tf.settings(), self._worker_config(0).tf.settings()
 
     def _load_starting_model_state(self, taken: list[Any]) -> None:
         """Give the new workers the run's non-trainable state: the kept workers', averaged (theirs

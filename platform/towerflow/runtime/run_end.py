@@ -12,7 +12,9 @@ import numpy as np
 import ray
 
 from towerflow.errors import DataError
+from towerflow.runtime.actor_pool import KEPT_ACTORS, IdleActors, current_connection
 from towerflow.runtime.actors import kill_quietly
+from towerflow.runtime.hooks import RunOutcome
 from towerflow.runtime.result import TrainResult, staleness_summary
 from towerflow.runtime.run_keeper import LiveRun
 from towerflow.shared_types import join_pieces
@@ -68,11 +70,15 @@ class RunEnd:
             "data.batch_size, or give more data."
         )
 
-    def _release(self) -> None:
+    def _release(self, outcome: RunOutcome) -> None:
         self.gcs_answers.close()
-        self.group.kill()
+        idle = self._actors_to_keep(outcome)
+        if idle is None:
+            self.group.kill()
+            self.shard_group.kill()
+        else:
+            self.shard_group.spares.kill()
         self.worker_spares.kill()
-        self.shard_group.kill()
         # The reads' claim on the cluster's cores goes now, not minutes after (data/splits.py).
         with contextlib.suppress(Exception):
             self._close_data(wait_s=10.0, release=True)
@@ -88,8 +94,34 @@ class RunEnd:
                 else:
                     live.control.end.remote()
             self.control = None
-        with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
-            self.actor_placement.release()
+        if idle is not None:
+            KEPT_ACTORS.keep(idle, self.spec.cluster.keep_actors_s)
+        else:
+            with contextlib.suppress(Exception):  # Ray gone already (a lost head) is fine
+                self.actor_placement.release()
         if self.control is not None:  # last: a kept run's ends what is left should this be cut short
             with contextlib.suppress(Exception):
                 self.control.close()
+
+    def _actors_to_keep(self, outcome: RunOutcome) -> IdleActors | None:
+        """This run's shards and workers, for the next run in this process (runtime/actor_pool.py):
+        a finished run's, every worker's run ended and none lost, where `cluster.keep_actors_s`
+        asks it; else None (they end now)."""
+        cluster, slots = self.spec.cluster, self.group.slots
+        fits = self._reuse_key()
+        if outcome.status != "FINISHED" or not cluster.keep_actors_s or fits is None:
+            return None
+        if isinstance(self.initial_state, LiveRun) or not self.actor_placement.groups:
+            return None
+        if sorted(slots) != list(range(cluster.workers)) or self._pending_replacements:
+            return None
+        if any(slot.lost or not slot.finished for slot in slots.values()) or len(self.shards) != cluster.ps:
+            return None
+        return IdleActors(
+            placement=self.actor_placement,
+            shards=list(self.shards),
+            shard_bundles=list(self.shard_group.bundles),
+            workers={worker_id: slot.actor for worker_id, slot in slots.items()},
+            fits=fits,
+            connection=current_connection(),
+        )

@@ -14,6 +14,7 @@ import ray
 
 from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
+from towerflow.runtime.actor_pool import KEPT_ANSWER_S
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
 from towerflow.runtime.memory_checkpoints import MemoryCheckpoint, peer_ring
@@ -61,6 +62,22 @@ class ShardGroup:
         self.actors = [self._new(index, bundle) for index, bundle in enumerate(self._bundles)]
         self.spares.start(spare_bundles)
 
+    def reuse(self, shards: list[Any], bundles: list[int]) -> None:
+        """Take a finished run's kept shards (runtime/actor_pool.py) in their bundles, each reset for
+        this run; one that does not answer ends, and a new one starts in its bundle. Spares start
+        in the other shard-sized bundles."""
+        self._bundles = list(bundles)
+        resets = [shard.reset.remote(index) for index, shard in enumerate(shards)]
+        self.actors = []
+        for index, (shard, reset) in enumerate(zip(shards, resets, strict=True)):
+            try:
+                ray.get(reset, timeout=KEPT_ANSWER_S)
+                self.actors.append(ask_node(shard))
+            except (*ACTOR_GONE, ray.exceptions.GetTimeoutError):
+                kill_quietly(shard)
+                self.actors.append(self._new(index, bundles[index]))
+        self.spares.start(self.actor_placement.spare_shard_bundles(self._bundles))
+
     def adopt(self, handover: Handover) -> None:
         """Take over the live shards of a run whose driver was lost (runtime/run_keeper.py); its
         spare shards end, and new ones start in their bundles."""
@@ -70,6 +87,11 @@ class ShardGroup:
         for spare in handover.spares:
             kill_quietly(spare)
         self.spares.start(self.actor_placement.spare_shard_bundles(self._bundles))
+
+    @property
+    def bundles(self) -> list[int]:
+        """Per shard, its bundle."""
+        return list(self._bundles)
 
     def handover(self, compatible: dict[str, Any]) -> Handover:
         """What a driver taking these shards over needs."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from towerflow.runtime.cluster import machine_cores
 from towerflow.runtime.scratch import use_own_scratch_dir
@@ -27,11 +28,36 @@ class TFProcessConfig:
     inter_op_threads: int | None = None  # default: 1, or 2 from 2 CPUs on
     keras: bool = True  # False where the process builds no model (a shard): TensorFlow alone
 
+    def settings(self) -> tuple[Any, ...]:
+        """What `configure_tensorflow` sets from this config: two configs with the same settings set
+        a process up alike (a shard's 0.5 CPUs and 1 CPU are both one thread)."""
+        threads = max(1, math.floor(self.cpus))
+        inter_op = self.inter_op_threads or min(2, threads)
+        devices = (self.towers, self.gpus, self.memory_growth, self.memory_limit_mb)
+        return threads, inter_op, devices, self.soft_placement, self.log_device_placement, self.keras
+
+
+_configured: tuple[TFProcessConfig, list[str]] | None = None  # this process's set-up, and its devices
+
 
 def configure_tensorflow(config: TFProcessConfig) -> list[str]:
     """Set threads and devices; return the device names, one per tower. Also gives the process a
     temporary folder of its own (runtime/scratch.py): actors are killed, not ended, so the files
-    TensorFlow writes there are removed by the next actor to start."""
+    TensorFlow writes there are removed by the next actor to start.
+
+    Once per process: TensorFlow's threads and devices cannot change after its first op. A kept
+    actor's next run (runtime/actor_pool.py) asks again with a config of the same settings and
+    gets the same devices; other settings are a RuntimeError."""
+    global _configured
+    if _configured is None:
+        _configured = (config, _configure(config))
+    done, devices = _configured
+    if done.settings() != config.settings():
+        raise RuntimeError(f"TensorFlow in this process is set up already, for {done}, not {config}")
+    return list(devices)
+
+
+def _configure(config: TFProcessConfig) -> list[str]:
     use_own_scratch_dir()
     tf = import_tensorflow(gpus=config.gpus > 0, keras=config.keras)
 

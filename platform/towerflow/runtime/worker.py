@@ -39,6 +39,22 @@ READER_READY_TIMEOUT_S = 120.0
 
 class TowerWorker(HeldCopies):
     def __init__(self, config: WorkerConfig) -> None:
+        self._build(config)
+
+    def rebuild(self, config: WorkerConfig) -> bool:
+        """A kept worker's next run (runtime/actor_pool.py): everything built anew under `config`
+        (model, towers, step loop), as a new actor would, in this process whose TensorFlow is
+        imported and set up already. False, and nothing done, where `config` sets TensorFlow up
+        otherwise (threads and devices are fixed once it has run)."""
+        if config.tf.settings() != self.config.tf.settings():
+            return False
+        import keras
+
+        keras.backend.clear_session()  # layer names as a new process's: checkpoints key on them
+        self._build(config)
+        return True
+
+    def _build(self, config: WorkerConfig) -> None:
         # First, so that the node's reader starts alongside this worker (both import TensorFlow).
         ready = config.ready_node_for_reading
         self._reading_ready = ready(ray.get_runtime_context().get_node_id()) if ready else None

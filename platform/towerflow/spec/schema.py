@@ -176,6 +176,16 @@ class ClusterSpec(StrictModel):
     placement_timeout_s: float = Field(
         600, gt=0, description="How long the run waits for Ray to place its shards and workers."
     )
+    keep_actors_s: float = Field(
+        30,
+        ge=0,
+        description=(
+            "Seconds a finished run's shards and workers (TensorFlow started) wait, their reservations "
+            "held, for the next run of the same placement in this driver process (a sweep, `towerflow "
+            "compare`, runs in a notebook), which takes them instead of starting new processes; "
+            "0: they end with the run. Not for elastic runs."
+        ),
+    )
     sharding: Literal["round_robin", "greedy_bytes"] = "greedy_bytes"
     min_slice_bytes: int | None = Field(
         262144,

@@ -1,0 +1,137 @@
+"""A finished run's actors, kept for the next run of the same driver process.
+
+A new shard or worker costs seconds of CPU before it does anything (its process imports TensorFlow:
+3-5 s a process on a 2-core machine), most of a short run's start, and paid again by every run of
+a sweep, each mode of `towerflow compare`, each test. So a run that finishes leaves its shards and
+workers, in their placement groups, here for `cluster.keep_actors_s`; the next run in this process
+whose placement has the same shape (bundles, strategy, each actor's TensorFlow set-up) takes them,
+each built anew for it (a worker's model, towers and step loop; a shard's state is loaded as a new
+one's is). A run of another shape, the wait's end or `release_kept_actors()` ends them, and with
+them their reservations, which they hold meanwhile.
+
+Kept: a fixed-size run's actors, each at rest. Not an elastic run's (its workers have no bundles),
+nor a kept run's (they outlive the driver: runtime/run_keeper.py), nor a failed or stopped one's.
+Spares end with the run; their bundles stay, and the next run starts its spares there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from towerflow.runtime.actors import kill_quietly
+
+log = logging.getLogger(__name__)
+# How long a kept actor may take to answer its reset (a worker: its model built anew) before it
+# ends and a new one takes its place (a worker paused with the last run, say).
+KEPT_ANSWER_S = 60.0
+
+
+@dataclass
+class IdleActors:
+    """A finished run's shards and workers, at rest in its placement groups."""
+
+    placement: Any  # the run's ActorPlacement, its groups reserved
+    shards: list[Any]  # by index
+    shard_bundles: list[int]  # per shard, its bundle
+    workers: dict[int, Any]  # worker id -> its actor (in that id's bundle)
+    fits: Hashable  # what a run must match to take them (`Driver._reuse_key`)
+    connection: str  # the Ray connection they belong to (`current_connection`): they end with it
+
+
+class ActorPool:
+    """At most one finished run's actors, until a run takes them or their wait ends."""
+
+    def __init__(self) -> None:
+        self._idle: IdleActors | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def keep(self, idle: IdleActors, for_s: float) -> None:
+        """Keep `idle` for up to `for_s` seconds (any actors kept before end now)."""
+        with self._lock:
+            earlier = self._swap(idle)
+            self._timer = threading.Timer(for_s, self._expire, args=(idle,))
+            self._timer.daemon = True
+            self._timer.start()
+        _end(earlier)
+        log.info(
+            "the run's %d shard(s) and %d worker(s) wait %g s for this process's next run "
+            "(cluster.keep_actors_s)",
+            len(idle.shards),
+            len(idle.workers),
+            for_s,
+        )
+
+    def take(self, fits: Hashable | None) -> IdleActors | None:
+        """The kept actors, where they fit a run of `fits` on this Ray; else None, and any kept
+        actors end (their reservations would stand in the run's way). `fits` None: none could fit."""
+        with self._lock:
+            idle = self._swap(None)
+        if idle is None:
+            return None
+        if fits is not None and idle.fits == fits and idle.connection == current_connection():
+            log.info(
+                "the last run's %d shard(s) and %d worker(s) take this run's places (TensorFlow started)",
+                len(idle.shards),
+                len(idle.workers),
+            )
+            return idle
+        log.info("the last run's kept actors do not fit this run's placement or TensorFlow set-up: they end")
+        log.debug("they were kept for %s; this run asks for %s", idle.fits, fits)
+        _end(idle)
+        return None
+
+    def release(self) -> None:
+        """End the kept actors, if any, now."""
+        with self._lock:
+            idle = self._swap(None)
+        _end(idle)
+
+    def _expire(self, idle: IdleActors) -> None:
+        with self._lock:
+            if self._idle is not idle:
+                return  # taken, or replaced, meanwhile
+            self._swap(None)
+        log.info("no run took the last run's kept actors in time: they end")
+        _end(idle)
+
+    def _swap(self, idle: IdleActors | None) -> IdleActors | None:
+        earlier, self._idle = self._idle, idle
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return earlier
+
+
+def current_connection() -> str | None:
+    """This process's connection to Ray: its job there, on its node (a new cluster's first job has
+    the same id as the last one's had)."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return f"{context.get_job_id()}@{context.get_node_id()}"
+
+
+def _end(idle: IdleActors | None) -> None:
+    if idle is None or idle.connection != current_connection():
+        return  # none, or Ray ended them with the connection they belonged to
+    for actor in [*idle.shards, *idle.workers.values()]:
+        kill_quietly(actor)
+    with contextlib.suppress(Exception):
+        idle.placement.release()
+
+
+KEPT_ACTORS = ActorPool()  # this driver process's
+
+
+def release_kept_actors() -> None:
+    """End the actors a finished run left for the next (and free their reservations) now, rather
+    than when `cluster.keep_actors_s` runs out."""
+    KEPT_ACTORS.release()

@@ -1,0 +1,94 @@
+"""A finished run's actors kept for the next run of the same process (runtime/actor_pool.py), on
+the session's Ray: taken by a run of the same placement, which trains as new actors would; ended
+by a run of another placement and once their wait runs out."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import psutil
+import pytest
+import ray
+from support import blob_spec
+
+from towerflow.errors import TrainingError
+from towerflow.launch import train
+from towerflow.runtime.actor_pool import release_kept_actors
+from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.hooks import Hook
+from towerflow.spec import validate_spec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+class Processes(Hook):
+    """The run's shard and worker processes, as it starts, and its variables' names."""
+
+    def after_create_session(self, session):
+        runtime = session.runtime
+        self.shards = ray.get([shard.pid.remote() for shard in runtime.shards])
+        self.workers = ray.get([worker.pid.remote() for worker in runtime.workers])
+        self.variables = [v.name for v in session.variables]
+
+
+def _spec(blob_data, workers=1, keep_actors_s=30):
+    return validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 32, "epochs": None, "deterministic": True, "shuffle_files": False},
+            cluster={"workers": workers, "ps": 1, "keep_actors_s": keep_actors_s},
+            training={"mode": "sync", "max_steps": 12, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
+        )
+    )
+
+
+def _run(spec, tmp_path, name):
+    seen = Processes()
+    result = train(spec, hooks=[seen], track=False, output_dir=tmp_path / name)
+    assert result.global_step == 12
+    return seen, result
+
+
+def _ended(pids, within_s=30.0):
+    deadline = time.monotonic() + within_s
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(psutil.pid_exists(p) for p in pids)
+
+
+def test_the_next_run_of_the_same_placement_takes_the_last_runs_actors_and_trains_as_new_ones_would(
+    ray_cluster, blob_data, tmp_path
+):
+    release_kept_actors()  # whatever an earlier test's run kept
+    first, trained_new = _run(_spec(blob_data), tmp_path, "first")
+    second, trained_kept = _run(_spec(blob_data), tmp_path, "second")
+    assert (second.shards, second.workers) == (first.shards, first.workers)  # the same processes
+    # Built anew: the same variable names (checkpoints key on them) and initial weights, so the
+    # same data gives the same model.
+    assert second.variables == first.variables
+    for new, kept in zip(trained_new.parameters, trained_kept.parameters, strict=True):
+        np.testing.assert_allclose(kept, new, rtol=1e-5, atol=1e-6)
+    # Another placement (two workers) cannot take them: they end, and new processes start.
+    third, _ = _run(_spec(blob_data, workers=2, keep_actors_s=1), tmp_path, "third")
+    assert not set(third.shards + third.workers) & set(first.shards + first.workers)
+    assert _ended(first.shards + first.workers)
+    # No run took the third's within its 1 s: they end.
+    assert _ended(third.shards + third.workers)
+
+
+def test_a_failed_run_and_one_that_keeps_nothing_leave_no_actors(ray_cluster, blob_data, tmp_path):
+    release_kept_actors()
+    failed = Processes()
+    with pytest.raises(TrainingError, match="loss is nan"):
+        train(
+            _spec(blob_data),
+            hooks=[failed],
+            track=False,
+            output_dir=tmp_path / "failed",
+            faults=FaultInjector(nonfinite_loss={0: (3, None)}),
+        )
+    assert _ended(failed.shards + failed.workers)  # a failed run's actors are not worth keeping
+    unkept, _ = _run(_spec(blob_data, keep_actors_s=0), tmp_path, "unkept")
+    assert not set(unkept.shards + unkept.workers) & set(failed.shards + failed.workers)
+    assert _ended(unkept.shards + unkept.workers)
