@@ -9,12 +9,15 @@ interleaved rounds, medians reported:
    wall seconds).
 2. A short job end to end: `train()` of pipelines/mnist_sync.yaml for a few steps (no tracking,
    evaluation or export) with 1 worker + 1 shard and with 2 + 2, from the call to its result, on a
-   Ray started beforehand (a first, untimed job starts Ray Data's worker processes).
+   Ray started beforehand (a first, untimed job starts Ray Data's worker processes); and the 2 + 2
+   job once more in the actors the same job before it kept (`cluster.keep_actors_s`, an untimed
+   job's), as the runs of a sweep in one process start.
 
     python benchmarks/startup.py            # 5 rounds
     python benchmarks/startup.py --quick    # 2 rounds
 
-The last line is `startup: tf_import_cpu_s=<ours> plain_tf_import_cpu_s=<plain> job_1x1_s=... job_2x2_s=...`.
+The last line is `startup: tf_import_cpu_s=<ours> plain_tf_import_cpu_s=<plain> job_1x1_s=... job_2x2_s=...
+job_2x2_kept_s=...`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def time_import(code: str) -> tuple[float, float]:
     return float(cpu), float(wall)
 
 
-def job_spec(data: Path, workers: int, ps: int, steps: int):
+def job_spec(data: Path, workers: int, ps: int, steps: int, keep_actors_s: float = 0):
     from towerflow.spec import load_spec
 
     return load_spec(
@@ -71,7 +74,8 @@ def job_spec(data: Path, workers: int, ps: int, steps: int):
             f"training.max_steps={steps}",
             "supervision.eval=null",
             "export.saved_model=false",
-            "cluster.keep_actors_s=0",  # a job's whole start, new actors: not the last round's kept ones
+            # 0: a job's whole start, new actors, not the last job's kept ones
+            f"cluster.keep_actors_s={keep_actors_s}",
         ],
     )
 
@@ -108,6 +112,7 @@ def main() -> None:
     ensure_mnist(data, log, shards=2, examples=4096, eval_examples=512)
     import ray
 
+    from towerflow.runtime.actor_pool import release_kept_actors
     from towerflow.runtime.cluster import budget_for
 
     specs = {shape: job_spec(data, *shape, args.steps) for shape in SHAPES}
@@ -115,10 +120,15 @@ def main() -> None:
     ray.init(num_cpus=largest.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     runs = tempfile.mkdtemp(prefix="towerflow-startup-")  # the jobs' final checkpoints
     time_job(specs[SHAPES[0]], runs)  # starts Ray Data's worker processes and warms the driver: not timed
+    kept = job_spec(data, *SHAPES[-1], args.steps, keep_actors_s=60)
     jobs: dict[tuple[int, int], list[float]] = {shape: [] for shape in SHAPES}
+    kept_jobs: list[float] = []
     for r in range(rounds):
         for shape in SHAPES if r % 2 == 0 else reversed(SHAPES):
             jobs[shape].append(time_job(specs[shape], runs))
+        time_job(kept, runs)  # leaves its actors: not timed
+        kept_jobs.append(time_job(kept, runs))  # takes them
+        release_kept_actors()
         log(f"jobs, round {r + 1}/{rounds}")
     ray.shutdown()
     shutil.rmtree(runs, ignore_errors=True)
@@ -131,10 +141,14 @@ def main() -> None:
     print(f"\n{f'job of {args.steps} steps, train() to result':40} {'wall s':>16}")
     for (workers, ps), samples in jobs.items():
         print(f"{f'{workers} worker(s) + {ps} shard(s)':40} {_spread(samples):>16}")
+    print(f"{'2 + 2, in the actors the last one kept':40} {_spread(kept_jobs):>16}")
 
     plain, ours = (statistics.median(cpu for cpu, _ in imports[name]) for name in IMPORTS)
     shapes = " ".join(f"job_{w}x{p}_s={statistics.median(jobs[(w, p)]):.2f}" for w, p in SHAPES)
-    print(f"startup: tf_import_cpu_s={ours:.2f} plain_tf_import_cpu_s={plain:.2f} {shapes}")
+    kept_s = statistics.median(kept_jobs)
+    print(
+        f"startup: tf_import_cpu_s={ours:.2f} plain_tf_import_cpu_s={plain:.2f} {shapes} job_2x2_kept_s={kept_s:.2f}"
+    )
 
 
 def _spread(samples) -> str:
