@@ -10,26 +10,31 @@ import numpy as np
 import psutil
 import pytest
 import ray
-from support import blob_spec
+from support import blob_spec, tracked_spec
 
 from towerflow.errors import TrainingError
 from towerflow.launch import train
 from towerflow.runtime.actor_pool import release_kept_actors
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
+from towerflow.runtime.run_control import NAMESPACE
 from towerflow.spec import validate_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 class Processes(Hook):
-    """The run's shard and worker processes, as it starts, and its variables' names."""
+    """The run's shard and worker processes, as it starts, its variables' names and its placement
+    groups, and those its control point keeps."""
 
     def after_create_session(self, session):
         runtime = session.runtime
         self.shards = ray.get([shard.pid.remote() for shard in runtime.shards])
         self.workers = ray.get([worker.pid.remote() for worker in runtime.workers])
         self.variables = [v.name for v in session.variables]
+        self.groups = runtime.actor_placement.group_names()
+        control = runtime.control
+        self.kept_groups = control and ray.get(control.actor.__ray_call__.remote(lambda c: c._group_names))
 
 
 def _spec(blob_data, workers=1, keep_actors_s=30):
@@ -92,3 +97,41 @@ def test_a_failed_run_and_one_that_keeps_nothing_leave_no_actors(ray_cluster, bl
     unkept, _ = _run(_spec(blob_data, keep_actors_s=0), tmp_path, "unkept")
     assert not set(unkept.shards + unkept.workers) & set(failed.shards + failed.workers)
     assert _ended(unkept.shards + unkept.workers)
+
+
+def test_a_tracked_run_takes_the_last_tracked_runs_actors_and_its_control_point_keeps_them(
+    ray_cluster, blob_data, tmp_path
+):
+    """A tracked run's actors outlive a lost driver: while they wait, a control point of their own
+    keeps them; the run that takes them has its own keep their placement groups."""
+    release_kept_actors()
+    sections = {
+        "data": {"batch_size": 32, "epochs": None},
+        "cluster": {"workers": 1, "ps": 1},
+        "training": {"max_steps": 6},
+    }
+    spec, uri = tracked_spec(tmp_path, blob_data, "kept", **sections)
+    first, second = Processes(), Processes()
+    train(spec, hooks=[first])
+    keepers = _control_points()
+    assert len(keepers) == 1 and keepers[0].startswith("run-kept-"), keepers  # the run's own ended
+    train(spec, hooks=[second])
+    assert (second.shards, second.workers) == (first.shards, first.workers)
+    assert second.groups == first.groups and tuple(second.kept_groups) == first.groups
+    after = _control_points()  # the first keeper ended; the second run's actors have one of their own
+    assert len(after) == 1 and after[0].startswith("run-kept-") and after != keepers, after
+    release_kept_actors()
+    assert _ended(second.shards + second.workers)
+    assert _control_points(within_s=30) == []
+
+
+def _control_points(within_s: float = 0) -> list[str]:
+    """The control points alive on the session's Ray: after `within_s`, where some still end."""
+    deadline = time.monotonic() + within_s
+    while True:
+        names = sorted(
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE
+        )
+        if not names or time.monotonic() >= deadline:
+            return names
+        time.sleep(0.5)

@@ -12,6 +12,7 @@ from towerflow.checkpoint.files import read_checkpoint, write_checkpoint
 from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.checkpoint.state import TrainingState
 from towerflow.launch import train
+from towerflow.runtime.actor_pool import release_kept_actors
 from towerflow.runtime.model_state import average_model_states, load_model_state, model_state_of
 
 
@@ -88,6 +89,7 @@ def test_batch_norm_statistics_are_trained_checkpointed_resumed_evaluated_and_ex
         supervision={"checkpoint": {"every_steps": 3}, "eval": {"every_steps": 6}},
         export={"saved_model": True},
     )
+    release_kept_actors()  # an earlier run's: this run starts its own two workers
     started = len(ray_actors("TowerWorker"))
     result = train(spec)
     assert len(ray_actors("TowerWorker")) - started == 2  # the two workers: no evaluator actor was started

@@ -10,12 +10,16 @@ one's is). A run of another shape, the wait's end or `release_kept_actors()` end
 them their reservations, which they hold meanwhile.
 
 Kept: a fixed-size run's actors, each at rest. Not an elastic run's (its workers have no bundles),
-nor a kept run's (they outlive the driver: runtime/run_keeper.py), nor a failed or stopped one's.
-Spares end with the run; their bundles stay, and the next run starts its spares there.
+nor a failed or stopped one's. A tracked run's outlive a lost driver (runtime/run_keeper.py): while
+they wait, a control point of their own keeps them as the run's did (ends them once the driver has
+been gone `training.failure.driver_grace_s`), until the next run's takes them over; such actors
+fit tracked runs only, and the others untracked runs only. Spares end with the run; their bundles
+stay, and the next run starts its spares there.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
@@ -42,7 +46,10 @@ class IdleActors:
     shard_bundles: list[int]  # per shard, its bundle
     workers: dict[int, Any]  # worker id -> its actor (in that id's bundle)
     fits: Hashable  # what a run must match to take them (`Driver._reuse_key`)
-    connection: str  # the Ray connection they belong to (`current_connection`): they end with it
+    connection: str  # the Ray connection they belong to (`current_connection`)
+    # A tracked run's, which outlive a lost driver: a control point of their own (run_control.py)
+    # ends them once this process has been gone for `training.failure.driver_grace_s`.
+    keeper: Any = None
 
 
 class ActorPool:
@@ -60,6 +67,10 @@ class ActorPool:
             self._timer = threading.Timer(for_s, self._expire, args=(idle,))
             self._timer.daemon = True
             self._timer.start()
+        # At this process's exit, before Ray's own handler disconnects it (handlers run last made,
+        # first run): a tracked run's outlive the driver, and would wait out their keeper's grace.
+        atexit.unregister(self.release)
+        atexit.register(self.release)
         _end(earlier)
         log.info(
             "the run's %d shard(s) and %d worker(s) wait %g s for this process's next run "
@@ -121,11 +132,14 @@ def current_connection() -> str | None:
 
 def _end(idle: IdleActors | None) -> None:
     if idle is None or idle.connection != current_connection():
-        return  # none, or Ray ended them with the connection they belonged to
+        return  # Ray ended them with the connection they belonged to, or their keeper will, in its grace
+    with contextlib.suppress(Exception):
+        idle.placement.release()  # ends every actor placed in its groups
     for actor in [*idle.shards, *idle.workers.values()]:
         kill_quietly(actor)
-    with contextlib.suppress(Exception):
-        idle.placement.release()
+    if idle.keeper is not None:
+        with contextlib.suppress(Exception):
+            idle.keeper.close()
 
 
 KEPT_ACTORS = ActorPool()  # this driver process's

@@ -20,6 +20,7 @@ import numpy as np
 import ray
 
 from towerflow.errors import TrainingError
+from towerflow.runtime.actor_pool import IdleActors
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.draining import LOOK_EVERY_S, DrainWatch, ray_draining_nodes
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -100,6 +101,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self._summaries: dict[int, dict[str, Any]] = {}  # worker id -> its run's summary
         # lost worker id -> its new actor's run, until Ray can place it (recovery.py)
         self._pending_replacements: dict[int, PendingReplacement] = {}
+        self._idle: IdleActors | None = None  # the last run's actors, which this run takes (actor_pool.py)
         self._rollbacks = self._steps_redone = 0
         self.poll_s = poll_s
         self.return_parameters = return_parameters
@@ -146,6 +148,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
             self._ready_node_for_reading = feed.ready_node_for_reading
             self._note_data_end(self.session.start_step, feed)
+            self._idle = self._take_idle_actors()  # first: the control point names their placement groups
             self.control = self._control_point()
             self._create_actors(count)
             for hook in self.hooks:

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from towerflow.runtime.actor_pool import KEPT_ACTORS, KEPT_ANSWER_S
+from towerflow.runtime.actor_pool import KEPT_ACTORS, KEPT_ANSWER_S, IdleActors
 from towerflow.runtime.actors import ACTOR_GONE, kill_quietly
 from towerflow.runtime.placement import ask_node
 from towerflow.runtime.ps import shard_tf_config
@@ -27,11 +27,13 @@ class RunActors:
     def _create_actors(self, count: int) -> None:
         session = self.session
         live = self.initial_state if isinstance(self.initial_state, LiveRun) else None
-        idle = None
+        idle = self._idle
         if live is not None:  # a lost driver's shards, in their placement groups, taken over
             self.actor_placement = self.shard_group.actor_placement = live.handover.placement
-        elif (idle := KEPT_ACTORS.take(self._reuse_key())) is not None:  # the last run's, here
-            self.actor_placement = self.shard_group.actor_placement = idle.placement
+        elif idle is not None:  # the last run's, in this process (`_take_idle_actors`)
+            if idle.keeper is not None:  # this run's control point keeps them beyond the driver now
+                self.control.keep()
+                idle.keeper.close()
         else:
             kept = self._kept_beyond_the_driver()
             self.actor_placement.detached = self.shard_group.detached = kept
@@ -98,6 +100,18 @@ class RunActors:
             log.info("worker(s) %s of the lost driver train on", sorted(self.group.slots))
         return taken
 
+    def _take_idle_actors(self) -> IdleActors | None:
+        """The actors the last run in this process kept, where they fit this run: their placement
+        becomes this run's (before its control point, which names the placement groups it keeps);
+        else None, any kept actors ended."""
+        if isinstance(self.initial_state, LiveRun):
+            return None  # a lost driver's actors are this run's
+        idle = KEPT_ACTORS.take(self._reuse_key())
+        if idle is not None:
+            self.actor_placement = self.shard_group.actor_placement = idle.placement
+            self.shard_group.detached = idle.placement.detached
+        return idle
+
     def _rebuild_idle_workers(self, idle: dict[int, Any], count: int) -> None:
         """A finished run's kept workers (runtime/actor_pool.py) take their ids again, each built
         anew under this run's config; one that fails to (gone, paused, or its build raised) ends,
@@ -115,12 +129,13 @@ class RunActors:
 
     def _reuse_key(self) -> Any:
         """What a finished run's kept actors must have been made for to take this run's places:
-        the placement's shape and each actor's TensorFlow set-up; None where this run keeps its
-        actors in other ways (an elastic run's workers have no bundles; a kept run's are detached)."""
-        if self.elastic.elastic or self._kept_beyond_the_driver():
+        the placement's shape, each actor's TensorFlow set-up, and whether they outlive a lost
+        driver (a tracked run's do); None for an elastic run, whose workers have no bundles."""
+        if self.elastic.elastic:
             return None
         shard_tf = shard_tf_config(self.spec.cluster.cpus_per_ps, self._apply_threads())
-        return self.actor_placement.shape(), shard_tf.settings(), self._worker_config(0).tf.settings()
+        setups = shard_tf.settings(), self._worker_config(0).tf.settings()
+        return self.actor_placement.shape(), *setups, self._kept_beyond_the_driver()
 
     def _load_starting_model_state(self, taken: list[Any]) -> None:
         """Give the new workers the run's non-trainable state: the kept workers', averaged (theirs

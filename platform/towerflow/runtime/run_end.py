@@ -5,7 +5,9 @@ trained something, and the release of everything the run held, whatever its outc
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -16,8 +18,11 @@ from towerflow.runtime.actor_pool import KEPT_ACTORS, IdleActors, current_connec
 from towerflow.runtime.actors import kill_quietly
 from towerflow.runtime.hooks import RunOutcome
 from towerflow.runtime.result import TrainResult, staleness_summary
+from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.run_keeper import LiveRun
 from towerflow.shared_types import join_pieces
+
+log = logging.getLogger(__name__)
 
 
 class RunEnd:
@@ -72,6 +77,9 @@ class RunEnd:
 
     def _release(self, outcome: RunOutcome) -> None:
         self.gcs_answers.close()
+        if self._idle is not None and self._idle.keeper is not None:  # taken over, or the run ended first
+            with contextlib.suppress(Exception):
+                self._idle.keeper.close()
         idle = self._actors_to_keep(outcome)
         if idle is None:
             self.group.kill()
@@ -108,14 +116,18 @@ class RunEnd:
         a finished run's, every worker's run ended and none lost, where `cluster.keep_actors_s`
         asks it; else None (they end now)."""
         cluster, slots = self.spec.cluster, self.group.slots
-        fits = self._reuse_key()
-        if outcome.status != "FINISHED" or not cluster.keep_actors_s or fits is None:
+        if outcome.status != "FINISHED" or not cluster.keep_actors_s or (fits := self._reuse_key()) is None:
             return None
         if isinstance(self.initial_state, LiveRun) or not self.actor_placement.groups:
             return None
         if sorted(slots) != list(range(cluster.workers)) or self._pending_replacements:
             return None
         if any(slot.lost or not slot.finished for slot in slots.values()) or len(self.shards) != cluster.ps:
+            return None
+        try:
+            keeper = self._keeper_of_kept_actors() if self.actor_placement.detached else None
+        except Exception as exc:  # a control point could not be made: they end with the run
+            log.warning("the run's actors end: none could keep them for the next run (%s)", exc)
             return None
         return IdleActors(
             placement=self.actor_placement,
@@ -124,4 +136,15 @@ class RunEnd:
             workers={worker_id: slot.actor for worker_id, slot in slots.items()},
             fits=fits,
             connection=current_connection(),
+            keeper=keeper,
         )
+
+    def _keeper_of_kept_actors(self) -> ControlPoint:
+        """A control point of their own for a tracked run's actors while they wait (they outlive a
+        lost driver, as the run's control point, which ends with the run, kept them)."""
+        grace_s = self.spec.training.failure.driver_grace_s
+        keeper = ControlPoint(
+            f"kept-{uuid.uuid4().hex[:12]}", grace_s=grace_s, group_names=self.actor_placement.group_names()
+        )
+        keeper.keep()
+        return keeper
