@@ -275,6 +275,7 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
 
     summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]
+    assert "for this process's next run" not in out.stdout + out.stderr  # one run: nothing kept for a next
     run_id = summary[0].split()[2]
     run = MlflowClient(store).get_run(run_id)
     # `towerflow ui` over the store MLFLOW_TRACKING_URI names (so no --store), and the run's page

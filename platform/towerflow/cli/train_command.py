@@ -48,8 +48,10 @@ def add_train_commands(sub) -> None:
 def _train(args: argparse.Namespace) -> int:
     from towerflow.cli.progress import ProgressHook
     from towerflow.launch import train
+    from towerflow.runtime.actor_pool import KEPT_ACTORS
     from towerflow.spec import load_spec
 
+    KEPT_ACTORS.keeping = False  # one run, then the process ends: its actors end with the run
     spec = load_spec(args.spec, args.overrides)
     restarts = restarts_wanted(spec.training.failure.driver_restarts)
     if restarts and not is_supervised_child():

@@ -56,6 +56,7 @@ class ActorPool:
     """At most one finished run's actors, until a run takes them or their wait ends."""
 
     def __init__(self) -> None:
+        self.keeping = True  # False in a process of one run (`towerflow train`): nothing to keep for
         self._idle: IdleActors | None = None
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()

@@ -116,7 +116,9 @@ class RunEnd:
         a finished run's, every worker's run ended and none lost, where `cluster.keep_actors_s`
         asks it; else None (they end now)."""
         cluster, slots = self.spec.cluster, self.group.slots
-        if outcome.status != "FINISHED" or not cluster.keep_actors_s or (fits := self._reuse_key()) is None:
+        if outcome.status != "FINISHED" or not cluster.keep_actors_s or not KEPT_ACTORS.keeping:
+            return None
+        if (fits := self._reuse_key()) is None:
             return None
         if isinstance(self.initial_state, LiveRun) or not self.actor_placement.groups:
             return None
