@@ -29,8 +29,6 @@ from typing import Any
 
 import ray
 
-from towerflow.runtime.actors import kill_quietly
-
 log = logging.getLogger(__name__)
 # How long a kept actor may take to answer its reset (a worker: its model built anew) before it
 # ends and a new one takes its place (a worker paused with the last run, say).
@@ -135,9 +133,7 @@ def _end(idle: IdleActors | None) -> None:
     if idle is None or idle.connection != current_connection():
         return  # Ray ended them with the connection they belonged to, or their keeper will, in its grace
     with contextlib.suppress(Exception):
-        idle.placement.release()  # ends every actor placed in its groups
-    for actor in [*idle.shards, *idle.workers.values()]:
-        kill_quietly(actor)
+        idle.placement.release()  # ends every actor placed in its groups: every kept one
     if idle.keeper is not None:
         with contextlib.suppress(Exception):
             idle.keeper.close()

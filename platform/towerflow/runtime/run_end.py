@@ -134,7 +134,7 @@ class RunEnd:
         return IdleActors(
             placement=self.actor_placement,
             shards=list(self.shards),
-            shard_bundles=list(self.shard_group.bundles),
+            shard_bundles=self.shard_group.bundles,  # a copy
             workers={worker_id: slot.actor for worker_id, slot in slots.items()},
             fits=fits,
             connection=current_connection(),
