@@ -314,13 +314,22 @@ class LocalCluster:
 
     # -- state ------------------------------------------------------------------------------------
 
-    def state_api(self, path: str, token: str | None = "") -> dict:
-        """GET `path` of the dashboard's HTTP API; `token` None sends no Authorization header."""
+    def state_api(self, path: str, token: str | None = "", tries: int = 3) -> dict:
+        """GET `path` of the dashboard's HTTP API; `token` None sends no Authorization header. A
+        server error is asked again, 1 s later, up to `tries` times: the dashboard answers 500
+        while it cannot reach the GCS or a node's agent it asks (a head just started again, a node
+        just lost), which is the cluster's moment, not the tests' subject."""
         token = self.token if token == "" else token
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         request = urllib.request.Request(f"{self.dashboard_url}{path}", headers=headers)
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            return json.load(reply)
+        for _ in range(tries - 1):
+            try:
+                return _get_json(request)
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:
+                    raise
+            time.sleep(1)
+        return _get_json(request)
 
     def node_states(self) -> dict[str, str]:
         """{node id: 'ALIVE' | 'DEAD'} of every node the GCS knows, lost ones too."""
@@ -402,6 +411,11 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _get_json(request: urllib.request.Request) -> dict:
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.load(reply)
 
 
 def _crash(node: Node) -> None:

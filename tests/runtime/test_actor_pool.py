@@ -1,6 +1,7 @@
 """A finished run's actors kept for the next run of the same process (runtime/actor_pool.py), on
-the session's Ray: taken by a run of the same placement, which trains as new actors would; ended
-by a run of another placement and once their wait runs out."""
+the session's Ray: taken by a run of the same placement, which trains as new actors would, those
+of a role set up for other TensorFlow settings replaced; ended by a run of another placement and
+once their wait runs out."""
 
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ class Processes(Hook):
         self.kept_groups = control and ray.get(control.actor.__ray_call__.remote(lambda c: c._group_names))
 
 
-def _spec(blob_data, workers=1, keep_actors_s=30):
+def _spec(blob_data, workers=1, keep_actors_s=30, mode="sync"):
     return validate_spec(
         blob_spec(
             blob_data,
             data={"batch_size": 32, "epochs": None, "deterministic": True, "shuffle_files": False},
             cluster={"workers": workers, "ps": 1, "keep_actors_s": keep_actors_s},
-            training={"mode": "sync", "max_steps": 12, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
+            training={"mode": mode, "max_steps": 12, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
         )
     )
 
@@ -75,11 +76,16 @@ def test_the_next_run_of_the_same_placement_takes_the_last_runs_actors_and_train
     for new, kept in zip(trained_new.parameters, trained_kept.parameters, strict=True):
         np.testing.assert_allclose(kept, new, rtol=1e-5, atol=1e-6)
     # Another placement (two workers) cannot take them: they end, and new processes start.
-    third, _ = _run(_spec(blob_data, workers=2, keep_actors_s=1), tmp_path, "third")
+    third, _ = _run(_spec(blob_data, workers=2), tmp_path, "third")
     assert not set(third.shards + third.workers) & set(first.shards + first.workers)
     assert _ended(first.shards + first.workers)
-    # No run took the third's within its 1 s: they end.
-    assert _ended(third.shards + third.workers)
+    # An async run of that placement takes the sync run's workers; its shards, whose threads a
+    # sync run's set apart from an async one's at 2 workers, are new, the sync run's ended.
+    fourth, _ = _run(_spec(blob_data, workers=2, keep_actors_s=1, mode="async"), tmp_path, "fourth")
+    assert fourth.workers == third.workers and not set(fourth.shards) & set(third.shards)
+    assert fourth.groups == third.groups and _ended(third.shards)
+    # No run took the fourth's within its 1 s: they end.
+    assert _ended(fourth.shards + fourth.workers)
 
 
 def test_a_failed_run_and_one_that_keeps_nothing_leave_no_actors(ray_cluster, blob_data, tmp_path):

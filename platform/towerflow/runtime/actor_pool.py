@@ -4,9 +4,12 @@ A new shard or worker costs seconds of CPU before it does anything (its process 
 3-5 s a process on a 2-core machine), most of a short run's start, and paid again by every run of
 a sweep, each mode of `towerflow compare`, each test. So a run that finishes leaves its shards and
 workers, in their placement groups, here for `cluster.keep_actors_s`; the next run in this process
-whose placement has the same shape (bundles, strategy, each actor's TensorFlow set-up) takes them,
-each built anew for it (a worker's model, towers and step loop; a shard's state is loaded as a new
-one's is). A run of another shape, the wait's end or `release_kept_actors()` ends them, and with
+whose placement has the same shape (bundles, strategy) takes them, each built anew for it (a
+worker's model, towers and step loop; a shard's state is loaded as a new one's is). A role whose
+actors were set up for other TensorFlow settings (a sync run's shards borrow its workers' cores,
+an async run's do not) ends, and new actors of it start in its bundles, while the other role's
+are taken: a sync run, then an async one of the same placement (`towerflow compare`), keeps the
+workers. A run of another shape, the wait's end or `release_kept_actors()` ends them, and with
 them their reservations, which they hold meanwhile.
 
 Kept: a fixed-size run's actors, each at rest. Not an elastic run's (its workers have no bundles),
@@ -29,10 +32,24 @@ from typing import Any
 
 import ray
 
+from towerflow.runtime.actors import kill_quietly
+
 log = logging.getLogger(__name__)
 # How long a kept actor may take to answer its reset (a worker: its model built anew) before it
 # ends and a new one takes its place (a worker paused with the last run, say).
 KEPT_ANSWER_S = 60.0
+
+
+@dataclass(frozen=True)
+class ReuseKey:
+    """What a run's actors were made for. A run takes kept actors whose placement shape it has and
+    that outlive a lost driver as its own would; of those, each role's actors only where they
+    were set up for its TensorFlow settings (`TFProcessConfig.settings`)."""
+
+    placement: Hashable  # `ActorPlacement.shape`
+    beyond_the_driver: bool  # a tracked run's (runtime/run_keeper.py)
+    shards: Hashable  # the shards' TensorFlow settings
+    workers: Hashable  # the workers'
 
 
 @dataclass
@@ -40,14 +57,43 @@ class IdleActors:
     """A finished run's shards and workers, at rest in its placement groups."""
 
     placement: Any  # the run's ActorPlacement, its groups reserved
-    shards: list[Any]  # by index
+    shards: list[Any]  # by index; empty where they ended (`end_misfits`)
     shard_bundles: list[int]  # per shard, its bundle
     workers: dict[int, Any]  # worker id -> its actor (in that id's bundle)
-    fits: Hashable  # what a run must match to take them (`Driver._reuse_key`)
+    fits: ReuseKey  # what they were made for (`Driver._reuse_key`)
     connection: str  # the Ray connection they belong to (`current_connection`)
     # A tracked run's, which outlive a lost driver: a control point of their own (run_control.py)
     # ends them once this process has been gone for `training.failure.driver_grace_s`.
     keeper: Any = None
+
+    def fit(self, fits: ReuseKey | None) -> bool:
+        """Whether a run of `fits`, on this process's Ray connection, can take their places."""
+        if fits is None or self.connection != current_connection():
+            return False
+        return (self.fits.placement, self.fits.beyond_the_driver) == (fits.placement, fits.beyond_the_driver)
+
+    def end_misfits(self, fits: ReuseKey) -> list[str]:
+        """End the roles set up for other TensorFlow settings than `fits` asks (new actors take
+        their bundles once Ray has freed them); what ended, for a log line."""
+        ended = []
+        if self.fits.shards != fits.shards and self.shards:
+            for shard in self.shards:
+                kill_quietly(shard)
+            ended.append(f"{len(self.shards)} shard(s)")
+            self.shards = []
+        if self.fits.workers != fits.workers and self.workers:
+            for worker in self.workers.values():
+                kill_quietly(worker)
+            ended.append(f"{len(self.workers)} worker(s)")
+            self.workers = {}
+        return ended
+
+    def describe(self) -> str:
+        """What is kept, for a log line."""
+        kept = [f"{len(self.shards)} shard(s)"] * bool(self.shards) + [
+            f"{len(self.workers)} worker(s)"
+        ] * bool(self.workers)
+        return " and ".join(kept) or "placement groups"
 
 
 class ActorPool:
@@ -79,19 +125,21 @@ class ActorPool:
             for_s,
         )
 
-    def take(self, fits: Hashable | None) -> IdleActors | None:
-        """The kept actors, where they fit a run of `fits` on this Ray; else None, and any kept
-        actors end (their reservations would stand in the run's way). `fits` None: none could fit."""
+    def take(self, fits: ReuseKey | None) -> IdleActors | None:
+        """The kept actors, where their placement fits a run of `fits` on this Ray, those of a role
+        set up for other TensorFlow settings ended; else None, and any kept actors end (their
+        reservations would stand in the run's way). `fits` None: none could fit."""
         with self._lock:
             idle = self._swap(None)
         if idle is None:
             return None
-        if fits is not None and idle.fits == fits and idle.connection == current_connection():
-            log.info(
-                "the last run's %d shard(s) and %d worker(s) take this run's places (TensorFlow started)",
-                len(idle.shards),
-                len(idle.workers),
-            )
+        if idle.fit(fits):
+            ended = idle.end_misfits(fits)
+            log.info("the last run's %s take this run's places (TensorFlow started)", idle.describe())
+            if ended:
+                log.info(
+                    "its %s, set up for other TensorFlow settings, end: new ones start", " and ".join(ended)
+                )
             return idle
         log.info("the last run's kept actors do not fit this run's placement or TensorFlow set-up: they end")
         log.debug("they were kept for %s; this run asks for %s", idle.fits, fits)

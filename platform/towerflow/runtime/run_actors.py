@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from towerflow.runtime.actor_pool import KEPT_ACTORS, KEPT_ANSWER_S, IdleActors
+from towerflow.runtime.actor_pool import KEPT_ACTORS, KEPT_ANSWER_S, IdleActors, ReuseKey
 from towerflow.runtime.actors import ACTOR_GONE, kill_quietly
 from towerflow.runtime.placement import ask_node
 from towerflow.runtime.ps import shard_tf_config
@@ -127,15 +127,19 @@ class RunActors:
             else:
                 kill_quietly(worker)
 
-    def _reuse_key(self) -> Any:
-        """What a finished run's kept actors must have been made for to take this run's places:
-        the placement's shape, each actor's TensorFlow set-up, and whether they outlive a lost
-        driver (a tracked run's do); None for an elastic run, whose workers have no bundles."""
+    def _reuse_key(self) -> ReuseKey | None:
+        """What this run's actors are made for (runtime/actor_pool.py): the placement's shape,
+        whether they outlive a lost driver (a tracked run's do), each role's TensorFlow set-up;
+        None for an elastic run, whose workers have no bundles."""
         if self.elastic.elastic:
             return None
         shard_tf = shard_tf_config(self.spec.cluster.cpus_per_ps, self._apply_threads())
-        setups = shard_tf.settings(), self._worker_config(0).tf.settings()
-        return self.actor_placement.shape(), *setups, self._kept_beyond_the_driver()
+        return ReuseKey(
+            placement=self.actor_placement.shape(),
+            beyond_the_driver=self._kept_beyond_the_driver(),
+            shards=shard_tf.settings(),
+            workers=self._worker_config(0).tf.settings(),
+        )
 
     def _load_starting_model_state(self, taken: list[Any]) -> None:
         """Give the new workers the run's non-trainable state: the kept workers', averaged (theirs

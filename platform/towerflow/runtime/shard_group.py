@@ -64,8 +64,9 @@ class ShardGroup:
 
     def reuse(self, shards: list[Any], bundles: list[int]) -> None:
         """Take a finished run's kept shards (runtime/actor_pool.py) in their bundles, each reset for
-        this run; one that does not answer ends, and a new one starts in its bundle. Spares start
-        in the other shard-sized bundles."""
+        this run; one that does not answer ends, and a new one starts in its bundle, as new ones do
+        in the bundles of those that ended (`shards` shorter than `bundles`). Spares start in the
+        other shard-sized bundles."""
         self._bundles = list(bundles)
         resets = [shard.reset.remote(index) for index, shard in enumerate(shards)]
         self.actors = []
@@ -76,6 +77,7 @@ class ShardGroup:
             except (*ACTOR_GONE, ray.exceptions.GetTimeoutError):
                 kill_quietly(shard)
                 self.actors.append(self._new(index, bundles[index]))
+        self.actors += [self._new(index, bundles[index]) for index in range(len(self.actors), len(bundles))]
         self.spares.start(self.actor_placement.spare_shard_bundles(self._bundles))
 
     def adopt(self, handover: Handover) -> None:
