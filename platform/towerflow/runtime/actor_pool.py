@@ -90,10 +90,8 @@ class IdleActors:
 
     def describe(self) -> str:
         """What is kept, for a log line."""
-        kept = [f"{len(self.shards)} shard(s)"] * bool(self.shards) + [
-            f"{len(self.workers)} worker(s)"
-        ] * bool(self.workers)
-        return " and ".join(kept) or "placement groups"
+        kept = {"shard(s)": len(self.shards), "worker(s)": len(self.workers)}
+        return " and ".join(f"{count} {role}" for role, count in kept.items() if count) or "placement groups"
 
 
 class ActorPool:
@@ -141,7 +139,9 @@ class ActorPool:
                     "its %s, set up for other TensorFlow settings, end: new ones start", " and ".join(ended)
                 )
             return idle
-        log.info("the last run's kept actors do not fit this run's placement or TensorFlow set-up: they end")
+        log.info(
+            "the last run's kept actors do not fit this run (another placement, or tracked unlike it): they end"
+        )
         log.debug("they were kept for %s; this run asks for %s", idle.fits, fits)
         _end(idle)
         return None
