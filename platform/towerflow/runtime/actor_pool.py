@@ -60,7 +60,7 @@ class IdleActors:
     shards: list[Any]  # by index; empty where they ended (`end_misfits`)
     shard_bundles: list[int]  # per shard, its bundle
     workers: dict[int, Any]  # worker id -> its actor (in that id's bundle)
-    fits: ReuseKey  # what they were made for (`Driver._reuse_key`)
+    fits: ReuseKey  # what they were made for (`RunActors._reuse_key`)
     connection: str  # the Ray connection they belong to (`current_connection`)
     # A tracked run's, which outlive a lost driver: a control point of their own (run_control.py)
     # ends them once this process has been gone for `training.failure.driver_grace_s`.
@@ -116,10 +116,8 @@ class ActorPool:
         atexit.register(self.release)
         _end(earlier)
         log.info(
-            "the run's %d shard(s) and %d worker(s) wait %g s for this process's next run "
-            "(cluster.keep_actors_s)",
-            len(idle.shards),
-            len(idle.workers),
+            "the run's %s wait %g s for this process's next run (cluster.keep_actors_s)",
+            idle.describe(),
             for_s,
         )
 

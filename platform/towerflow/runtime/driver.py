@@ -20,7 +20,7 @@ import numpy as np
 import ray
 
 from towerflow.errors import TrainingError
-from towerflow.runtime.actor_pool import IdleActors
+from towerflow.runtime.actor_pool import IdleActors, ReuseKey
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.draining import LOOK_EVERY_S, DrainWatch, ray_draining_nodes
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -102,6 +102,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         # lost worker id -> its new actor's run, until Ray can place it (recovery.py)
         self._pending_replacements: dict[int, PendingReplacement] = {}
         self._idle: IdleActors | None = None  # the last run's actors, which this run takes (actor_pool.py)
+        self._reuse: ReuseKey | None = None  # what this run's actors are made for, once known (`_reuse_key`)
         self._rollbacks = self._steps_redone = 0
         self.poll_s = poll_s
         self.return_parameters = return_parameters

@@ -105,8 +105,9 @@ class RunActors:
         becomes this run's (before its control point, which names the placement groups it keeps);
         else None, any kept actors ended."""
         if isinstance(self.initial_state, LiveRun):
-            return None  # a lost driver's actors are this run's
-        idle = KEPT_ACTORS.take(self._reuse_key())
+            return None  # a lost driver's actors are this run's (and are not kept at its end)
+        self._reuse = self._reuse_key()  # at the run's end too, for the actors it keeps
+        idle = KEPT_ACTORS.take(self._reuse)
         if idle is not None:
             self.actor_placement = self.shard_group.actor_placement = idle.placement
             self.shard_group.detached = idle.placement.detached

@@ -118,7 +118,7 @@ class RunEnd:
         cluster, slots = self.spec.cluster, self.group.slots
         if outcome.status != "FINISHED" or not cluster.keep_actors_s or not KEPT_ACTORS.keeping:
             return None
-        if (fits := self._reuse_key()) is None:
+        if (fits := self._reuse) is None:
             return None
         if isinstance(self.initial_state, LiveRun) or not self.actor_placement.groups:
             return None
