@@ -1,6 +1,9 @@
 """Faults injected for real into running jobs on the session's Ray: a worker's process SIGKILLed,
 a worker paused (SIGSTOP) until it counts as hung, NaN losses skipped. The multi-node faults (a
-node stopped) are in test_multinode_cluster.py and test_multinode_draining.py."""
+node stopped) are in test_multinode_cluster.py and test_multinode_draining.py.
+
+Tests whose runs have one placement (shards, workers, spares) follow each other where they can: a
+finished run's actors wait for the next run that fits them (runtime/actor_pool.py)."""
 
 from __future__ import annotations
 
@@ -119,55 +122,6 @@ def test_a_call_to_a_live_shard_lost_in_transit_costs_the_worker_not_its_data(
     assert [e.global_step for e in hook.events] == list(range(1, result.global_step + 1))
 
 
-class KillWorkerBesideSpares(FaultAt):
-    """FaultAt that kills once `step` is heard of and the spare has traced its step ahead; notes the
-    run's warm spare workers (their actor ids) at the kill, and which actor holds the lost worker's
-    id and which spares wait once it is replaced."""
-
-    def after_run(self, context, event):
-        runtime = context.session.runtime
-        if not self.killed_at and event.global_step >= self.step:
-            if not runtime.worker_spares.warmed():
-                self.events.append(event)
-                return  # the next event's turn may find it warmed
-            self.spares_at_kill = [actor._actor_id for actor, _ in runtime.worker_spares.spares]
-        super().after_run(context, event)
-        holder = runtime.group.slots[self.worker].actor
-        if self.killed and holder is not self.killed[0]:
-            self.after_kill = (
-                holder._actor_id,
-                [actor._actor_id for actor, _ in runtime.worker_spares.spares],
-            )
-
-
-# Sync without a spare worker (a new actor is started: the test above), async with one.
-def test_async_worker_killed_is_replaced_by_a_warm_spare_and_the_run_ends_at_max_steps(
-    ray_cluster, blob_data, tmp_path
-):
-    raw = blob_spec(
-        blob_data,
-        data={"batch_size": BATCH, "epochs": None},
-        cluster={"workers": 2, "ps": 1, "spare_workers": 1},
-        training={"mode": "async", "max_steps": 400, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
-        supervision={"checkpoint": {"every_steps": 5}},
-    )
-    hook = KillWorkerBesideSpares(step=20)
-    # 0.1 s a step: worker 0 alone does not reach max_steps before the replacement has started.
-    slow = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
-    result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
-    assert result.global_step == 400
-    assert [f.action for f in hook.faults] == ["replaced by a warm spare"]
-    holder, spares_after = hook.after_kill
-    assert [holder] == hook.spares_at_kill  # the spare took worker 1's id
-    assert len(spares_after) == 1 and spares_after[0] != holder  # a new spare in the lost one's bundle
-    assert hook.metrics["workers_replaced"] == 1
-    assert 0 < hook.metrics["worker_recovery_s"] < 120
-    # The spare trained under worker 1's id, on the step it traced ahead (no trace in its run).
-    assert any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 5)
-    assert {w["worker"]: w["traces"] for w in result.workers}[1] == 0, result.workers
-    assert _falls([e.loss for e in hook.events])
-
-
 def test_a_hung_worker_is_killed_and_replaced(ray_cluster, blob_data, tmp_path):
     spec = _spec(blob_data, mode="sync", max_steps=60, epochs=None, failure={"worker_timeout_s": 4})
     hook = FaultAt(step=10, sig=signal.SIGSTOP)  # alive, but never answers again
@@ -246,6 +200,55 @@ def test_a_worker_lost_while_the_run_stops_is_let_go_not_replaced(ray_cluster, b
     assert fault.action == "let go, not replaced: the run is stopping"
     assert hook.metrics.get("workers_replaced", 0) == 0 and hook.metrics["workers_lost"] == 1
     assert result.global_step < 100
+
+
+class KillWorkerBesideSpares(FaultAt):
+    """FaultAt that kills once `step` is heard of and the spare has traced its step ahead; notes the
+    run's warm spare workers (their actor ids) at the kill, and which actor holds the lost worker's
+    id and which spares wait once it is replaced."""
+
+    def after_run(self, context, event):
+        runtime = context.session.runtime
+        if not self.killed_at and event.global_step >= self.step:
+            if not runtime.worker_spares.warmed():
+                self.events.append(event)
+                return  # the next event's turn may find it warmed
+            self.spares_at_kill = [actor._actor_id for actor, _ in runtime.worker_spares.spares]
+        super().after_run(context, event)
+        holder = runtime.group.slots[self.worker].actor
+        if self.killed and holder is not self.killed[0]:
+            self.after_kill = (
+                holder._actor_id,
+                [actor._actor_id for actor, _ in runtime.worker_spares.spares],
+            )
+
+
+# Sync without a spare worker (a new actor is started: the first test), async with one.
+def test_async_worker_killed_is_replaced_by_a_warm_spare_and_the_run_ends_at_max_steps(
+    ray_cluster, blob_data, tmp_path
+):
+    raw = blob_spec(
+        blob_data,
+        data={"batch_size": BATCH, "epochs": None},
+        cluster={"workers": 2, "ps": 1, "spare_workers": 1},
+        training={"mode": "async", "max_steps": 400, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
+        supervision={"checkpoint": {"every_steps": 5}},
+    )
+    hook = KillWorkerBesideSpares(step=20)
+    # 0.1 s a step: worker 0 alone does not reach max_steps before the replacement has started.
+    slow = FaultInjector(step_delay_s={0: 0.1, 1: 0.1})
+    result = train(validate_spec(raw), hooks=[hook], track=False, output_dir=tmp_path, faults=slow)
+    assert result.global_step == 400
+    assert [f.action for f in hook.faults] == ["replaced by a warm spare"]
+    holder, spares_after = hook.after_kill
+    assert [holder] == hook.spares_at_kill  # the spare took worker 1's id
+    assert len(spares_after) == 1 and spares_after[0] != holder  # a new spare in the lost one's bundle
+    assert hook.metrics["workers_replaced"] == 1
+    assert 0 < hook.metrics["worker_recovery_s"] < 120
+    # The spare trained under worker 1's id, on the step it traced ahead (no trace in its run).
+    assert any(1 in e.workers for e in hook.events if e.global_step > hook.killed_at[0] + 5)
+    assert {w["worker"]: w["traces"] for w in result.workers}[1] == 0, result.workers
+    assert _falls([e.loss for e in hook.events])
 
 
 class KeepsTheRuntime(FaultAt):
@@ -384,7 +387,7 @@ class KillShardAfterMemoryCheckpoint(KillShardAt):
 
 # Two shards hold each other's copies; one shard's copy is held by its warm spare, which takes the
 # lost one's place and loads the copy it holds, or, with no spare, by a worker.
-@pytest.mark.parametrize("ps, spares", [(2, 0), (1, 1), (1, 0)])
+@pytest.mark.parametrize("ps, spares", [(1, 0), (1, 1), (2, 0)])
 def test_a_lost_parameter_server_rolls_the_shards_back_to_a_memory_checkpoint(
     ray_cluster, blob_data, tmp_path, ps, spares
 ):

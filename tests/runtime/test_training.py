@@ -1,4 +1,7 @@
-"""Training semantics on a real local Ray with real TensorFlow actors."""
+"""Training semantics on a real local Ray with real TensorFlow actors.
+
+Tests whose runs have one placement (shards, workers, spares) follow each other: a run takes the
+last one's actors where they fit (runtime/actor_pool.py), seconds a test on 2 cores."""
 
 from __future__ import annotations
 
@@ -54,6 +57,78 @@ def _fixed_splits(ray, columns, per_worker):
         return DataFeed([one_split(rows) for rows in per_worker], {})
 
     return make
+
+
+def test_hooks_can_stop_the_job_and_its_reads_give_their_cores_back(ray_cluster, blob_data):
+    spec = validate_spec(blob_spec(blob_data, data={"epochs": 5}, training={"max_steps": 500}))
+    from towerflow.launch import train
+
+    before = ray_data_claims(ray_cluster)
+    result = train(spec, hooks=[StopAtStepHook(3)], track=False)
+    assert 3 <= result.global_step < 500
+    # The stop drains: every shard ends at the same version (the final checkpoint's cut).
+    assert {s["version"] for s in result.shards} == {result.global_step}
+    # Its stream, 4 epochs from its end, was shut down: no claim left to starve the next job's reads.
+    assert ray_data_claims(ray_cluster) <= before
+
+
+def test_cluster_ps_auto_trains_on_the_shard_count_the_cost_model_picks(ray_cluster, blob_data):
+    from towerflow.launch import train
+    from towerflow.runtime.shard_count import auto_shards
+
+    model = {"params": {"input_dim": 8, "num_classes": 2, "hidden": [2048, 2048], "seed": 1}}
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            model=model,
+            cluster={"workers": 2, "ps": "auto"},
+            training={"max_steps": 3},
+        )
+    )
+    expected = auto_shards(spec)
+    assert expected > 1  # a 4.2 M-parameter model with next to no compute per parameter
+    result = train(spec, track=False)
+    assert result.global_step == 3 and len(result.shards) == expected
+
+
+def test_async_applies_every_push_and_measures_staleness(ray_cluster, blob_data):
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 16, "epochs": 3},
+            cluster={"workers": 2, "ps": 2},
+            training={"mode": "async", "max_steps": 60},
+        )
+    )
+    from towerflow.launch import train
+
+    hook = Recorder()
+    # The run outlasts several slow steps, also where the slow worker starts a second late.
+    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})
+    result = train(spec, hooks=[hook], track=False, faults=delays)
+    assert result.global_step == 60
+    assert [e.global_step for e in hook.events] == list(range(1, 61))
+    assert all(len(e.workers) == 1 for e in hook.events)
+    assert result.staleness["max"] >= 2  # the slow worker's gradients were several versions old
+    assert result.dropped_stale == 0
+
+
+def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 16, "epochs": 3},
+            cluster={"workers": 2, "ps": 2},
+            training={"mode": "async", "max_steps": 60, "max_staleness": 1},
+        )
+    )
+    from towerflow.launch import train
+
+    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})
+    result = train(spec, track=False, faults=delays)
+    assert result.global_step == 60
+    assert result.staleness["max"] <= 1  # nothing older than the bound was applied
+    assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected
 
 
 @pytest.mark.parametrize("push_bucket_bytes", [None, 64], ids=["one-push", "bucketed"])
@@ -139,46 +214,6 @@ def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_dat
     assert all(len(e.workers) == 2 for e in hook.events)
 
 
-def test_async_applies_every_push_and_measures_staleness(ray_cluster, blob_data):
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            data={"batch_size": 16, "epochs": 3},
-            cluster={"workers": 2, "ps": 2},
-            training={"mode": "async", "max_steps": 60},
-        )
-    )
-    from towerflow.launch import train
-
-    hook = Recorder()
-    # The run outlasts several slow steps, also where the slow worker starts a second late.
-    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})
-    result = train(spec, hooks=[hook], track=False, faults=delays)
-    assert result.global_step == 60
-    assert [e.global_step for e in hook.events] == list(range(1, 61))
-    assert all(len(e.workers) == 1 for e in hook.events)
-    assert result.staleness["max"] >= 2  # the slow worker's gradients were several versions old
-    assert result.dropped_stale == 0
-
-
-def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            data={"batch_size": 16, "epochs": 3},
-            cluster={"workers": 2, "ps": 1},
-            training={"mode": "async", "max_steps": 60, "max_staleness": 1},
-        )
-    )
-    from towerflow.launch import train
-
-    delays = FaultInjector(step_delay_s={0: 0.03, 1: 0.15})
-    result = train(spec, track=False, faults=delays)
-    assert result.global_step == 60
-    assert result.staleness["max"] <= 1  # nothing older than the bound was applied
-    assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected
-
-
 def test_async_fetch_every_computes_on_held_parameters_and_publishes_only_what_is_fetched(
     ray_cluster, blob_data
 ):
@@ -261,35 +296,3 @@ def test_towers_inside_workers(ray_cluster, blob_data):
     (worker,) = result.workers
     assert [d.upper() for d in worker["devices"]] == ["/CPU:0", "/CPU:1"]  # one logical device per tower
     assert worker["gpu_peak_mb"] == {}
-
-
-def test_hooks_can_stop_the_job_and_its_reads_give_their_cores_back(ray_cluster, blob_data):
-    spec = validate_spec(blob_spec(blob_data, data={"epochs": 5}, training={"max_steps": 500}))
-    from towerflow.launch import train
-
-    before = ray_data_claims(ray_cluster)
-    result = train(spec, hooks=[StopAtStepHook(3)], track=False)
-    assert 3 <= result.global_step < 500
-    # The stop drains: every shard ends at the same version (the final checkpoint's cut).
-    assert {s["version"] for s in result.shards} == {result.global_step}
-    # Its stream, 4 epochs from its end, was shut down: no claim left to starve the next job's reads.
-    assert ray_data_claims(ray_cluster) <= before
-
-
-def test_cluster_ps_auto_trains_on_the_shard_count_the_cost_model_picks(ray_cluster, blob_data):
-    from towerflow.launch import train
-    from towerflow.runtime.shard_count import auto_shards
-
-    model = {"params": {"input_dim": 8, "num_classes": 2, "hidden": [2048, 2048], "seed": 1}}
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            model=model,
-            cluster={"workers": 2, "ps": "auto", "cpus_per_ps": 0.1},
-            training={"max_steps": 3},
-        )
-    )
-    expected = auto_shards(spec)
-    assert expected > 1  # a 4.2 M-parameter model with next to no compute per parameter
-    result = train(spec, track=False)
-    assert result.global_step == 3 and len(result.shards) == expected

@@ -1,5 +1,8 @@
 """Supervision end to end on real Ray, TensorFlow and an MLflow store: checkpoints and resume
-(also onto another number of shards), evaluation, profiles, NaN guard, stop, start delay, user hooks."""
+(also onto another number of shards), evaluation, profiles, NaN guard, stop, start delay, user hooks.
+
+Tests whose runs have one placement, tracked or not, follow each other: a finished run's actors
+wait for the next run that fits them (runtime/actor_pool.py)."""
 
 from __future__ import annotations
 
@@ -161,36 +164,23 @@ def test_resume_onto_fewer_shards_continues_the_same_run(first_run, tmp_path):
     assert left == [checkpoint_name(step) for step, _ in store.list()], left
 
 
-def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, blob_data, tmp_path, capsys):
-    # An epoch is 16 steps of 2 workers x 32 (1,024 examples in 4 files of 256). Stopped at step 12,
-    # the resumed run reads only the last file: 4 more steps to the end of the epoch, not 16.
-    run_dir = tmp_path / "run"
-    two_workers = {"workers": 2, "ps": 1}  # the data position is the workers' together
-
-    def spec(max_steps):
-        return validate_spec(
-            blob_spec(blob_data, cluster=two_workers, data={"epochs": 1}, training={"max_steps": max_steps})
-        )
-
-    hooks = [RecordingHook(), RecordingHook()]
-    first = train(spec(12), hooks=hooks[:1], track=False, output_dir=run_dir)
-    assert first.global_step == 12 and first.examples_seen == 768
-    longer = spec(100)
-    resumed = train(longer, hooks=hooks[1:], track=False, resume=str(run_dir), output_dir=run_dir)
-    assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in capsys.readouterr().out
-    assert resumed.global_step == 16 and resumed.examples_seen == 1024
-    assert resumed.shards[0]["loaded_from"] == "shard-00000 of step 12"  # the shard read its own part
-    # Both runs knew from the files' counts that the data ends at step 16 (the progress bar's total).
-    assert [hook.data_steps for hook in hooks] == [16, 16]
-    assert LocalCheckpointStore(run_dir / "checkpoints").load(16).data_position["examples_seen"] == 1024
-    with pytest.raises(DataError, match="nothing left to read"):
-        train(longer, track=False, resume=str(run_dir), output_dir=run_dir)
-
-
-def test_resume_of_an_unknown_run_is_a_clear_error(first_run):
-    spec, _, _, _ = first_run
-    with pytest.raises(SpecError, match="no such run"):
-        train(spec, resume="0123456789abcdef0123456789abcdef")
+def test_a_hook_failing_at_the_end_fails_the_run_and_keeps_its_checkpoints(ray_cluster, blob_data, tmp_path):
+    uri = sqlite_store(tmp_path)
+    spec = _spec(
+        blob_data,
+        uri,
+        cluster=ONE_OF_EACH,
+        training={"max_steps": 4},
+        supervision={"checkpoint": {"every_steps": 2}, "hooks": ["sample_hooks:FailsAtEndHook"]},
+    )
+    with pytest.raises(TrainingError, match="hook FailsAtEndHook failed at its end: the bucket refused"):
+        train(spec)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("supervision").experiment_id])
+    assert run.info.status == "FAILED" and "bucket refused" in run.data.tags["towerflow.error"]
+    store = MlflowCheckpointStore(client, run.info.run_id)
+    assert [s for s, _ in store.list()] == [2, 4]  # the final checkpoint was written before the hook failed
+    assert store.load(4).global_step == 4
 
 
 def test_nan_guard_fails_the_run_and_keeps_the_last_good_checkpoint(ray_cluster, blob_data, tmp_path):
@@ -213,44 +203,6 @@ def test_nan_guard_fails_the_run_and_keeps_the_last_good_checkpoint(ray_cluster,
     assert store.load(4).all_finite()
 
 
-class _SlowChief(Hook):
-    """Holds the driver once, as a slow MLflow store or a busy chief would: the shards run ahead."""
-
-    def __init__(self, at_step: int, seconds: float) -> None:
-        self.at_step, self.seconds, self.done = at_step, seconds, False
-
-    def after_run(self, context, event) -> None:
-        if event.global_step >= self.at_step and not self.done:
-            self.done = True
-            time.sleep(self.seconds)
-
-
-def test_checkpoints_of_steps_the_shards_no_longer_hold_are_cut_at_a_later_one(
-    ray_cluster, blob_data, tmp_path
-):
-    # A shard keeps the last few steps the checkpoint hook asked for; past them it answered with its
-    # state now, and two shards at different versions failed the run ("not a consistent cut").
-    spec = _spec(
-        blob_data,
-        None,
-        cluster={"workers": 2, "ps": 2},
-        training={"max_steps": 200},
-        supervision={"checkpoint": {"every_steps": 1, "max_to_keep": 1000}},
-    )
-    result = train(spec, hooks=[_SlowChief(at_step=3, seconds=1.0)], track=False, output_dir=tmp_path)
-    assert result.global_step == 200
-    store = LocalCheckpointStore(tmp_path / "checkpoints")
-    steps = [step for step, _ in store.list()]
-    assert len(steps) < 200  # steps the shards had dropped were skipped, not saved out of order
-    for step in steps:
-        state = store.load(step)
-        assert state.global_step == step and state.all_finite()
-        # The data position belongs to the saved state: it never says more examples were trained on
-        # than the state holds (a resume would skip unseen data), nor names another step.
-        assert state.data_position.get("global_step", step) == step, state.data_position
-        assert state.examples_seen <= step * 2 * 32
-
-
 def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
     spec = _spec(
         blob_data, None, cluster=ONE_OF_EACH, training={"max_steps": 30}, supervision={"nan_guard": "stop"}
@@ -261,25 +213,6 @@ def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
     assert result.global_step == 3
     assert all(np.isfinite(p).all() for p in result.parameters)
     assert [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()] == [3]
-
-
-def test_a_hook_failing_at_the_end_fails_the_run_and_keeps_its_checkpoints(ray_cluster, blob_data, tmp_path):
-    uri = sqlite_store(tmp_path)
-    spec = _spec(
-        blob_data,
-        uri,
-        cluster=ONE_OF_EACH,
-        training={"max_steps": 4},
-        supervision={"checkpoint": {"every_steps": 2}, "hooks": ["sample_hooks:FailsAtEndHook"]},
-    )
-    with pytest.raises(TrainingError, match="hook FailsAtEndHook failed at its end: the bucket refused"):
-        train(spec)
-    client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("supervision").experiment_id])
-    assert run.info.status == "FAILED" and "bucket refused" in run.data.tags["towerflow.error"]
-    store = MlflowCheckpointStore(client, run.info.run_id)
-    assert [s for s, _ in store.list()] == [2, 4]  # the final checkpoint was written before the hook failed
-    assert store.load(4).global_step == 4
 
 
 def test_stop_at_step_stops_exactly(ray_cluster, blob_data, tmp_path):
@@ -321,6 +254,59 @@ def test_steps_heard_while_a_hook_waits_are_reported_even_when_training_ended_me
     assert [e.global_step for e in recorder.events] == [1, 2, 3, 4, 5, 6]  # none lost after the wait
 
 
+def test_checkpoints_every_n_seconds_and_retention(ray_cluster, blob_data, tmp_path):
+    spec = _spec(
+        blob_data,
+        None,
+        cluster=ONE_OF_EACH,
+        training={"max_steps": 40},
+        supervision={"checkpoint": {"every_secs": 0.5, "max_to_keep": 2}},
+    )
+    slow = FaultInjector(step_delay_s={0: 0.1})  # about 4 s of training
+    result = train(spec, track=False, output_dir=tmp_path, faults=slow)
+    steps = [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()]
+    assert len(steps) == 2 and steps[-1] == result.global_step == 40  # the newest two kept
+    assert steps[0] < 40
+
+
+class _SlowChief(Hook):
+    """Holds the driver once, as a slow MLflow store or a busy chief would: the shards run ahead."""
+
+    def __init__(self, at_step: int, seconds: float) -> None:
+        self.at_step, self.seconds, self.done = at_step, seconds, False
+
+    def after_run(self, context, event) -> None:
+        if event.global_step >= self.at_step and not self.done:
+            self.done = True
+            time.sleep(self.seconds)
+
+
+def test_checkpoints_of_steps_the_shards_no_longer_hold_are_cut_at_a_later_one(
+    ray_cluster, blob_data, tmp_path
+):
+    # A shard keeps the last few steps the checkpoint hook asked for; past them it answered with its
+    # state now, and two shards at different versions failed the run ("not a consistent cut").
+    spec = _spec(
+        blob_data,
+        None,
+        cluster={"workers": 2, "ps": 2},
+        training={"max_steps": 200},
+        supervision={"checkpoint": {"every_steps": 1, "max_to_keep": 1000}},
+    )
+    result = train(spec, hooks=[_SlowChief(at_step=3, seconds=1.0)], track=False, output_dir=tmp_path)
+    assert result.global_step == 200
+    store = LocalCheckpointStore(tmp_path / "checkpoints")
+    steps = [step for step, _ in store.list()]
+    assert len(steps) < 200  # steps the shards had dropped were skipped, not saved out of order
+    for step in steps:
+        state = store.load(step)
+        assert state.global_step == step and state.all_finite()
+        # The data position belongs to the saved state: it never says more examples were trained on
+        # than the state holds (a resume would skip unseen data), nor names another step.
+        assert state.data_position.get("global_step", step) == step, state.data_position
+        assert state.examples_seen <= step * 2 * 32
+
+
 def test_worker_k_starts_after_step_k_times_delay(ray_cluster, blob_data, tmp_path):
     RecordingHook.instances.clear()
     spec = _spec(
@@ -359,6 +345,38 @@ def test_a_worker_still_waiting_to_start_does_not_hold_the_end(ray_cluster, blob
     assert {s["version"] for s in result.shards} == {result.global_step}
 
 
+def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, blob_data, tmp_path, capsys):
+    # An epoch is 16 steps of 2 workers x 32 (1,024 examples in 4 files of 256). Stopped at step 12,
+    # the resumed run reads only the last file: 4 more steps to the end of the epoch, not 16.
+    run_dir = tmp_path / "run"
+    two_workers = {"workers": 2, "ps": 1}  # the data position is the workers' together
+
+    def spec(max_steps):
+        return validate_spec(
+            blob_spec(blob_data, cluster=two_workers, data={"epochs": 1}, training={"max_steps": max_steps})
+        )
+
+    hooks = [RecordingHook(), RecordingHook()]
+    first = train(spec(12), hooks=hooks[:1], track=False, output_dir=run_dir)
+    assert first.global_step == 12 and first.examples_seen == 768
+    longer = spec(100)
+    resumed = train(longer, hooks=hooks[1:], track=False, resume=str(run_dir), output_dir=run_dir)
+    assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in capsys.readouterr().out
+    assert resumed.global_step == 16 and resumed.examples_seen == 1024
+    assert resumed.shards[0]["loaded_from"] == "shard-00000 of step 12"  # the shard read its own part
+    # Both runs knew from the files' counts that the data ends at step 16 (the progress bar's total).
+    assert [hook.data_steps for hook in hooks] == [16, 16]
+    assert LocalCheckpointStore(run_dir / "checkpoints").load(16).data_position["examples_seen"] == 1024
+    with pytest.raises(DataError, match="nothing left to read"):
+        train(longer, track=False, resume=str(run_dir), output_dir=run_dir)
+
+
+def test_resume_of_an_unknown_run_is_a_clear_error(first_run):
+    spec, _, _, _ = first_run
+    with pytest.raises(SpecError, match="no such run"):
+        train(spec, resume="0123456789abcdef0123456789abcdef")
+
+
 def test_export_on_demand_uses_the_latest_checkpoint(first_run, blob_data):
     import mlflow
 
@@ -373,21 +391,6 @@ def test_export_on_demand_uses_the_latest_checkpoint(first_run, blob_data):
     with mlflow_uri(uri):
         served = mlflow.pyfunc.load_model(exported.model_uri)
         np.testing.assert_allclose(np.asarray(served.predict(x)), expected, atol=1e-5)
-
-
-def test_checkpoints_every_n_seconds_and_retention(ray_cluster, blob_data, tmp_path):
-    spec = _spec(
-        blob_data,
-        None,
-        cluster=ONE_OF_EACH,
-        training={"max_steps": 40},
-        supervision={"checkpoint": {"every_secs": 0.5, "max_to_keep": 2}},
-    )
-    slow = FaultInjector(step_delay_s={0: 0.1})  # about 4 s of training
-    result = train(spec, track=False, output_dir=tmp_path, faults=slow)
-    steps = [s for s, _ in LocalCheckpointStore(tmp_path / "checkpoints").list()]
-    assert len(steps) == 2 and steps[-1] == result.global_step == 40  # the newest two kept
-    assert steps[0] < 40
 
 
 def test_a_user_hook_with_a_misspelt_parameter_is_named_with_those_it_takes():
