@@ -34,16 +34,22 @@ class Processes(Hook):
         self.workers = ray.get([worker.pid.remote() for worker in runtime.workers])
         self.variables = [v.name for v in session.variables]
         self.groups = runtime.actor_placement.group_names()
+        self.worker_cpus = runtime.spec.cluster.cpus_per_worker
         control = runtime.control
         self.kept_groups = control and ray.get(control.actor.__ray_call__.remote(lambda c: c._group_names))
 
 
-def _spec(blob_data, workers=1, keep_actors_s=30, mode="sync"):
+def _spec(blob_data, workers=1, keep_actors_s=30, mode="sync", worker_cpus=1):
     return validate_spec(
         blob_spec(
             blob_data,
             data={"batch_size": 32, "epochs": None, "deterministic": True, "shuffle_files": False},
-            cluster={"workers": workers, "ps": 1, "keep_actors_s": keep_actors_s},
+            cluster={
+                "workers": workers,
+                "ps": 1,
+                "keep_actors_s": keep_actors_s,
+                "cpus_per_worker": worker_cpus,
+            },
             training={"mode": mode, "max_steps": 12, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
         )
     )
@@ -67,8 +73,11 @@ def test_the_next_run_of_the_same_placement_takes_the_last_runs_actors_and_train
     ray_cluster, blob_data, tmp_path
 ):
     release_kept_actors()  # whatever an earlier test's run kept
-    first, trained_new = _run(_spec(blob_data), tmp_path, "first")
-    second, trained_kept = _run(_spec(blob_data), tmp_path, "second")
+    # The workers' CPUs sized from the CPUs free on the Ray joined (the session's): the second run
+    # counts those the first run's kept actors hold as free, so it asks for the same placement.
+    first, trained_new = _run(_spec(blob_data, worker_cpus="auto"), tmp_path, "first")
+    second, trained_kept = _run(_spec(blob_data, worker_cpus="auto"), tmp_path, "second")
+    assert first.worker_cpus == second.worker_cpus > 1
     assert (second.shards, second.workers) == (first.shards, first.workers)  # the same processes
     # Built anew: the same variable names (checkpoints key on them) and initial weights, so the
     # same data gives the same model.

@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 # How long a kept actor may take to answer its reset (a worker: its model built anew) before it
 # ends and a new one takes its place (a worker paused with the last run, say).
 KEPT_ANSWER_S = 60.0
+# How long the next run's sizing watches the CPUs free where the last run's actors are kept.
+SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,19 @@ class ActorPool:
         _end(idle)
         return None
 
+    def reserved(self) -> dict[str, float]:
+        """The resources the kept actors' placement groups hold on this process's Ray connection
+        (every bundle's, spares' included); empty where none are kept."""
+        with self._lock:
+            idle = self._idle
+        if idle is None or idle.connection != current_connection():
+            return {}
+        held: dict[str, float] = {}
+        for bundle in idle.placement.bundles:
+            for resource, amount in bundle.items():
+                held[resource] = held.get(resource, 0.0) + amount
+        return held
+
     def release(self) -> None:
         """End the kept actors, if any, now."""
         with self._lock:
@@ -186,6 +202,27 @@ def _end(idle: IdleActors | None) -> None:
 
 
 KEPT_ACTORS = ActorPool()  # this driver process's
+
+
+def free_for_the_next_run() -> dict[str, float]:
+    """The cluster's resources free now, counting those this process's kept actors hold as free:
+    the next run takes those actors or ends them before it places its own, so a run sized from
+    what is free (`cpus_per_worker: auto` on a cluster joined, an elastic run's first workers) is
+    sized as it would be with nothing kept (and so fits the kept placement where the last run's
+    spec was the same). Where actors are kept, the last run has just ended, and its last read
+    tasks may still be giving their CPUs back (for about 0.1 s): the most free over
+    `SETTLE_S` is taken."""
+    held = KEPT_ACTORS.reserved()
+    free = dict(ray.available_resources())
+    if held:
+        settled_at = time.monotonic() + SETTLE_S
+        while time.monotonic() < settled_at:
+            time.sleep(SETTLE_S / 5)
+            for resource, amount in ray.available_resources().items():
+                free[resource] = max(free.get(resource, 0.0), amount)
+    for resource, amount in held.items():
+        free[resource] = free.get(resource, 0.0) + amount
+    return free
 
 
 def release_kept_actors() -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 
 from towerflow.errors import TrainingError
-from towerflow.runtime.actor_pool import IdleActors, ReuseKey
+from towerflow.runtime.actor_pool import IdleActors, ReuseKey, free_for_the_next_run
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.draining import LOOK_EVERY_S, DrainWatch, ray_draining_nodes
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -191,7 +191,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         """All of cluster.workers; elastic, as many as the cluster has room for now (at least min)."""
         if not self.elastic.elastic:
             return self.spec.cluster.workers
-        room = workers_that_fit(self.spec.cluster, ray.available_resources())
+        room = workers_that_fit(self.spec.cluster, free_for_the_next_run())
         count = self.elastic.start_count(room)
         log.info(
             "elastic: starting with %d worker(s) (room for %d, min %d, max %d)",

@@ -77,10 +77,10 @@ def resolve_worker_cpus(spec: Any, embedded: bool | None = None) -> Any:
             cluster.worker_processes,
         )
     else:
-        import ray
+        from towerflow.runtime.actor_pool import free_for_the_next_run
 
         nodes = live_node_resources()
-        free = ray.available_resources().get("CPU", 0.0)
+        free = free_for_the_next_run().get("CPU", 0.0)
         cpus = joined_worker_cpus(cluster, nodes, free)
         log.info(
             "cluster.cpus_per_worker: auto -> %d on the Ray cluster joined (%s; %g CPUs free): the most "
