@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 KEPT_ANSWER_S = 60.0
 # How long the next run's sizing watches the CPUs free where the last run's actors are kept.
 SETTLE_S = 0.5
+# How long ending kept actors waits for Ray to count their reservations free.
+FREED_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -154,11 +156,7 @@ class ActorPool:
             idle = self._idle
         if idle is None or idle.connection != current_connection():
             return {}
-        held: dict[str, float] = {}
-        for bundle in idle.placement.bundles:
-            for resource, amount in bundle.items():
-                held[resource] = held.get(resource, 0.0) + amount
-        return held
+        return _held_by(idle.placement)
 
     def release(self) -> None:
         """End the kept actors, if any, now."""
@@ -191,14 +189,44 @@ def current_connection() -> str | None:
     return f"{context.get_job_id()}@{context.get_node_id()}"
 
 
+def _held_by(placement: Any) -> dict[str, float]:
+    """What a placement's bundles reserve, all together."""
+    held: dict[str, float] = {}
+    for bundle in placement.bundles:
+        for resource, amount in bundle.items():
+            held[resource] = held.get(resource, 0.0) + amount
+    return held
+
+
 def _end(idle: IdleActors | None) -> None:
     if idle is None or idle.connection != current_connection():
         return  # Ray ended them with the connection they belonged to, or their keeper will, in its grace
+    held, before = _held_by(idle.placement), {}
+    with contextlib.suppress(Exception):
+        before = ray.available_resources()
     with contextlib.suppress(Exception):
         idle.placement.release()  # ends every actor placed in its groups: every kept one
+        if before:
+            _await_freed(before, held)
     if idle.keeper is not None:
         with contextlib.suppress(Exception):
             idle.keeper.close()
+
+
+def _await_freed(before: dict[str, float], held: dict[str, float]) -> None:
+    """Wait (up to `FREED_WAIT_S`) until Ray counts `held` free again beside what was free `before`:
+    a removed placement group's resources show as free 40-110 ms later (the raylet's next report),
+    and a run sized from the CPUs free just after would size itself without them. Another job
+    that takes them meanwhile costs the whole wait, no more."""
+    deadline = time.monotonic() + FREED_WAIT_S
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(
+            free.get(resource, 0.0) + 1e-6 >= before.get(resource, 0.0) + amount
+            for resource, amount in held.items()
+        ):
+            return
+        time.sleep(0.02)
 
 
 KEPT_ACTORS = ActorPool()  # this driver process's
@@ -226,6 +254,6 @@ def free_for_the_next_run() -> dict[str, float]:
 
 
 def release_kept_actors() -> None:
-    """End the actors a finished run left for the next (and free their reservations) now, rather
-    than when `cluster.keep_actors_s` runs out."""
+    """End the actors a finished run left for the next, and free their reservations, now rather
+    than when `cluster.keep_actors_s` runs out (returns once Ray counts them free, within 2 s)."""
     KEPT_ACTORS.release()
