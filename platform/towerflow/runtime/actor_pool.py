@@ -156,7 +156,7 @@ class ActorPool:
             idle = self._idle
         if idle is None or idle.connection != current_connection():
             return {}
-        return _held_by(idle.placement)
+        return idle.placement.reserved_resources()
 
     def release(self) -> None:
         """End the kept actors, if any, now."""
@@ -189,19 +189,10 @@ def current_connection() -> str | None:
     return f"{context.get_job_id()}@{context.get_node_id()}"
 
 
-def _held_by(placement: Any) -> dict[str, float]:
-    """What a placement's bundles reserve, all together."""
-    held: dict[str, float] = {}
-    for bundle in placement.bundles:
-        for resource, amount in bundle.items():
-            held[resource] = held.get(resource, 0.0) + amount
-    return held
-
-
 def _end(idle: IdleActors | None) -> None:
     if idle is None or idle.connection != current_connection():
         return  # Ray ended them with the connection they belonged to, or their keeper will, in its grace
-    held, before = _held_by(idle.placement), {}
+    held, before = idle.placement.reserved_resources(), {}
     with contextlib.suppress(Exception):
         before = ray.available_resources()
     with contextlib.suppress(Exception):

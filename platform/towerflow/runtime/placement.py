@@ -100,6 +100,14 @@ class ActorPlacement:
         counts = (self.shards, self.grouped_workers, self.spare_shards, self.spare_workers)
         return self.strategy, counts, tuple(tuple(sorted(b.items())) for b in self.bundles)
 
+    def reserved_resources(self) -> dict[str, float]:
+        """What the bundles reserve, all together (the shards', workers' and spares')."""
+        held: dict[str, float] = {}
+        for bundle in self.bundles:
+            for resource, amount in bundle.items():
+                held[resource] = held.get(resource, 0.0) + amount
+        return held
+
     def group_names(self) -> tuple[str, ...]:
         """The names of the run's placement groups (made by `reserve`)."""
         return tuple(self._parts)
