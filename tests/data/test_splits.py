@@ -39,6 +39,10 @@ def test_a_killed_consumers_split_is_finished_by_its_replacement_with_no_row_los
     first.acknowledge(10)
     leftover = first.leftover(len(used))
     assert leftover  # the rows handed to it beyond the 15 it used
+    # A call the lost consumer sent before it was killed may reach the coordinator only now (calls
+    # from different callers are not ordered): it gets nothing, or the block it took is lost.
+    epoch = ray.get(first.coordinator.current_epoch.remote())
+    assert ray.get(first.coordinator.get.remote(epoch, first.split, 0)) is None
     rest = ray.get(Consumer.remote().take_all.remote(first.taken_over(), leftover))
     everything = used + rest + ray.get(other)
     assert sorted(everything) == list(range(400))  # every row once: none lost, none twice

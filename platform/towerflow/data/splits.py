@@ -50,7 +50,7 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         self._name = name  # the actor's, under which its execution's claim on the cores is recorded
         self._claimed: Any = None  # the execution last recorded
         super().__init__(dataset, n, locality_hints)
-        self._ledger_lock = threading.Lock()
+        self._ledger = threading.Condition()
         # per split: [block ref, rows] in the order given out, from the first block not wholly used
         self._given: dict[int, collections.deque[list[Any]]] = {i: collections.deque() for i in range(n)}
         self._dropped_rows = dict.fromkeys(range(n), 0)  # rows of the blocks let go (wholly used)
@@ -58,6 +58,7 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         # its lost consumer's, and what it returns late goes to the next consumer instead
         self._handovers = dict.fromkeys(range(n), 0)
         self._late: dict[int, collections.deque[Any]] = {i: collections.deque() for i in range(n)}
+        self._asking = {i: collections.Counter() for i in range(n)}  # per split: holder -> calls waiting
 
     def prestart(self) -> None:
         """Start reading now, before any split asks: the driver calls this while its workers are
@@ -146,31 +147,63 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
                 self._output_iterator = iter(())
         return None
 
-    def get(self, epoch_id: int, output_split_idx: int, client_prefetched_bytes: int = 0):
+    def get(self, epoch_id: int, output_split_idx: int, client_prefetched_bytes: int = 0, holder: int = 0):
+        """The split's next block, for its consumer `holder` (0 the first, k after its k-th hand-over;
+        Ray's own iterator passes none). A lost consumer's call gets nothing, whether it arrives
+        after the hand-over (sent before its consumer was killed, or in flight meanwhile: calls
+        from different callers are not ordered) or waits through it: what it would have had goes
+        to the split's current consumer."""
         if self._closed:
             return None
         split = output_split_idx
-        with self._ledger_lock:
-            handovers = self._handovers[split]
+        with self._ledger:
+            if holder != self._handovers[split]:
+                return None
             if self._late[split]:
                 return self._late[split].popleft()  # in the ledger already
-        bundle = super().get(epoch_id, split, client_prefetched_bytes)
-        if bundle is None:
-            return None
-        with self._ledger_lock:
+            self._asking[split][holder] += 1
+        try:
+            bundle = super().get(epoch_id, split, client_prefetched_bytes)
+        except BaseException:
+            with self._ledger:
+                self._done_asking(split, holder)
+            raise
+        with self._ledger:
+            self._done_asking(split, holder)
+            if bundle is None:
+                return self._last_late(split, holder)
             for entry in bundle.blocks:
                 self._given[split].append([entry.ref, entry.metadata.num_rows or 0])
-            if self._handovers[split] != handovers:  # its caller was lost while it waited
+            if self._handovers[split] != holder:  # its caller was lost while it waited
                 self._late[split].append(bundle)
                 return None
         return bundle
+
+    def _done_asking(self, split: int, holder: int) -> None:
+        self._asking[split][holder] -= 1
+        self._ledger.notify_all()
+
+    def _last_late(self, split: int, holder: int, wait_s: float = 5.0) -> Any:
+        """The split's stream has ended for its consumer `holder`; a lost consumer's call still
+        waiting may have taken the last block and not yet put it with the late ones: wait for it."""
+        if holder != self._handovers[split]:
+            return None
+        self._ledger.wait_for(
+            lambda: not any(n for h, n in self._asking[split].items() if h < holder), wait_s
+        )
+        return self._late[split].popleft() if self._late[split] else None
+
+    def holder(self, split: int) -> int:
+        """Which consumer of `split` is the current one: how many times it was handed over."""
+        with self._ledger:
+            return self._handovers[split]
 
     def current_epoch(self) -> int:
         return self._cur_epoch
 
     def acknowledge(self, used: dict[int, int]) -> None:
         """Split -> examples its workers have used in all: let go of the blocks wholly used."""
-        with self._ledger_lock:
+        with self._ledger:
             for split, rows in used.items():
                 given = self._given[split]
                 while given and self._dropped_rows[split] + given[0][1] <= rows:
@@ -180,7 +213,7 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
         """`split`'s consumer is lost, having used its first `used` rows: the rows given to it
         beyond those, block by block, for its replacement (which then takes the split over)."""
         self.acknowledge({split: used})
-        with self._ledger_lock:
+        with self._ledger:
             self._handovers[split] += 1
             skip = used - self._dropped_rows[split]
             pieces = []
@@ -191,7 +224,7 @@ class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
             return pieces
 
     def given_rows(self, split: int) -> int:
-        with self._ledger_lock:
+        with self._ledger:
             return self._dropped_rows[split] + sum(rows for _, rows in self._given[split])
 
 
@@ -202,14 +235,18 @@ class ResumableSplit(StreamSplitDataIterator):
     """One worker's split. `taken_over()` gives the same split to a replacement, which joins the
     running epoch where it stands instead of waiting at the epoch barrier for every split."""
 
-    def __init__(self, coordinator: Any, split: int, world_size: int, *, joins_running_epoch: bool = False):
+    def __init__(self, coordinator: Any, split: int, world_size: int, *, holder: int = 0):
         super().__init__(coordinator, split, world_size)
         self.coordinator = coordinator
         self.split = split
-        self._joins_running_epoch = joins_running_epoch
+        self._holder = holder  # which consumer of the split this is (`_LedgeredCoordinator.get`)
 
     def taken_over(self) -> ResumableSplit:
-        return ResumableSplit(self.coordinator, self.split, self._world_size, joins_running_epoch=True)
+        """The split for its next consumer, once `leftover` has handed it over."""
+        holder = ray.get(self.coordinator.holder.remote(self.split))
+        if holder <= self._holder:
+            raise RuntimeError(f"split {self.split} was not handed over: call leftover() first")
+        return ResumableSplit(self.coordinator, self.split, self._world_size, holder=holder)
 
     def leftover(self, used: int) -> list[Leftover]:
         """This split's consumer is lost after using `used` rows: what it had and did not use."""
@@ -231,15 +268,15 @@ class ResumableSplit(StreamSplitDataIterator):
         ray.kill(self.coordinator)
 
     def _to_ref_bundle_iterator(self):
-        if not self._joins_running_epoch:
+        if not self._holder:
             return super()._to_ref_bundle_iterator()
-        coordinator, split = self.coordinator, self.split
+        coordinator, split, holder = self.coordinator, self.split, self._holder
 
         def running_epoch():
             epoch = ray.get(coordinator.current_epoch.remote())
             self._active_epoch = epoch  # so the end of iteration is reported as for any split
             while True:
-                bundle = ray.get(coordinator.get.remote(epoch, split, 0))
+                bundle = ray.get(coordinator.get.remote(epoch, split, 0, holder))
                 if not bundle:
                     return
                 yield bundle
