@@ -48,6 +48,17 @@ def test_a_killed_consumers_split_is_finished_by_its_replacement_with_no_row_los
     assert sorted(everything) == list(range(400))  # every row once: none lost, none twice
 
 
+def test_the_coordinator_is_an_actor_class_of_its_own_to_ray():
+    """Not Ray's SplitCoordinator under another name: Ray looks an actor's class up by this name."""
+    from towerflow.data.splits import _ledgered_coordinator
+
+    descriptor = _ledgered_coordinator.__ray_metadata__.actor_creation_function_descriptor
+    assert (descriptor.module_name, descriptor.class_name) == (
+        "towerflow.data.splits",
+        "_LedgeredCoordinator",
+    )
+
+
 def test_leftover_batches_cut_pieces_into_batches_in_order(ray_cluster):
     ray = ray_cluster
     from towerflow.data.splits import Leftover

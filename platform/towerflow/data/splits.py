@@ -42,7 +42,14 @@ class Leftover:
         return self.stop - self.start
 
 
-class _LedgeredCoordinator(SplitCoordinator.__ray_metadata__.modified_class):
+# Ray's class as written, not the one `ray.remote` made of it: a subclass of that one inherits its
+# `__ray_actor_class__`, and Ray then names this actor's class by Ray's own (the function
+# descriptor under which workers look actor classes up). So named, a taken-over run's coordinator
+# once failed to start: this `__init__` ran on an object that was not one of these.
+_RAYS_COORDINATOR = SplitCoordinator.__ray_metadata__.modified_class.__ray_actor_class__
+
+
+class _LedgeredCoordinator(_RAYS_COORDINATOR):
     """Ray Data's split coordinator, also keeping each split's blocks until their rows are used."""
 
     def __init__(self, dataset: Any, n: int, locality_hints: Any, name: str) -> None:
