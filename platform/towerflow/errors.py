@@ -19,6 +19,12 @@ class ClusterError(TowerflowError):
     """The Ray cluster cannot run the job as specified (too few CPUs or GPUs, unreachable address)."""
 
 
+class RunTakenOver(ClusterError):
+    """Another driver took this driver's run over while this one did not renew its lease (paused,
+    or cut off from the cluster): this one stops and leaves the run, its actors and its MLflow
+    run to the other."""
+
+
 class TrainingError(TowerflowError):
     """Training stopped abnormally (an actor died, a NaN loss, a hook failed)."""
 

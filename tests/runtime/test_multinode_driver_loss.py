@@ -1,9 +1,10 @@
 """A driver lost on the multi-node test cluster, run as users run it (`python -m towerflow train`
 with RAY_ADDRESS): SIGKILLed with the run's control point, `--resume auto` continues its run with
 the same shard and worker processes; under `driver_restarts` the command starts its killed driver
-again, which takes the run over; with no driver, the kept shards end after the grace period. And the head lost and started
-again with a worker's node, the driver on a node of its own: the run trains on through the head's
-absence, and replaces the worker once the head is back.
+again, which takes the run over; with no driver, the kept shards end after the grace period; a
+driver stopped (SIGSTOP) past its lease and taken over leaves the run to the new one when it wakes.
+And the head lost and started again with a worker's node, the driver on a node of its own: the run
+trains on through the head's absence, and replaces the worker once the head is back.
 
 One cluster for the module (tests/multinode.py's `gcs_ft_cluster`: the GCS's tables in a real
 Redis, a head with no CPUs, two 2-CPU nodes), the head's loss last. Everything reaches Ray through
@@ -188,6 +189,50 @@ def test_a_lost_drivers_shards_end_after_the_grace_period(gcs_ft_cluster, blob_d
         time.sleep(1)
     assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
     assert not placement_groups(cluster, "orphans")
+
+
+def test_a_driver_paused_past_its_lease_wakes_to_find_its_run_taken_over_and_leaves_it(
+    gcs_ft_cluster, blob_data, tmp_path
+):
+    """Not every driver that stops answering is lost: a stopped process (SIGSTOP here; a long stall,
+    a node cut off from the cluster for a while) wakes again. A new driver takes the run over once
+    the lease has lapsed; the old one, woken, stops before it acts on the run again: it ends neither
+    the run's actors nor its MLflow run, and the new driver finishes the run with the same
+    processes. Sync, one shard."""
+    cluster = gcs_ft_cluster
+    name = "driver-paused"
+    steps = 3000
+    spec, uri = spec_file(tmp_path, blob_data, name, max_steps=steps, checkpoint_every=10_000)
+    first = start_driver(cluster, spec)
+    run_id = wait_for_step(uri, name, 30, first)
+    actors = kept_actors(cluster)
+    assert len(actors) == 3, actors  # (a shard and 2 workers)
+    client = MlflowClient(uri)
+    # The command and its driver, a child in a session of its own (`driver_restarts`).
+    stopped = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+    for process in stopped:
+        process.suspend()  # SIGSTOP
+    try:
+        second = start_driver(cluster, spec, "--resume", run_id)
+        deadline = time.monotonic() + 120
+        while "towerflow.resumed_from" not in client.get_run(run_id).data.tags:
+            assert second.poll() is None, second.stdout.read()
+            assert time.monotonic() < deadline, "the new driver did not take the run over"
+            time.sleep(0.5)
+        taken_at = client.get_run(run_id).data.metrics["global_step"]
+        wait_for_step(uri, name, taken_at + 20, second)  # the new driver steers the run
+    finally:
+        for process in stopped:
+            process.resume()  # SIGCONT
+    woken, _ = first.communicate(timeout=120)
+    assert first.returncode != 0, woken[-3000:]
+    assert f"run {run_id} was taken over by another driver" in woken, woken[-3000:]
+    _the_same_processes_train_on(cluster, actors, second)
+    finish(second)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["global_step"] == steps
+    assert "towerflow.error" not in run.data.tags
+    assert not any(alive_actors(cluster, kind) for kind in (*KEPT, "RunControl"))
 
 
 def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_with_it(

@@ -16,8 +16,9 @@ import ray
 from ray.util import placement_group_table
 from ray.util.placement_group import placement_group
 
-from towerflow.errors import ClusterError
+from towerflow.errors import ClusterError, RunTakenOver
 from towerflow.runtime.run_control import (
+    ASK_AFTER_S,
     ControlPoint,
     RunControl,
     control_name,
@@ -119,7 +120,7 @@ def test_a_control_point_restarted_with_its_driver_gone_still_hands_the_run_over
     ).remote(run_id, 60.0, (), "its own id")
     try:
         ray.get(keeper.keep.remote("a lost driver's job"))
-        ray.get(keeper.remember.remote({"shards": [shard]}))
+        ray.get(keeper.remember.remote({"shards": [shard]}, "a lost driver's job"))
         first = ray.get(keeper.pid.remote())
         deadline = time.monotonic() + 30  # its record is written by a thread of its own
         while recall(run_id, "its own id")[1] is None and time.monotonic() < deadline:
@@ -137,3 +138,45 @@ def test_a_control_point_restarted_with_its_driver_gone_still_hands_the_run_over
         ray.kill(shard)
     # Its end deleted the record: a control point of the run made later starts knowing nothing.
     assert recall(run_id, "its own id") == (None, None)
+
+
+def _taken_over_by_another_driver(control: ControlPoint, *, renewing: bool = True) -> None:
+    control.keep()
+    control.remember({"shards": ["the run's"]})
+    control.confirm()  # its own run: nothing raised
+    if not renewing:
+        control.let_go()  # no renewal from here on, as while its process is stopped
+    assert ray.get(control.actor.take_over.remote("the new driver's job")) == {"shards": ["the run's"]}
+
+
+def test_a_driver_whose_run_was_taken_over_hears_so_at_its_next_renewal_and_is_not_listened_to(ray_cluster):
+    control = ControlPoint(uuid.uuid4().hex, grace_s=60.0)  # the driver's side renews every 2 s
+    try:
+        _taken_over_by_another_driver(control)
+        control.remember({"shards": ["a stale view"]})  # not taken: the run is the new driver's
+        deadline, heard = time.monotonic() + 10, None
+        while heard is None and time.monotonic() < deadline:
+            try:
+                control.confirm()
+                time.sleep(0.2)
+            except RunTakenOver as exc:
+                heard = str(exc)
+        assert heard is not None and "taken over by another driver (Ray job the new driver's job)" in heard
+        assert ray.get(control.actor.driver_job.remote()) == "the new driver's job"
+        assert ray.get(control.actor.take_over.remote("the new driver's job")) == {"shards": ["the run's"]}
+    finally:
+        control.close()
+
+
+def test_a_driver_whose_lease_may_have_lapsed_asks_before_it_acts(ray_cluster):
+    """As a driver paused past its lease and woken: its lease thread has not answered yet, so the
+    controller's `confirm` asks the control point itself."""
+    control = ControlPoint(uuid.uuid4().hex, grace_s=60.0)
+    try:
+        _taken_over_by_another_driver(control, renewing=False)
+        control.confirm()  # renewed just now: it does not ask (nor know)
+        time.sleep(ASK_AFTER_S + 0.5)
+        with pytest.raises(RunTakenOver, match="had not renewed its lease for [5-9] s"):
+            control.confirm()
+    finally:
+        control.close()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from towerflow.errors import TrainingError
+from towerflow.errors import RunTakenOver, TrainingError
 from towerflow.runtime.actor_pool import IdleActors, ReuseKey, free_for_the_next_run
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.draining import LOOK_EVERY_S, DrainWatch, ray_draining_nodes
@@ -36,7 +36,7 @@ from towerflow.runtime.protocol import protocol_for, step_shape
 from towerflow.runtime.recovery import PendingReplacement, RecoveryActions, State
 from towerflow.runtime.result import TrainResult
 from towerflow.runtime.run_actors import RunActors
-from towerflow.runtime.run_control import ControlPoint
+from towerflow.runtime.run_control import ASK_WAIT_S, ControlPoint
 from towerflow.runtime.run_end import RunEnd
 from towerflow.runtime.run_keeper import LiveRun
 from towerflow.runtime.shard_group import ShardGroup
@@ -164,7 +164,14 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             between_steps = isinstance(exc, StopRequested) and bool(self.shards)
             outcome = RunOutcome("KILLED", self._global_step(), exc, stopped_between_steps=between_steps)
             raise
+        except RunTakenOver as exc:
+            outcome = RunOutcome("TAKEN_OVER", self._global_step(), exc)
+            raise
         except BaseException as exc:
+            taken = self._taken_over()  # woken to find its actors another driver's: it fails as that
+            if taken is not None:
+                outcome = RunOutcome("TAKEN_OVER", self._global_step(), taken)
+                raise taken from exc
             error = as_user_error(exc)  # the run's error tag shows the user's message, not Ray's wrapper
             outcome = RunOutcome("FAILED", self._global_step(), error)
             raise error from exc
@@ -268,6 +275,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             if running and not released and self._all_waiting_to_start(running):
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
                 # a stop or the end of the data): nothing is in flight, so end the shards to let them go.
+                self._confirm_the_run_is_ours()
                 ray.get([s.finish.remote() for s in self.shards])
                 released = True
             if (
@@ -278,6 +286,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             ):
                 # (steps a hook's wait drained at the very end are reported by one more turn first)
                 self.state = State.FINISHING
+        self._confirm_the_run_is_ours()
         ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
         self._report(self.aggregator.flush())
         self.state = State.FINISHED
@@ -298,6 +307,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         """One poll of the cluster and what the failure policy decides about it; returns the step
         records heard of. Raises only to end the run (a user's error, or more losses than allowed)."""
         recovered = len(self.group.recoveries_s)
+        self._confirm_the_run_is_ours()
         self.shard_group.spares.refill()  # a spare in each bundle a lost actor left, once Ray frees it
         self.worker_spares.refill()
         self._keep_handover_current()
@@ -306,6 +316,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         if self._pending_replacements and not self.group.running:
             time.sleep(self.poll_s)  # nothing runs until a replacement starts
         status = self.group.poll(self.poll_s)
+        self._confirm_the_run_is_ours()  # before acting on what the poll saw (it may have slept through a takeover)
         self._summaries.update(status.finished)
         for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost
             self.session.log_metrics({"worker_recovery_s": seconds}, self.group.global_step)
@@ -351,6 +362,20 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             self._resize(leaving=leaving, joining=joining, records=status.records)
             return []
         return status.records
+
+    def _confirm_the_run_is_ours(self) -> None:
+        """Raise RunTakenOver where another driver took the run over (runtime/run_control.py)."""
+        if self.control is not None:
+            self.control.confirm()
+
+    def _taken_over(self) -> RunTakenOver | None:
+        """Why the run is no longer this driver's, asked briefly (its run failed meanwhile), or None."""
+        try:
+            if self.control is not None:
+                self.control.confirm(patience_s=ASK_WAIT_S)
+        except RunTakenOver as exc:
+            return exc
+        return None
 
     def _note_data_end(self, from_step: int, feed: DataFeed) -> None:
         """Where the data planned from `from_step` runs out, where the files' counts tell."""

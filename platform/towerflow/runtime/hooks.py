@@ -111,13 +111,19 @@ class FaultEvent:
 
 @dataclass
 class RunOutcome:
-    status: Literal["FINISHED", "FAILED", "KILLED"]
+    # TAKEN_OVER: another driver has the run now (errors.RunTakenOver); this one's hooks leave the
+    # run as it is: no status, no artifact, nothing read from its actors (the new driver's now)
+    status: Literal["FINISHED", "FAILED", "KILLED", "TAKEN_OVER"]
     global_step: int
     error: BaseException | None = None
     result: Any = None  # the TrainResult when the run finished normally
     # KILLED by a stop signal (SIGTERM, Ctrl-C) after the steps in flight ended: the shards hold
     # the final state, which a hook may still read (the checkpoint hook saves it).
     stopped_between_steps: bool = False
+
+    @property
+    def taken_over(self) -> bool:
+        return self.status == "TAKEN_OVER"
 
 
 class RunContext:
@@ -184,7 +190,7 @@ def end_hooks(begun: list[Hook], session: SessionInfo, outcome: RunOutcome) -> B
             log.warning("hook %s.end interrupted", type(hook).__name__)
             if outcome.status == "FINISHED":
                 failure = exc  # raised once every hook has ended
-            if outcome.status != "FAILED":
+            if outcome.status not in ("FAILED", "TAKEN_OVER"):
                 outcome = RunOutcome("KILLED", outcome.global_step, exc)
         except Exception as exc:
             name = type(hook).__name__

@@ -10,7 +10,10 @@ Where the run's shards are kept, it is detached from its driver, holds what a ne
 take them over (`remember`, `take_over`), and knows its driver is there by the lease a thread of
 the driver's process renews every few seconds: a driver stuck in a long wait still renews it, a
 lost one does not. After `grace_s` without a renewal it removes the run's placement groups, which
-ends every shard and worker placed in them, and then itself. Otherwise it lives as long as its
+ends every shard and worker placed in them, and then itself. A new driver takes the run over only
+once the lease has lapsed; the lease is then the new driver's, and the old one, should it wake
+(paused, or cut off from the cluster, not lost), hears so at its next renewal and stops before it
+acts on the run again (`ControlPoint.confirm`): two drivers never steer one run. Otherwise it lives as long as its
 driver. What it is told it also writes to the GCS's key-value store, so that restarted by Ray
 (its process or its node lost: the driver's node, with the driver on it) it knows the run again,
 and a new driver takes the shards over all the same; under GCS fault tolerance that store
@@ -24,11 +27,12 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from towerflow.errors import ClusterError
+from towerflow.errors import ClusterError, RunTakenOver
 from towerflow.runtime.actors import kill_quietly
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,22 @@ RENEW_EVERY_S = 2.0  # how often the driver renews its lease on a kept run
 LEASE_FRESH_S = 5 * RENEW_EVERY_S  # renewed within this: the run has a driver
 LOOK_EVERY_S = 2.0  # how often the keeper looks at the lease
 NAME_FREED_WITHIN_S = 30.0  # a control point ended just now: how long its name may stay taken
+# A driver whose lease was last renewed longer ago than this asks before it acts on the run: it
+# may have lapsed (a new driver takes a run over LEASE_FRESH_S after the last renewal).
+ASK_AFTER_S = LEASE_FRESH_S / 2
+ASK_WAIT_S = 2.0  # how long one such question waits for its answer (then it is asked again)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A control point's answer to a driver renewing its lease."""
+
+    driver_job: str | None  # the Ray job of the run's driver, as the control point knows it
+    knows_run: bool  # it holds the run's handover (one restarted without its record does not)
+
+    def taken_from(self, job: str) -> bool:
+        """Whether another driver than `job`'s has the run now."""
+        return self.driver_job is not None and self.driver_job != job
 
 
 def control_name(run_id: str) -> str:
@@ -87,7 +107,9 @@ class RunControl:
     # -- the keeper of a kept run's shards -------------------------------------------------------
     def keep(self, driver_job: str) -> None:
         """Keep the run's shards while it has a driver (of Ray job `driver_job`: its placement
-        groups are made) and the grace period after."""
+        groups are made) and the grace period after. Not where another driver has the run."""
+        if self._driver_job not in (None, driver_job):
+            return
         self._driver_job = driver_job
         self._note()
 
@@ -97,18 +119,22 @@ class RunControl:
 
         return os.getpid()
 
-    def renew(self) -> bool:
-        """The driver is there; returns whether this actor knows the run's handover (one restarted
-        by Ray reads it back from its record; where it could not, the driver tells it again)."""
-        self._renewed = time.monotonic()
-        return self._handover is not None
+    def renew(self, driver_job: str) -> Lease:
+        """The driver of Ray job `driver_job` is there: its lease is renewed, unless another
+        driver has taken the run over (the answer says which). One restarted by Ray reads the
+        handover back from its record; where it could not, the driver tells it again."""
+        if self._driver_job in (None, driver_job):
+            self._renewed = time.monotonic()
+        return Lease(self._driver_job, self._handover is not None)
 
     def driver_seen_s_ago(self) -> float:
         """Since the driver last renewed its lease; 0 for a run not kept, whose control point ends
         with its driver (while it is there, so is the driver)."""
         return time.monotonic() - self._renewed if self._keeping else 0.0
 
-    def remember(self, handover: Any) -> None:
+    def remember(self, handover: Any, driver_job: str) -> None:
+        if self._driver_job not in (None, driver_job):
+            return  # a driver the run was taken from, not yet told
         self._handover = handover
         self._note()
 
@@ -187,6 +213,8 @@ class ControlPoint:
         self._renewing: threading.Event | None = None
         self._handover: Any = None  # the last told, told again to a control point Ray restarted
         self._job = ray.get_runtime_context().get_job_id()
+        self.taken_by: str | None = None  # another driver's job, which took the run over
+        self._held_at = time.monotonic()  # when the control point last renewed this driver's lease
         if actor is not None or grace_s is not None:
             self._start_renewing()
 
@@ -196,7 +224,61 @@ class ControlPoint:
 
     def remember(self, handover: Any) -> None:
         self._handover = handover
-        self.actor.remember.remote(handover)
+        self.actor.remember.remote(handover, self._job)
+
+    def confirm(self, patience_s: float | None = None) -> None:
+        """Return once this driver's lease is known to hold; raise RunTakenOver where the run is
+        no longer this driver's. Called before the controller acts on the run. Free while the
+        lease is fresh; where its last renewal is older than ASK_AFTER_S (this process was paused,
+        or the control point did not answer) another driver may have taken the run over, so the
+        control point is asked, and asked again until it answers: meanwhile the workers train on,
+        and this driver acts on nothing. With `patience_s`, it asks for that long at most (a run
+        failing for a reason of its own: whether it is still this driver's to end)."""
+        if self._renewing is None:
+            return  # a run whose driver is its only one: nobody takes it over
+        said = started = time.monotonic()
+        while self.taken_by is None and time.monotonic() - self._held_at > ASK_AFTER_S:
+            if patience_s is not None and time.monotonic() - started > patience_s:
+                return
+            try:
+                self._heard(ray.get(self.actor.renew.remote(self._job), timeout=ASK_WAIT_S))
+            except ray.exceptions.ActorDiedError as exc:  # ended, not restarting
+                raise RunTakenOver(
+                    f"run {self._run_id}'s control point has ended (its shards were ended after "
+                    "training.failure.driver_grace_s without this driver, or another driver ended the "
+                    "run): this driver stops and leaves the run"
+                ) from exc
+            except ray.exceptions.RayError:  # restarting, or slow: ask again
+                if time.monotonic() - said >= 10:
+                    said = time.monotonic()
+                    log.warning(
+                        "run %s's control point has not answered for %.0f s: this driver acts on the "
+                        "run again once it does (another driver may have taken it over meanwhile)",
+                        self._run_id,
+                        time.monotonic() - self._held_at,
+                    )
+                time.sleep(0.5)
+        if self.taken_by is not None:
+            raise RunTakenOver(
+                f"run {self._run_id} was taken over by another driver (Ray job {self.taken_by}) while "
+                f"this one had not renewed its lease for {time.monotonic() - self._held_at:.0f} s "
+                "(paused, or cut off from the cluster): this driver stops and leaves the run to it"
+            )
+
+    def let_go(self) -> None:
+        """Stop renewing the lease, leaving the control point to the driver that took the run over."""
+        if self._renewing is not None:
+            self._renewing.set()
+
+    def _heard(self, lease: Lease) -> None:
+        if lease.taken_from(self._job):
+            self.taken_by = lease.driver_job
+            self.let_go()
+            return
+        self._held_at = time.monotonic()
+        if not lease.knows_run and self._handover is not None:  # restarted by Ray: tell it again
+            self.actor.keep.remote(self._job)
+            self.actor.remember.remote(self._handover, self._job)
 
     def new_worker_count(self) -> int | None:
         """A worker count set since the last call, else None; never waits."""
@@ -238,10 +320,7 @@ class ControlPoint:
         def renew() -> None:  # a thread of its own: a driver busy or waiting in its loop renews too
             while not stop.wait(RENEW_EVERY_S):
                 with contextlib.suppress(Exception):
-                    knows = ray.get(actor.renew.remote(), timeout=LEASE_FRESH_S)
-                    if not knows and self._handover is not None:  # restarted by Ray: tell it again
-                        actor.keep.remote(self._job)
-                        actor.remember.remote(self._handover)
+                    self._heard(ray.get(actor.renew.remote(self._job), timeout=LEASE_FRESH_S))
 
         threading.Thread(target=renew, name="towerflow-lease", daemon=True).start()
 

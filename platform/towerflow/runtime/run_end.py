@@ -80,6 +80,9 @@ class RunEnd:
         if self._idle is not None and self._idle.keeper is not None:  # taken over, or the run ended first
             with contextlib.suppress(Exception):
                 self._idle.keeper.close()
+        if outcome.taken_over:
+            self._leave_the_run()
+            return
         idle = self._actors_to_keep(outcome)
         if idle is None:
             self.group.kill()
@@ -87,12 +90,7 @@ class RunEnd:
         else:
             self.shard_group.spares.kill()
         self.worker_spares.kill()
-        # The reads' claim on the cluster's cores goes now, not minutes after (data/splits.py).
-        with contextlib.suppress(Exception):
-            self._close_data(wait_s=10.0, release=True)
-        if self._evaluator is not None:
-            kill_quietly(self._evaluator)
-        self._evaluator = None
+        self._end_own_actors()
         live = self.initial_state
         if isinstance(live, LiveRun) and self.actor_placement is not live.handover.placement:
             # a lost driver's shards, which this run ended before it took them in
@@ -110,6 +108,23 @@ class RunEnd:
         if self.control is not None:  # last: a kept run's ends what is left should this be cut short
             with contextlib.suppress(Exception):
                 self.control.close()
+
+    def _end_own_actors(self) -> None:
+        """This driver's own, not the run's: its data's reads and its evaluator. The reads' claim on
+        the cluster's cores goes now, not minutes after (data/splits.py)."""
+        with contextlib.suppress(Exception):
+            self._close_data(wait_s=10.0, release=True)
+        if self._evaluator is not None:
+            kill_quietly(self._evaluator)
+        self._evaluator = None
+
+    def _leave_the_run(self) -> None:
+        """Another driver has the run: end only this driver's own actors, and none of the run's
+        shards, workers, spares, placement groups or its control point."""
+        self._end_own_actors()
+        if self.control is not None:
+            self.control.let_go()
+        self.control = None
 
     def _actors_to_keep(self, outcome: RunOutcome) -> IdleActors | None:
         """This run's shards and workers, for the next run in this process (runtime/actor_pool.py):

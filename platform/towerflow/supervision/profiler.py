@@ -30,7 +30,7 @@ class ProfilerHook(Hook):
         self.logged: list[str] = []
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
-        if session.runtime is None or not session.runtime.workers:
+        if session.runtime is None or not session.runtime.workers or outcome.taken_over:
             return
         sink = self._sink(session) if callable(self._sink) else self._sink
         windows = []

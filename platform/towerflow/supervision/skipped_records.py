@@ -33,6 +33,9 @@ class SkippedRecordsHook(Hook):
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self.ledger is None:
             return
+        if outcome.taken_over:  # the run is another driver's, with a ledger of its own
+            self._end_ledger()
+            return
         counts, reasons = self._fetch()
         for path, count in sorted(counts.items()):
             print(f"towerflow: skipped {count} bad record(s) in {path} (e.g. {reasons.get(path, '')})")

@@ -228,6 +228,9 @@ class MLflowTracker(Hook):
         if self._system is not None:
             self._buffer.extend(self._system.stop())
             self._system = None
+        if outcome.taken_over:  # the run is another driver's, which logs its steps and ends it
+            self._buffer = []
+            return
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:
             self._log_step(last)  # the final step is always logged
