@@ -12,9 +12,9 @@ the driver's process renews every few seconds: a driver stuck in a long wait sti
 lost one does not. After `grace_s` without a renewal it removes the run's placement groups, which
 ends every shard and worker placed in them, and then itself. A new driver takes the run over only
 once the lease has lapsed; the lease is then the new driver's, and the old one, should it wake
-(paused, or cut off from the cluster, not lost), hears so at its next renewal and stops before it
-acts on the run again (`ControlPoint.confirm`): two drivers never steer one run. Otherwise it lives as long as its
-driver. What it is told it also writes to the GCS's key-value store, so that restarted by Ray
+(paused, or cut off from the cluster, not lost), hears so and stops before it acts on the run
+again (`ControlPoint.confirm`): two drivers never steer one run. Otherwise it lives as long as
+its driver. What it is told it also writes to the GCS's key-value store, so that restarted by Ray
 (its process or its node lost: the driver's node, with the driver on it) it knows the run again,
 and a new driver takes the shards over all the same; under GCS fault tolerance that store
 outlives the head too.
