@@ -155,7 +155,8 @@ class Hook:
         """After an update was applied."""
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
-        """Always called once, also when training failed (outcome.status says how it ended).
+        """Always called once, also when training failed (outcome.status says how it ended; where
+        another driver took the run over, `outcome.taken_over`, leave the run as it is).
 
         Hooks end in reverse order of their begin, so the first hook (the tracker) ends last and
         sees what the others did at the end (final checkpoint, final evaluation)."""
