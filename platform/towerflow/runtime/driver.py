@@ -36,7 +36,7 @@ from towerflow.runtime.protocol import protocol_for, step_shape
 from towerflow.runtime.recovery import PendingReplacement, RecoveryActions, State
 from towerflow.runtime.result import TrainResult
 from towerflow.runtime.run_actors import RunActors
-from towerflow.runtime.run_control import ASK_WAIT_S, ControlPoint
+from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.run_end import RunEnd
 from towerflow.runtime.run_keeper import LiveRun
 from towerflow.runtime.shard_group import ShardGroup
@@ -369,10 +369,9 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             self.control.confirm()
 
     def _taken_over(self) -> RunTakenOver | None:
-        """Why the run is no longer this driver's, asked briefly (its run failed meanwhile), or None."""
+        """Why the run is no longer this driver's (its run failed meanwhile), or None."""
         try:
-            if self.control is not None:
-                self.control.confirm(patience_s=ASK_WAIT_S)
+            self._confirm_the_run_is_ours()
         except RunTakenOver as exc:
             return exc
         return None

@@ -45,7 +45,7 @@ NAME_FREED_WITHIN_S = 30.0  # a control point ended just now: how long its name 
 # A driver whose lease was last renewed longer ago than this asks before it acts on the run: it
 # may have lapsed (a new driver takes a run over LEASE_FRESH_S after the last renewal).
 ASK_AFTER_S = LEASE_FRESH_S / 2
-ASK_WAIT_S = 2.0  # how long one such question waits for its answer (then it is asked again)
+ASK_WAIT_S = 2.0  # how long such a question waits for its answer
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class ControlPoint:
         self._handover: Any = None  # the last told, told again to a control point Ray restarted
         self._job = ray.get_runtime_context().get_job_id()
         self.taken_by: str | None = None  # another driver's job, which took the run over
-        self._held_at = time.monotonic()  # when the control point last renewed this driver's lease
+        self._held_at = self._asked_at = time.monotonic()  # the lease last renewed; last asked
         if actor is not None or grace_s is not None:
             self._start_renewing()
 
@@ -226,20 +226,19 @@ class ControlPoint:
         self._handover = handover
         self.actor.remember.remote(handover, self._job)
 
-    def confirm(self, patience_s: float | None = None) -> None:
-        """Return once this driver's lease is known to hold; raise RunTakenOver where the run is
-        no longer this driver's. Called before the controller acts on the run. Free while the
-        lease is fresh; where its last renewal is older than ASK_AFTER_S (this process was paused,
-        or the control point did not answer) another driver may have taken the run over, so the
-        control point is asked, and asked again until it answers: meanwhile the workers train on,
-        and this driver acts on nothing. With `patience_s`, it asks for that long at most (a run
-        failing for a reason of its own: whether it is still this driver's to end)."""
+    def confirm(self) -> None:
+        """Raise RunTakenOver where the run is no longer this driver's; called before the
+        controller acts on the run. Free while the lease is fresh; where its last renewal is older
+        than ASK_AFTER_S (this process was paused, or the control point did not answer) another
+        driver may have taken the run over, so the control point is asked, for ASK_WAIT_S at most
+        and once per ASK_AFTER_S at most. Unanswered, the driver goes on: its loop never waits on
+        the cluster (a control point may not answer while the head is away), and its lease thread
+        goes on asking."""
         if self._renewing is None:
             return  # a run whose driver is its only one: nobody takes it over
-        said = started = time.monotonic()
-        while self.taken_by is None and time.monotonic() - self._held_at > ASK_AFTER_S:
-            if patience_s is not None and time.monotonic() - started > patience_s:
-                return
+        now = time.monotonic()
+        if self.taken_by is None and min(now - self._held_at, now - self._asked_at) > ASK_AFTER_S:
+            self._asked_at = now
             try:
                 self._heard(ray.get(self.actor.renew.remote(self._job), timeout=ASK_WAIT_S))
             except ray.exceptions.ActorDiedError as exc:  # ended, not restarting
@@ -248,16 +247,8 @@ class ControlPoint:
                     "training.failure.driver_grace_s without this driver, or another driver ended the "
                     "run): this driver stops and leaves the run"
                 ) from exc
-            except ray.exceptions.RayError:  # restarting, or slow: ask again
-                if time.monotonic() - said >= 10:
-                    said = time.monotonic()
-                    log.warning(
-                        "run %s's control point has not answered for %.0f s: this driver acts on the "
-                        "run again once it does (another driver may have taken it over meanwhile)",
-                        self._run_id,
-                        time.monotonic() - self._held_at,
-                    )
-                time.sleep(0.5)
+            except ray.exceptions.RayError:  # restarting, or slow: the next turn asks again
+                log.info("run %s's control point did not answer within %.0f s", self._run_id, ASK_WAIT_S)
         if self.taken_by is not None:
             raise RunTakenOver(
                 f"run {self._run_id} was taken over by another driver (Ray job {self.taken_by}) while "
