@@ -248,7 +248,7 @@ class ControlPoint:
                     "run): this driver stops and leaves the run"
                 ) from exc
             except ray.exceptions.RayError:  # restarting, or slow: the next turn asks again
-                log.info("run %s's control point did not answer within %.0f s", self._run_id, ASK_WAIT_S)
+                log.debug("run %s's control point did not answer within %.0f s", self._run_id, ASK_WAIT_S)
         if self.taken_by is not None:
             raise RunTakenOver(
                 f"run {self._run_id} was taken over by another driver (Ray job {self.taken_by}) while "
