@@ -108,7 +108,7 @@ class RunControl:
     def keep(self, driver_job: str) -> None:
         """Keep the run's shards while it has a driver (of Ray job `driver_job`: its placement
         groups are made) and the grace period after. Not where another driver has the run."""
-        if self._driver_job not in (None, driver_job):
+        if not self._from_its_driver(driver_job):
             return
         self._driver_job = driver_job
         self._note()
@@ -123,9 +123,13 @@ class RunControl:
         """The driver of Ray job `driver_job` is there: its lease is renewed, unless another
         driver has taken the run over (the answer says which). One restarted by Ray reads the
         handover back from its record; where it could not, the driver tells it again."""
-        if self._driver_job in (None, driver_job):
+        if self._from_its_driver(driver_job):
             self._renewed = time.monotonic()
         return Lease(self._driver_job, self._handover is not None)
+
+    def _from_its_driver(self, driver_job: str) -> bool:
+        """Whether a call of Ray job `driver_job` is the run's driver's (or the run has none yet)."""
+        return self._driver_job in (None, driver_job)
 
     def driver_seen_s_ago(self) -> float:
         """Since the driver last renewed its lease; 0 for a run not kept, whose control point ends
@@ -133,7 +137,7 @@ class RunControl:
         return time.monotonic() - self._renewed if self._keeping else 0.0
 
     def remember(self, handover: Any, driver_job: str) -> None:
-        if self._driver_job not in (None, driver_job):
+        if not self._from_its_driver(driver_job):
             return  # a driver the run was taken from, not yet told
         self._handover = handover
         self._note()
