@@ -25,6 +25,11 @@ class RunTakenOver(ClusterError):
     run to the other."""
 
 
+class FencedOut(RunTakenOver):
+    """A call of this driver's refused by an actor of its run, which a newer driver has fenced
+    (runtime/fencing.py); the driver stops with a RunTakenOver that names the run."""
+
+
 class TrainingError(TowerflowError):
     """Training stopped abnormally (an actor died, a NaN loss, a hook failed)."""
 

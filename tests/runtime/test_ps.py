@@ -3,8 +3,11 @@
 import time
 
 import numpy as np
+import pytest
 import ray
 
+from towerflow.errors import FencedOut
+from towerflow.runtime.fencing import fence_taken_actors
 from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol
 from towerflow.runtime.ps import shard_actor
 from towerflow.runtime.shard_replies import parameter_values
@@ -135,4 +138,25 @@ def test_a_lost_workers_retire_completes_a_step_that_still_names_its_gradient(ra
     ray.get(shard.retire.remote(1))
     assert [r.workers for r in ray.get(held)] == [(0, 1), (0, 1)]
     assert ray.get(shard.step_workers.remote(0)) == {1: (0, 1)}
+    ray.kill(shard)
+
+
+def test_a_shard_fenced_by_a_newer_driver_refuses_the_older_ones_orders(ray_cluster):
+    # runtime/fencing.py: a driver taking a run over fences its shards above every earlier term.
+    shard = shard_actor(0.1).remote(0)
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    ray.get(shard.load.remote(["w"], [np.zeros(2, np.float32)], sgd, AsyncProtocol(), None))
+    assert fence_taken_actors([shard], "run-x") == 1  # one above the term it held (the first driver's, 0)
+    for refused in (
+        shard.finish.remote(term=0),
+        shard.resize.remote(2, 2, 0, term=0),
+        shard.load.remote(["w"], [np.ones(2, np.float32)], sgd, AsyncProtocol(), None, term=0),
+    ):
+        with pytest.raises(FencedOut, match="newer driver of the run .term 1; the call's 0"):
+            ray.get(refused)
+    reply = ray.get(shard.push.remote([np.ones(2, np.float32)], 0, 0))  # untouched: still training
+    assert reply.verdict == "applied" and not reply.next.done
+    assert ray.get(shard.finish.remote(term=1)) == 1  # the new driver's order
+    ray.get(shard.reset.remote(0))  # a kept shard's next run (actor_pool.py) starts at term 0
+    assert ray.get(shard.term.remote()) == 0
     ray.kill(shard)

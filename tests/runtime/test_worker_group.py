@@ -1,6 +1,6 @@
 """The worker group's bounds on waiting (runtime/worker_group.py, its watchdogs in worker_watch.py),
-on real Ray actors standing in for workers: a replacement Ray cannot place, and a worker that does
-not stop when asked."""
+on real Ray actors standing in for workers: a replacement Ray cannot place, a worker that does
+not stop when asked, and workers a newer driver has fenced (runtime/fencing.py)."""
 
 from __future__ import annotations
 
@@ -9,26 +9,30 @@ import time
 
 import pytest
 
+from towerflow.errors import FencedOut
+from towerflow.runtime.fencing import DriverTerm
 from towerflow.runtime.worker_group import WorkerGroup
 from towerflow.runtime.worker_messages import WorkerReport
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class _Worker:
-    """A worker's control surface: `run` trains until stopped (or for ever, if `deaf`)."""
+class _Worker(DriverTerm):
+    """A worker's control surface: `run` trains until stopped (or for ever, if `deaf`), refused to
+    a driver of an earlier term, as TowerWorker's."""
 
     def __init__(self, deaf: bool = False) -> None:
         self._stop = threading.Event()
         self._deaf = deaf
 
-    def run(self, *args, run_number: int = 1) -> dict:
+    def run(self, *args, run_number: int = 1, term: int = 0) -> dict:
+        self._obey(term, "starting a worker's run")
         while self._deaf or not self._stop.is_set():
             time.sleep(0.05)
         return {"steps": 0}
 
     def drain(self) -> WorkerReport:
-        return WorkerReport([], None)
+        return WorkerReport([], None, term=self._term)
 
     def request_stop(self, run_number: int) -> None:
         self._stop.set()
@@ -139,4 +143,70 @@ def test_one_worker_still_fed_is_no_stall(ray_cluster, caplog):
     while time.monotonic() < deadline:
         assert group.poll(0.2).stalled is None
     assert not [r for r in caplog.records if "no batch has reached" in r.getMessage()]
+    group.kill()
+
+
+class _SlowToAnswer(_Worker):
+    """Answers its first drain at once and its second after `slow_s`."""
+
+    def __init__(self, slow_s: float) -> None:
+        super().__init__()
+        self._drains, self._slow_s = 0, slow_s
+
+    def drain(self) -> WorkerReport:
+        self._drains += 1
+        if self._drains == 2:
+            time.sleep(self._slow_s)
+        return super().drain()
+
+
+def test_a_worker_that_a_newer_driver_fenced_stops_the_poll_and_is_left_alone(ray_cluster):
+    ray = ray_cluster
+    worker = ray.remote(num_cpus=0, max_concurrency=4)(_Worker)
+    group = WorkerGroup(lambda worker_id: worker.remote(deaf=worker_id == 1), timeout_s=1)
+    group.start([0, 1])
+    group.run(0)
+    group.run(1)
+    group.poll(0.2)
+    ray.get(group.slots[0].actor.fence.remote(2))  # a driver took the run over (run_keeper.py)
+    time.sleep(1.5)  # worker 1 (deaf) would count as hung after a second's silence
+    with pytest.raises(FencedOut, match=r"newer driver of the run \(term 2; this driver's 0\)"):
+        for _ in range(20):
+            group.poll(0.2)
+    assert group.newer_term == 2
+    assert not any(slot.lost for slot in group.slots.values())  # nothing replaced, nothing killed
+    assert [ray.get(slot.actor.term.remote(), timeout=10) for slot in group.slots.values()] == [2, 0]
+    group.kill()
+
+
+def test_a_run_a_fenced_worker_refuses_is_the_run_taken_over_not_a_users_error(ray_cluster):
+    ray = ray_cluster
+    worker = ray.remote(num_cpus=0, max_concurrency=4)(_Worker)
+    group = WorkerGroup(lambda _id: worker.remote(), timeout_s=60)
+    group.start([0])
+    ray.get(group.slots[0].actor.fence.remote(1))
+    group.run(0)  # this driver's term: 0
+    ray.wait([group.slots[0].run_ref], timeout=30)
+    with pytest.raises(FencedOut):
+        group.poll(0.2)
+    group.kill()
+
+
+def test_the_drivers_own_pause_is_not_taken_for_its_workers_silence(ray_cluster, caplog):
+    ray = ray_cluster
+    worker = ray.remote(num_cpus=0, max_concurrency=4)(_SlowToAnswer)
+    group = WorkerGroup(lambda _id: worker.remote(slow_s=4.0), timeout_s=2)
+    group.start([0])
+    group.run(0)
+    group.poll(0.1)  # its first drain: answered, so silence counts from now on
+    assert group.slots[0].answered
+    group.poll(0.1, answer_s=0.1)  # its second: unanswered for 4 s
+    time.sleep(2.5)  # the driver paused (a SIGSTOP, a starved process) past the 2 s timeout
+    deadline = time.monotonic() + 10
+    while group.slots[0].drain_ref is not None or group.slots[0].asked_at == 0:
+        assert not group.poll(0.2).losses, "the driver's own pause was taken for a hang"
+        assert time.monotonic() < deadline
+    assert not group.slots[0].lost
+    told = [r.getMessage() for r in caplog.records if "did not poll its workers" in r.getMessage()]
+    assert told and "their silence meanwhile is not counted" in told[0], told
     group.kill()

@@ -70,7 +70,7 @@ class CheckpointActions:
         try:
             reports = self._cut(
                 [
-                    s.write_checkpoint.remote(target, writer, shard_part_name(i))
+                    s.write_checkpoint.remote(target, writer, shard_part_name(i), term=self.term)
                     for i, s in enumerate(self.shards)
                 ]
             )
@@ -192,7 +192,7 @@ class CheckpointActions:
                 self._backlog.extend(self._turn())
             if not self.group.running:
                 # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
-                ray.get([s.finish.remote() for s in self.shards])
+                ray.get(self.shard_group.finish())
         try:
             return ray.get(refs) if self._rollbacks == rollbacks else None
         except ACTOR_GONE:  # a shard died under the cut: the controller rolls the shards back first

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from towerflow.errors import RunTakenOver, TrainingError
+from towerflow.errors import FencedOut, RunTakenOver, TrainingError
 from towerflow.runtime.actor_pool import IdleActors, ReuseKey, free_for_the_next_run
+from towerflow.runtime.actors import first_line
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.draining import LOOK_EVERY_S, DrainWatch, ray_draining_nodes
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
@@ -79,6 +80,10 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         self.protocol = protocol_for(spec.training.mode)  # asked what differs between sync and async
         self.actor_placement = ActorPlacement(spec.cluster, f"towerflow-{spec.name}-{uuid.uuid4().hex[:8]}")
         self.shard_group = ShardGroup(spec, self._apply_threads(), self.actor_placement)
+        # The term the run's actors take this driver's orders under: above its earlier drivers'
+        # where it took the run over (runtime/fencing.py).
+        self.term = initial_state.term if isinstance(initial_state, LiveRun) else 0
+        self.group.term = self.shard_group.term = self.term
         self.memory_checkpoints = MemoryCheckpoints(
             failure.memory_checkpoint_every_s, failure.memory_checkpoint_draining_s
         )
@@ -165,10 +170,13 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             outcome = RunOutcome("KILLED", self._global_step(), exc, stopped_between_steps=between_steps)
             raise
         except RunTakenOver as exc:
-            outcome = RunOutcome("TAKEN_OVER", self._global_step(), exc)
-            raise
+            taken = self._naming_the_run(exc)
+            outcome = RunOutcome("TAKEN_OVER", self._global_step(), taken)
+            if taken is exc:
+                raise
+            raise taken from exc
         except BaseException as exc:
-            taken = self._taken_over()  # woken to find its actors another driver's: it fails as that
+            taken = self._taken_over(exc)  # woken to find its actors another driver's: it fails as that
             if taken is not None:
                 outcome = RunOutcome("TAKEN_OVER", self._global_step(), taken)
                 raise taken from exc
@@ -276,7 +284,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                 # Those left wait for a global step that no worker will push (GlobalStepWaiter after
                 # a stop or the end of the data): nothing is in flight, so end the shards to let them go.
                 self._confirm_the_run_is_ours()
-                ray.get([s.finish.remote() for s in self.shards])
+                ray.get(self.shard_group.finish())
                 released = True
             if (
                 not running
@@ -287,7 +295,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                 # (steps a hook's wait drained at the very end are reported by one more turn first)
                 self.state = State.FINISHING
         self._confirm_the_run_is_ours()
-        ray.get([s.finish.remote() for s in self.shards])  # every worker is done: the state is final
+        ray.get(self.shard_group.finish())  # every worker is done: the state is final
         self._report(self.aggregator.flush())
         self.state = State.FINISHED
         return [summary for _, summary in sorted(self._summaries.items())]
@@ -364,17 +372,44 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         return status.records
 
     def _confirm_the_run_is_ours(self) -> None:
-        """Raise RunTakenOver where another driver took the run over (runtime/run_control.py)."""
+        """Raise RunTakenOver where another driver took the run over: its control point says so
+        (runtime/run_control.py), or its workers do (runtime/fencing.py)."""
+        if self.group.newer_term is not None:
+            raise FencedOut(
+                f"its workers take their orders from a newer driver (term {self.group.newer_term})"
+            )
         if self.control is not None:
             self.control.confirm()
 
-    def _taken_over(self) -> RunTakenOver | None:
-        """Why the run is no longer this driver's (its run failed meanwhile), or None."""
+    def _taken_over(self, exc: BaseException) -> RunTakenOver | None:
+        """Why the run is no longer this driver's, where `exc` (its run's failure) came of it or
+        the run was taken over meanwhile; else None."""
+        seen: BaseException | None = exc
+        for _ in range(8):  # a hook's error over an actor's refusal, say (a chain may loop)
+            if seen is None:
+                break
+            if isinstance(seen, RunTakenOver):
+                return self._naming_the_run(seen)
+            seen = seen.__cause__ or seen.__context__
         try:
             self._confirm_the_run_is_ours()
-        except RunTakenOver as exc:
-            return exc
+        except RunTakenOver as taken:
+            return self._naming_the_run(taken)
         return None
+
+    def _naming_the_run(self, exc: RunTakenOver) -> RunTakenOver:
+        """The error this driver stops with: the control point's as it is; an actor's refusal
+        (`FencedOut`, perhaps in Ray's wrapper) with the run named."""
+        if not isinstance(exc, FencedOut):
+            return exc
+        why = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+        job = self.control.taken_by if self.control is not None else None
+        by = f" (Ray job {job})" if job else ""
+        return RunTakenOver(
+            f"run {self.session.tags.get('run_id')} was taken over by another driver{by} while this one "
+            f"was paused or cut off from the cluster; {first_line(why)}. This driver stops and leaves "
+            "the run to it"
+        )
 
     def _note_data_end(self, from_step: int, feed: DataFeed) -> None:
         """Where the data planned from `from_step` runs out, where the files' counts tell."""

@@ -26,6 +26,7 @@ import numpy as np
 import ray
 
 from towerflow.runtime.accumulator import GradientAccumulator
+from towerflow.runtime.fencing import DriverTerm
 from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
 from towerflow.runtime.shard_checkpoints import ShardCheckpoints
 from towerflow.runtime.shard_parts import LiveState, OwnCopy, PartSource, ShardSnapshot
@@ -35,7 +36,7 @@ from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 _STEP_WORKERS_KEPT = 256  # recent steps whose workers a woken sync push or the driver may still ask for
 
 
-class ParameterShard(ShardCheckpoints):
+class ParameterShard(ShardCheckpoints, DriverTerm):
     """One shard. Run as an async Ray actor so that sync pushes can wait for their step cheaply.
 
     It starts in two steps: the actor itself (its process imports TensorFlow, seconds of CPU), which
@@ -65,6 +66,7 @@ class ParameterShard(ShardCheckpoints):
         copies go; `load` gives it the rest."""
         self.shard_id = shard_id
         self._written, self._peer_copies = {}, {}
+        self._forget_term()
 
     def load(
         self,
@@ -80,13 +82,17 @@ class ParameterShard(ShardCheckpoints):
         buckets: list[int] | None = None,
         shard_id: int | None = None,
         examples_seen: int = 0,
+        term: int = 0,
     ) -> bool:
         """Take this shard's pieces, their optimizer and update protocol; publish the first version.
         Called once, before any worker pulls or pushes. Pieces given as a checkpoint part are read
         here, from the store; False (nothing loaded) where this node cannot reach it. `shard_id`:
         the place this shard takes, where it is not the one it started in (a spare's);
-        `examples_seen`: the run's data position at `initial_version` (`live_position`)."""
+        `examples_seen`: the run's data position at `initial_version` (`live_position`); `term`:
+        the calling driver's (runtime/fencing.py)."""
         from towerflow.runtime.optimizers import build_optimizer
+
+        self._obey(term, "loading a shard")
 
         if shard_id is not None:
             self.shard_id = shard_id
@@ -226,9 +232,12 @@ class ParameterShard(ShardCheckpoints):
         for protocol in self._protocols.values():
             protocol.on_join(worker)
 
-    def resize(self, total_num_replicas: int, replicas_to_aggregate: int, examples_seen: int) -> None:
+    def resize(
+        self, total_num_replicas: int, replicas_to_aggregate: int, examples_seen: int, term: int = 0
+    ) -> None:
         """An elastic resize: the workers were stopped between steps and start again, this many, on
         data planned from `examples_seen`."""
+        self._obey(term, "resizing a shard")
         for protocol in self._protocols.values():
             protocol.resize(total_num_replicas, replicas_to_aggregate)
         self._taken.clear()  # the workers start on freshly planned data
@@ -245,8 +254,9 @@ class ParameterShard(ShardCheckpoints):
         taken but not yet applied count: their rows were read."""
         return self._version, self._examples_before + sum(self._taken.values())
 
-    async def finish(self) -> int:
+    async def finish(self, term: int = 0) -> int:
         """Stop accepting gradients and release every waiting worker."""
+        self._obey(term, "finishing a shard")
         self._done = True
         await self._notify()
         return self._version

@@ -111,7 +111,7 @@ class RecoveryActions:
         version = ray.get(self.shards[0].ping.remote())
         replicas = self.elastic.replicas_to_aggregate(len(members))
         seen = self.aggregator.examples_seen
-        ray.get([shard.resize.remote(len(members), replicas, seen) for shard in self.shards])
+        ray.get([shard.resize.remote(len(members), replicas, seen, term=self.term) for shard in self.shards])
         planned = time.monotonic()
         try:
             feed = self.make_data(len(members), self.aggregator.examples_seen, self._step_shape(len(members)))
@@ -246,8 +246,7 @@ class RecoveryActions:
         started = time.monotonic()
         heard = max(self.group.global_step, self._global_step())
         self._close_data()
-        for shard in self.shards:  # release every worker waiting on a live shard; each run ends
-            shard.finish.remote()
+        self.shard_group.finish()  # release every worker waiting on a live shard; each run ends
         self.group.request_stop()  # and every worker waiting for data
         self.group.wait_ended(timeout_s=60)
         state, source = self._rollback_point([loss.index for loss in losses])

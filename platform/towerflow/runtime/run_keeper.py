@@ -23,6 +23,7 @@ import ray
 
 from towerflow.errors import ClusterError
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
+from towerflow.runtime.fencing import fence_taken_actors
 from towerflow.runtime.run_control import LEASE_FRESH_S, find_control
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class LiveRun:
     control: Any  # the run's control point (its actor), now this driver's
     stored: Any = None  # the run's newest stored checkpoint, or None
     workers: dict[int, KeptWorker] = field(default_factory=dict)  # by worker id
+    term: int = 1  # the term its actors take this driver's orders under (runtime/fencing.py)
 
     def recent_records(self) -> list[Any]:
         """The kept workers' records of their last steps, in step order: steps the lost driver may
@@ -138,8 +140,11 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         return None
     why_not = _changed(handover, spec)
     workers: dict[int, KeptWorker] = {}
+    term = 1
     if why_not is None:
-        workers = _bring_to_rest(handover, sync=spec.training.mode == "sync")
+        # First: from here on the actors refuse the old driver's orders, should it wake.
+        term = fence_taken_actors([*handover.shards, *handover.workers.values()], run_id)
+        workers = _bring_to_rest(handover, term, sync=spec.training.mode == "sync")
         positions, why_not = _where_they_stand(handover, spec)
     if why_not is not None:
         log.info(
@@ -162,7 +167,7 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         step,
         len(workers),
     )
-    return LiveRun(step, positions[-1][1], handover, control, stored, workers)
+    return LiveRun(step, positions[-1][1], handover, control, stored, workers, term)
 
 
 def _changed(handover: Handover, spec: Any) -> str | None:
@@ -174,7 +179,7 @@ def _changed(handover: Handover, spec: Any) -> str | None:
     return f"were made for another {', '.join(changed)}" if changed else None
 
 
-def _bring_to_rest(handover: Handover, sync: bool) -> dict[int, KeptWorker]:
+def _bring_to_rest(handover: Handover, term: int, sync: bool) -> dict[int, KeptWorker]:
     """The lost driver's workers, each with its run ended: asked to stop after their step (sync
     workers end a step together, so the shards end at one version); those still running after
     `REST_S` (sync: `PEER_REST_S` after the first came to rest) are released by finishing the
@@ -190,7 +195,7 @@ def _bring_to_rest(handover: Handover, sync: bool) -> dict[int, KeptWorker]:
         if round_:
             log.info("worker(s) %s still running: the shards are finished to release them", sorted(waiting))
             for shard in handover.shards:
-                shard.finish.remote()
+                shard.finish.remote(term=term)
         asked = {worker_id: actor.rest.remote(wait_s) for worker_id, actor in waiting.items()}
         _wait_for_rest(list(asked.values()), wait_s + 5, PEER_REST_S if sync and not round_ else None)
         for worker_id, ref in asked.items():

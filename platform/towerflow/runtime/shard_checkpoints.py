@@ -91,12 +91,15 @@ class ShardCheckpoints(HeldCopies):
             return kept
         return self._capture()
 
-    async def write_checkpoint(self, version: int, writer: Any, part: str) -> PartReport:
+    async def write_checkpoint(self, version: int, writer: Any, part: str, term: int = 0) -> PartReport:
         """Write this shard's state at `version` (as `snapshot` finds it) as part `part` of the
         checkpoint `writer` writes (checkpoint/stores.py), from this node, in a thread: training
         goes on meanwhile. Where this node cannot write to the store, the part's files go back to
-        the chief to write instead."""
+        the chief to write instead. Refused to a driver of an earlier term than this shard's
+        (runtime/fencing.py), before and after the wait for `version`."""
+        self._obey(term, "writing a checkpoint part")
         kept = await self.snapshot(version)
+        self._obey(term, "writing a checkpoint part")
         if kept.version != writer.step:
             return PartReport(kept.version)
         from towerflow.checkpoint.files import all_finite

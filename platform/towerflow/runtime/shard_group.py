@@ -53,6 +53,7 @@ class ShardGroup:
         self._nodes_looked_at: list[str | None] | None = None  # the shards' nodes, as peer_holders last saw
         self._replaced: set[int] = set()  # shards put in others' places since the last load: hold nothing
         self.detached = False  # the shards outlive the driver: a kept run's (runtime/run_keeper.py)
+        self.term = 0  # the driver's, which the shards' loads and finishes carry (runtime/fencing.py)
         # cluster.spare_shards; a shard's start is a TensorFlow import: 15 s is a loaded node's
         self.spares = SparePool(lambda bundle: self._new(None, bundle), "shard", answer_timeout_s=15.0)
 
@@ -154,6 +155,7 @@ class ShardGroup:
                 buckets=self.buckets[shard],
                 shard_id=shard,
                 examples_seen=examples_seen,
+                term=self.term,
             )
 
         self._replaced = set()
@@ -346,8 +348,9 @@ class ShardGroup:
         return died
 
     def finish(self) -> list[Any]:
-        """Stop every shard accepting gradients and release the workers waiting on it."""
-        return [shard.finish.remote() for shard in self.actors]
+        """Stop every shard accepting gradients and release the workers waiting on it; the refs of
+        their answers (`RunTakenOver` where another driver has the shards now)."""
+        return [shard.finish.remote(term=self.term) for shard in self.actors]
 
     def kill(self) -> None:
         for shard in self.actors:

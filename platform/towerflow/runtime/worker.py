@@ -7,6 +7,7 @@ actor builds the model and answers the driver; the steps themselves are step_loo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -19,6 +20,7 @@ import ray
 
 from towerflow.errors import SpecError
 from towerflow.runtime.batches import BatchAdapter, TowerModel, leftover_batches
+from towerflow.runtime.fencing import DriverTerm
 from towerflow.runtime.held_copies import HeldCopies
 from towerflow.runtime.model_state import load_model_state, model_state_of
 from towerflow.runtime.pushes import Placement, PushPlan
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 READER_READY_TIMEOUT_S = 120.0
 
 
-class TowerWorker(HeldCopies):
+class TowerWorker(HeldCopies, DriverTerm):
     def __init__(self, config: WorkerConfig) -> None:
         self._build(config)
 
@@ -52,6 +54,7 @@ class TowerWorker(HeldCopies):
 
         keras.backend.clear_session()  # layer names as a new process's: checkpoints key on them
         self._build(config)
+        self._forget_term()
         return True
 
     def _build(self, config: WorkerConfig) -> None:
@@ -168,7 +171,7 @@ class TowerWorker(HeldCopies):
         return os.getpid()
 
     def drain(self) -> WorkerReport:
-        return self._loop.drain()
+        return dataclasses.replace(self._loop.drain(), term=self._term)
 
     def request_stop(self, run_number: int) -> None:
         self._loop.request_stop(run_number)
@@ -234,6 +237,7 @@ class TowerWorker(HeldCopies):
         rejoin: Rejoin | None = None,
         *,
         run_number: int = 1,
+        term: int = 0,
     ) -> dict[str, Any]:
         """Train until the data ends, the shards say the last step is done, or the driver stops us.
 
@@ -241,8 +245,12 @@ class TowerWorker(HeldCopies):
         `buckets[s]` the gradient bucket of each: buckets are pushed from inside the backward pass.
         A replacement worker gets `rejoin`: the rows its lost predecessor had received and not
         trained on (data/splits.py), read before its split, and the model's non-trainable state.
+        Refused to a driver of an earlier `term` than this worker's (runtime/fencing.py): checked
+        before and after the wait for the run under way (a newer driver's may have fenced it since).
         """
+        self._obey(term, "starting a worker's run")
         with self._running:
+            self._obey(term, "starting a worker's run")
             loop = self._loop
             stop = loop.new_run(run_number)
             loop.attach(PushPlan(shards, placement, buckets))

@@ -16,11 +16,14 @@ from typing import Any
 
 import ray
 
+from towerflow.errors import FencedOut
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, ClusterStatus, LossKind
 from towerflow.runtime.worker_watch import WorkerWatchdogs
 
 log = logging.getLogger(__name__)
+# A gap between two polls longer than this is the driver's own pause, not its workers' silence.
+OWN_PAUSE_S = 1.0
 
 
 @dataclass
@@ -65,6 +68,9 @@ class WorkerGroup(WorkerWatchdogs):
         self._warmed: set[int] = set()  # spares asked to trace their step ahead
         self._next_id = 0
         self.replacements = 0  # new actors put in lost workers' places
+        self.term = 0  # the driver's, which the workers' runs carry (runtime/fencing.py)
+        self.newer_term: int | None = None  # a worker's, above the driver's: the run is another's now
+        self._polled_at: float | None = None  # the last poll's end (monotonic)
 
     def start(self, worker_ids: list[int]) -> None:
         for worker_id in worker_ids:
@@ -163,7 +169,7 @@ class WorkerGroup(WorkerWatchdogs):
     def run(self, worker_id: int, *args: Any) -> None:
         slot = self.slots[worker_id]
         slot.runs += 1
-        slot.run_ref = slot.actor.run.remote(*args, run_number=slot.runs)
+        slot.run_ref = slot.actor.run.remote(*args, run_number=slot.runs, term=self.term)
 
     def request_stop(self) -> None:
         """Ask every live worker's current run to stop after its step; a run asked already is not
@@ -191,6 +197,7 @@ class WorkerGroup(WorkerWatchdogs):
         from then on. A replacement still starting holds each turn for `answer_s` too: not waiting
         for it hears of steps sooner but measured slower training (docs/reliability.md)."""
         status = ClusterStatus()
+        self._excuse_own_pause()
         runs = [
             s.run_ref for s in self.slots.values() if s.run_ref is not None and not s.finished and not s.lost
         ]
@@ -209,6 +216,12 @@ class WorkerGroup(WorkerWatchdogs):
         done, _ = ray.wait(runs, num_returns=len(runs), timeout=0) if runs else ([], [])
         for slot in [s for s in self.slots.values() if s.run_ref in done]:
             self._read_run(slot, status)
+        self._polled_at = time.monotonic()
+        if self.newer_term is not None:  # not this driver's to judge, nor to wait for: it stops
+            raise FencedOut(
+                f"its workers take their orders from a newer driver of the run (term {self.newer_term}; "
+                f"this driver's {self.term})"
+            )
         self._find_hung(status)
         self._find_unstarted(status)
         self._find_starved(status)
@@ -291,6 +304,7 @@ class WorkerGroup(WorkerWatchdogs):
             return
         slot.answered = True
         slot.data_wait_s = report.data_wait_s
+        self._note_term(report.term)
         status.records.extend(report.records)
         if report.busy_s is not None and report.busy_s > self.timeout_s:
             self._hang(slot, status, f"one step has taken {report.busy_s:.0f} s")
@@ -301,6 +315,9 @@ class WorkerGroup(WorkerWatchdogs):
         except (
             ray.exceptions.RayTaskError
         ) as exc:  # raised in `run` (Ray makes it an instance of the cause too)
+            if isinstance(exc.cause, FencedOut):  # refused: the worker is a newer driver's
+                self._note_term(self.term + 1)
+                return
             # A shard it talked to is gone, or the parameters it published (their owner): the shards' loss
             if isinstance(exc.cause, (*ACTOR_GONE, ray.exceptions.ObjectLostError)):
                 slot.finished, slot.shard_error = True, first_line(exc.cause)
@@ -318,6 +335,29 @@ class WorkerGroup(WorkerWatchdogs):
         self._read_drain(slot, status, block=True)
         slot.finished = True
         status.finished[slot.worker_id] = summary
+
+    def _note_term(self, term: int) -> None:
+        if term > self.term:
+            self.newer_term = max(term, self.newer_term or 0)
+
+    def _excuse_own_pause(self) -> None:
+        """A driver that did not poll for a while (its process paused, starved of CPU, or in a
+        long hook) was not listening: the questions it had sent count that long less, so that
+        its workers' silence is not taken for a hang (and the workers, perhaps another driver's
+        by now, for lost) as it wakes."""
+        now = time.monotonic()
+        gap = now - self._polled_at if self._polled_at is not None else 0.0
+        if gap <= OWN_PAUSE_S:
+            return
+        for slot in self.slots.values():
+            if slot.drain_ref is not None:
+                slot.asked_at = min(now, slot.asked_at + gap)
+        if gap > self.timeout_s:
+            log.warning(
+                "the driver did not poll its workers for %.0f s (its process paused, or starved of "
+                "CPU): their silence meanwhile is not counted",
+                gap,
+            )
 
     def _hang(self, slot: WorkerSlot, status: ClusterStatus, why: str) -> None:
         kill_quietly(slot.actor)  # alive but stuck: a fresh one does better

@@ -85,11 +85,13 @@ class WorkerReport:
     """What a worker tells the controller at each poll: its new step records, for how long it
     has been working on its current step (None while it waits for the shards or has not stepped
     yet: a worker busy for longer than the timeout is hung), and for how long it has been waiting
-    for its next batch (None when not waiting: a run whose workers all wait too long is stalled)."""
+    for its next batch (None when not waiting: a run whose workers all wait too long is stalled),
+    and the term of the driver it takes its orders from (runtime/fencing.py)."""
 
     records: list[StepRecord]
     busy_s: float | None
     data_wait_s: float | None = None
+    term: int = 0
 
 
 @dataclass(frozen=True)

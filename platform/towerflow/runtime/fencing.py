@@ -1,0 +1,82 @@
+"""Fencing a run's actors against a driver that is no longer the run's.
+
+A driver paused or cut off from the cluster past its lease may wake after another driver has taken
+its run over (runtime/run_keeper.py). Its lease check (run_control.py) tells it so where the
+control point answers; the actors themselves make sure of it where it does not. Each shard and
+worker holds the term of the driver it takes its orders from, a number that each take-over raises:
+the new driver fences every actor it takes with a term above any they hold, and a call that changes
+the run (loading or finishing a shard, resizing it, writing a checkpoint, starting a worker's run)
+carries its driver's term and is refused (`FencedOut`) below the actor's. A worker's answer
+to every poll carries its term too, so that an old driver hears of the take-over before it decides
+anything (a silent worker's replacement, say). A fencing token, as a lock service's: the check sits
+where the damage would be done, not in the process that may be stale.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from towerflow.errors import FencedOut
+
+log = logging.getLogger(__name__)
+FENCE_ANSWER_S = 30.0  # how long a take-over waits for the actors' terms
+
+
+class DriverTerm:
+    """Mixed into the shard and worker actors: the term of the driver they take orders from."""
+
+    _term = 0
+
+    def term(self) -> int:
+        return self._term
+
+    def fence(self, term: int) -> int:
+        """Take orders from drivers of `term` and later only; returns the term now held."""
+        self._term = max(self._term, term)
+        return self._term
+
+    def _forget_term(self) -> None:
+        """A kept actor's next run (runtime/actor_pool.py): a new run, whose first driver is term 0."""
+        self._term = 0
+
+    def _obey(self, term: int, what: str) -> None:
+        """Refuse `what` from a driver of an earlier term than this actor's; a later one fences the
+        earlier out (an actor it started takes its term from its first order)."""
+        if term < self._term:
+            raise FencedOut(
+                f"{what} refused: this actor takes its orders from a newer driver of the run (term "
+                f"{self._term}; the call's {term})"
+            )
+        self._term = term
+
+
+def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
+    """Fence a taken-over run's live actors against its earlier drivers; returns the new driver's
+    term, one above any they hold. An actor that does not answer is left out: it is gone, or
+    will be found lost (a taken-over shard that does not answer ends the take-over)."""
+    terms = _answers([actor.term.remote() for actor in actors])
+    term = max(terms, default=0) + 1
+    held = _answers([actor.fence.remote(term) for actor in actors])
+    log.info(
+        "run %s: %d of its %d actors now take their orders from this driver (term %d)",
+        run_id,
+        len(held),
+        len(actors),
+        term,
+    )
+    return term
+
+
+def _answers(refs: list[Any]) -> list[Any]:
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=FENCE_ANSWER_S) if refs else ([], [])
+    answers = []
+    for ref in ready:
+        try:
+            answers.append(ray.get(ref))
+        except ray.exceptions.RayError:  # gone: found lost where it matters
+            continue
+    return answers
