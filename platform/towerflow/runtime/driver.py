@@ -28,6 +28,7 @@ from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator, past_step_events
 from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
+from towerflow.runtime.fencing import held_terms
 from towerflow.runtime.head_watch import BackgroundAnswer, HeadWatch
 from towerflow.runtime.hook_queries import HookQueries
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, end_hooks
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 # live one answers a drain within a poll, even mid-step (a drain runs on a thread of its own).
 SILENT_AT_THE_END_S = 15.0
 LET_GO = "let go, not replaced: {}"
+# A kept run's failure: how long its actors get to say whether another driver has them now.
+TERMS_AT_THE_END_S = 5.0
 LAST_STEP_TAKEN = "the run's last step was taken"
 
 
@@ -395,6 +398,13 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             self._confirm_the_run_is_ours()
         except RunTakenOver as taken:
             return self._naming_the_run(taken)
+        if self._kept_beyond_the_driver():  # unheard, perhaps: asked before its end kills them
+            newer = [
+                t for t in held_terms([*self.shards, *self.workers], TERMS_AT_THE_END_S) if t > self.term
+            ]
+            if newer:
+                why = f"its actors take their orders from a newer driver of the run (term {max(newer)})"
+                return self._naming_the_run(FencedOut(why))
         return None
 
     def _naming_the_run(self, exc: RunTakenOver) -> RunTakenOver:

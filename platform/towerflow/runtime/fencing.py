@@ -58,9 +58,8 @@ def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
     """Fence a taken-over run's live actors against its earlier drivers; returns the new driver's
     term, one above any they hold. An actor that does not answer is left out: it is gone, or
     will be found lost (a taken-over shard that does not answer ends the take-over)."""
-    terms = _answers([actor.term.remote() for actor in actors])
-    term = max(terms, default=0) + 1
-    held = _answers([actor.fence.remote(term) for actor in actors])
+    term = max(held_terms(actors, FENCE_ANSWER_S), default=0) + 1
+    held = _answers([actor.fence.remote(term) for actor in actors], FENCE_ANSWER_S)
     log.info(
         "run %s: %d of its %d actors now take their orders from this driver (term %d)",
         run_id,
@@ -71,8 +70,13 @@ def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
     return term
 
 
-def _answers(refs: list[Any]) -> list[Any]:
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=FENCE_ANSWER_S) if refs else ([], [])
+def held_terms(actors: Sequence[Any], timeout_s: float) -> list[int]:
+    """The terms the actors hold, of those that answer within `timeout_s`."""
+    return _answers([actor.term.remote() for actor in actors], timeout_s)
+
+
+def _answers(refs: list[Any], timeout_s: float) -> list[Any]:
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     answers = []
     for ref in ready:
         try:

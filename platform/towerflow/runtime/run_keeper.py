@@ -4,7 +4,8 @@ that a driver resuming the run takes them over instead of starting again from th
 The shards, the workers in the run's placement groups and the groups themselves are detached from
 the driver that made them; the run's control point (run_control.py), detached too, holds what a
 new driver needs to take them over (a `Handover`) and ends them once the run has had no driver for
-the grace period. A new driver first brings the workers to rest (their data pipeline ended with the
+the grace period. A new driver first fences the shards and workers against the old one, should it
+wake (runtime/fencing.py), then brings the workers to rest (their data pipeline ended with the
 old driver: each ends its run after its step), then goes on from the shards' version and from the
 data position the gradients they took tell, with the workers' own model state; no step is redone,
 and only the driver and its data pipeline start again. Warm spares end; new ones start. The
