@@ -5,9 +5,11 @@ step: four files) to the temporary directory, and removes them at the process's 
 ends by being killed (the run's release, a lost node, a SIGKILL), so its files would never be
 removed and a long-lived node (a KubeRay pod's /tmp is an emptyDir on the node's disk) would gather
 them run after run. Each actor writes its temporary files under
-`<tmp>/towerflow-scratch-<uid>/<pid>-<start ms>/`, and the next actor to start on the node removes
-the folders of processes no longer running. Processes are told apart by their pid as this node's
-kernel sees it: the root must not be shared between containers with PID namespaces of their own.
+`<tmp>/towerflow-scratch-<uid>/<pid>-b<start>/` (its start in ms from the machine's boot, as the
+kernel counts it; `<pid>-<start>`, in ms since the epoch, where the kernel's count is not known),
+and the next actor to start on the node removes the folders of processes no longer running.
+Processes are told apart by their pid as this node's kernel sees it: the root must not be shared
+between containers with PID namespaces of their own.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def use_own_scratch_dir(base: str | None = None) -> Path | None:
         )
         return None
     me = ProcessRef.of(os.getpid())
-    own = root / f"{me.pid}-{int(me.create_time * 1000)}"
+    own = root / _folder_name(me)
     own.mkdir(exist_ok=True)
     sweep(root, keep=own)
     tempfile.tempdir = str(own)
@@ -66,10 +68,20 @@ def sweep(root: Path, *, keep: Path | None = None) -> list[str]:
     return removed
 
 
+def _folder_name(process: ProcessRef) -> str:
+    if process.since_boot is not None:
+        return f"{process.pid}-b{round(process.since_boot * 1000)}"
+    return f"{process.pid}-{int(process.create_time * 1000)}"
+
+
 def _owner_runs(name: str) -> bool | None:
     """Whether the process a folder is named after still runs (`ProcessRef`: the same pid, started
-    at the same time); None for a name that is not `<pid>-<start ms>`."""
-    pid, _, start_ms = name.partition("-")
+    at the same time); None for a name that is not `<pid>-b<start ms>` or `<pid>-<start ms>`."""
+    pid, _, start = name.partition("-")
+    since_boot = start.startswith("b")
+    start_ms = start[1:] if since_boot else start
     if not (pid.isdigit() and start_ms.isdigit()):
         return None
+    if since_boot:
+        return ProcessRef(int(pid), 0.0, since_boot=int(start_ms) / 1000).is_running()
     return ProcessRef(int(pid), int(start_ms) / 1000).is_running()
