@@ -160,16 +160,30 @@ class _SlowToAnswer(_Worker):
         return super().drain()
 
 
+class _BusyOnceFenced(_Worker):
+    """Says it has been in one step for long once a newer driver has fenced it (under that driver,
+    a long step or none: not the old driver's to judge)."""
+
+    def drain(self) -> WorkerReport:
+        return WorkerReport([], 1000.0 if self._term else None, term=self._term)
+
+
 def test_a_worker_that_a_newer_driver_fenced_stops_the_poll_and_is_left_alone(ray_cluster):
     ray = ray_cluster
-    worker = ray.remote(num_cpus=0, max_concurrency=4)(_Worker)
-    group = WorkerGroup(lambda worker_id: worker.remote(deaf=worker_id == 1), timeout_s=1)
+    busy, deaf = (
+        ray.remote(num_cpus=0, max_concurrency=4)(_BusyOnceFenced),
+        ray.remote(num_cpus=0, max_concurrency=4)(_Worker),
+    )
+    group = WorkerGroup(
+        lambda worker_id: busy.remote() if worker_id == 0 else deaf.remote(deaf=True), timeout_s=1
+    )
     group.start([0, 1])
     group.run(0)
     group.run(1)
     group.poll(0.2)
-    ray.get(group.slots[0].actor.fence.remote(2))  # a driver took the run over (run_keeper.py)
-    time.sleep(1.5)  # worker 1 (deaf) would count as hung after a second's silence
+    # A driver took the run over (run_keeper.py); worker 0 now answers as if in a step for 1,000 s,
+    # past this group's 1 s timeout: a hang, were it this driver's to judge.
+    ray.get(group.slots[0].actor.fence.remote(2))
     with pytest.raises(FencedOut, match=r"newer driver of the run \(term 2; this driver's 0\)"):
         for _ in range(20):
             group.poll(0.2)

@@ -3,7 +3,9 @@
 A poll never raises for a lost worker. It drains every worker's step records without blocking on
 any one of them, and returns what it found as a `ClusterStatus`: records, finished workers,
 workers lost (their process or node died, or they hung: no answer, or one step for longer than
-the timeout) and errors raised by the user's code, which are not the group's to retry.
+the timeout) and errors raised by the user's code, which are not the group's to retry. It raises
+only where the workers answer to a newer driver (`FencedOut`, runtime/fencing.py): the run is no
+longer this driver's.
 """
 
 from __future__ import annotations
@@ -304,7 +306,9 @@ class WorkerGroup(WorkerWatchdogs):
             return
         slot.answered = True
         slot.data_wait_s = report.data_wait_s
-        self._note_term(report.term)
+        if report.term > self.term:  # another driver's worker now: not this one's to judge (the poll stops)
+            self._note_term(report.term)
+            return
         status.records.extend(report.records)
         if report.busy_s is not None and report.busy_s > self.timeout_s:
             self._hang(slot, status, f"one step has taken {report.busy_s:.0f} s")
