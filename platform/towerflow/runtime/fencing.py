@@ -23,7 +23,7 @@ import ray
 from towerflow.errors import FencedOut
 
 log = logging.getLogger(__name__)
-FENCE_ANSWER_S = 30.0  # how long a take-over waits for the actors' terms
+FENCE_ANSWER_S = 10.0  # how long a take-over waits for its actors to answer, each of its two asks (a hung one costs it that)
 
 
 class DriverTerm:
