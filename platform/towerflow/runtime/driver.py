@@ -28,7 +28,7 @@ from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator, past_step_events
 from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
-from towerflow.runtime.fencing import held_terms
+from towerflow.runtime.fencing import fenced_out, held_terms
 from towerflow.runtime.head_watch import BackgroundAnswer, HeadWatch
 from towerflow.runtime.hook_queries import HookQueries
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, end_hooks
@@ -172,16 +172,12 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             between_steps = isinstance(exc, StopRequested) and bool(self.shards)
             outcome = RunOutcome("KILLED", self._global_step(), exc, stopped_between_steps=between_steps)
             raise
-        except RunTakenOver as exc:
-            taken = self._naming_the_run(exc)
-            outcome = RunOutcome("TAKEN_OVER", self._global_step(), taken)
-            if taken is exc:
-                raise
-            raise taken from exc
         except BaseException as exc:
             taken = self._taken_over(exc)  # woken to find its actors another driver's: it fails as that
             if taken is not None:
                 outcome = RunOutcome("TAKEN_OVER", self._global_step(), taken)
+                if taken is exc:
+                    raise
                 raise taken from exc
             error = as_user_error(exc)  # the run's error tag shows the user's message, not Ray's wrapper
             outcome = RunOutcome("FAILED", self._global_step(), error)
@@ -375,12 +371,8 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
         return status.records
 
     def _confirm_the_run_is_ours(self) -> None:
-        """Raise RunTakenOver where another driver took the run over: its control point says so
-        (runtime/run_control.py), or its workers do (runtime/fencing.py)."""
-        if self.group.newer_term is not None:
-            raise FencedOut(
-                f"its workers take their orders from a newer driver (term {self.group.newer_term})"
-            )
+        """Raise RunTakenOver where its control point says another driver took the run over
+        (runtime/run_control.py); the workers' poll says so itself (runtime/fencing.py)."""
         if self.control is not None:
             self.control.confirm()
 
@@ -403,8 +395,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
                 t for t in held_terms([*self.shards, *self.workers], TERMS_AT_THE_END_S) if t > self.term
             ]
             if newer:
-                why = f"its actors take their orders from a newer driver of the run (term {max(newer)})"
-                return self._naming_the_run(FencedOut(why))
+                return self._naming_the_run(fenced_out("its actors", max(newer), self.term))
         return None
 
     def _naming_the_run(self, exc: RunTakenOver) -> RunTakenOver:

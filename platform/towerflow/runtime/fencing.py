@@ -54,6 +54,13 @@ class DriverTerm:
         self._term = term
 
 
+def fenced_out(whose: str, term: int, ours: int) -> FencedOut:
+    """The driver's own finding that `whose` (its workers, its actors) answer to a newer driver."""
+    return FencedOut(
+        f"{whose} take their orders from a newer driver of the run (term {term}; this driver's {ours})"
+    )
+
+
 def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
     """Fence a taken-over run's live actors against its earlier drivers; returns the new driver's
     term, one above any they hold. An actor that does not answer is left out: it is gone, or

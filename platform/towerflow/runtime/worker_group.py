@@ -21,6 +21,7 @@ import ray
 from towerflow.errors import FencedOut
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, ClusterStatus, LossKind
+from towerflow.runtime.fencing import fenced_out
 from towerflow.runtime.worker_watch import WorkerWatchdogs
 
 log = logging.getLogger(__name__)
@@ -220,10 +221,7 @@ class WorkerGroup(WorkerWatchdogs):
             self._read_run(slot, status)
         self._polled_at = time.monotonic()
         if self.newer_term is not None:  # not this driver's to judge, nor to wait for: it stops
-            raise FencedOut(
-                f"its workers take their orders from a newer driver of the run (term {self.newer_term}; "
-                f"this driver's {self.term})"
-            )
+            raise fenced_out("its workers", self.newer_term, self.term)
         self._find_hung(status)
         self._find_unstarted(status)
         self._find_starved(status)
