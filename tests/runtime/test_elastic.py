@@ -25,10 +25,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 class ScaleAt(Hook):
-    """Asks for `count` workers when the chief hears of `step`, for each (step, count) given."""
+    """Asks for `count` workers when the chief hears of `step`, for each (step, count) given; with
+    `stop_after` (workers, steps), stops the run once that many steps were those workers'."""
 
-    def __init__(self, plan: list[tuple[int, int]]) -> None:
+    def __init__(self, plan: list[tuple[int, int]], stop_after: tuple[list[int], int] | None = None) -> None:
         self.plan, self.events, self.asked_at = list(plan), [], []
+        self.stop_after = stop_after
 
     def after_run(self, context, event):
         self.events.append(event)
@@ -36,6 +38,10 @@ class ScaleAt(Hook):
             _, count = self.plan.pop(0)
             request_scale(context.session.tags["run_id"], count)
             self.asked_at.append(event)
+        if self.stop_after is not None:
+            workers, steps = self.stop_after
+            if sum(e.workers == workers for e in self.events) >= steps:
+                context.request_stop(f"{steps} steps of workers {workers}")
 
 
 def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shards(
@@ -47,17 +53,19 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
         data={"batch_size": 16, "epochs": None},
         # Two reads at a time: Ray Data spreads them over the nodes, so a spare's node readies a reader.
         cluster={"workers": {"min": 1, "max": 2}, "ps": 1, "data_cpus": 2},
-        training={"mode": "sync", "max_steps": 200, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
+        training={"mode": "sync", "max_steps": 1000, "optimizer": {"name": "sgd", "learning_rate": 0.05}},
         tracking={"tracking_uri": uri, "experiment": "elastic"},
     )
-    hook = ScaleAt([(10, 1), (25, 2)])
-    # The spare (asked for at step 25) starts before the end, also in a slow hour (10-20 s).
+    # It stops 20 steps after the spare (asked for at step 25) joined: 10-20 s after the ask.
+    hook = ScaleAt([(10, 1), (25, 2)], stop_after=([0, 2], 20))
     slow = FaultInjector(step_delay_s={w: 0.15 for w in range(4)})
     result = train(validate_spec(raw), hooks=[hook], output_dir=tmp_path, faults=slow)
 
-    assert result.global_step == 200
+    assert 45 < result.global_step < 1000
     steps = [e.global_step for e in hook.events]
-    assert steps == list(range(1, 201)), "every step reported once, in order, across both resizes"
+    assert steps == list(range(1, result.global_step + 1)), (
+        "every step reported once, in order, across both resizes"
+    )
     assert hook.events[5].workers == [0, 1]
     alone = [e for e in hook.events if e.workers == [0]]
     # A second or two in a fast hour; a slow hour is 3-4x slower.
@@ -72,7 +80,7 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
     readied = {w["worker"]: w["node_readied_for_reading"] for w in result.workers}
     assert readied == {0: False, 1: False, 2: True}, readied
     # One shard process all along: its counters cover every step.
-    assert result.shards[0]["version"] == 200
+    assert result.shards[0]["version"] == result.global_step
     history = MlflowClient(uri).get_metric_history(result.run_id, "workers")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [2.0, 1.0, 2.0]
     losses = [e.loss for e in hook.events]

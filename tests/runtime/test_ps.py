@@ -26,6 +26,7 @@ def test_each_bucket_aggregates_on_its_own_and_the_version_moves_once_all_are_ap
             buckets=[1, 0],
         )
     )
+    ray.get([shard.join.remote(worker, 0) for worker in range(3)])
     grad = {w: (np.full(2, w + 1.0, np.float32), np.full(3, 10.0 * (w + 1), np.float32)) for w in range(3)}
 
     early_a = shard.push.remote([grad[0][1]], 0, 0, 0)
@@ -80,6 +81,7 @@ def test_an_async_reply_carries_its_own_version_and_sync_replies_share_one_copy(
     shard = shard_actor(0.1).remote(0)
     protocol = SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)
     ray.get(shard.load.remote(["w"], [np.zeros(4, np.float32)], sgd, protocol, None))
+    ray.get([shard.join.remote(worker, 0) for worker in range(2)])
     replies = ray.get([shard.push.remote([np.full(4, g, np.float32)], 0, w) for w, g in ((0, 1.0), (1, 3.0))])
     refs = [r.next.params for r in replies]
     assert all(isinstance(ref, ray.ObjectRef) for ref in refs) and refs[0].hex() == refs[1].hex()
@@ -95,6 +97,7 @@ def test_a_stopping_workers_last_push_and_retire_leave_every_shard_at_one_versio
         sgd = {"name": "sgd", "learning_rate": 1.0}
         protocol = SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)
         ray.get(shard.load.remote([f"w{i}"], [np.zeros(2, np.float32)], sgd, protocol, None))
+        ray.get([shard.join.remote(worker, 0) for worker in range(2)])
         return shard
 
     shards = [make_shard(0), make_shard(1)]
@@ -132,12 +135,37 @@ def test_a_lost_workers_retire_completes_a_step_that_still_names_its_gradient(ra
     sgd = {"name": "sgd", "learning_rate": 1.0}
     protocol = SyncProtocol(replicas_to_aggregate=3, total_num_replicas=3)
     ray.get(shard.load.remote(["w"], [np.zeros(2, np.float32)], sgd, protocol, None))
+    ray.get([shard.join.remote(worker, 0) for worker in range(3)])
     held = [shard.push.remote([np.ones(2, np.float32)], 0, worker, 0, 16) for worker in (0, 1)]
     _wait_until(lambda: len(ray.get(shard.examples_taken.remote())) == 2)
     assert ray.get(shard.step_workers.remote(0)) == {}
     ray.get(shard.retire.remote(1))
     assert [r.workers for r in ray.get(held)] == [(0, 1), (0, 1)]
     assert ray.get(shard.step_workers.remote(0)) == {1: (0, 1)}
+    ray.kill(shard)
+
+
+def test_a_lost_workers_late_push_neither_counts_nor_takes_its_replacements_place(ray_cluster):
+    # Two sync workers; worker 1 is lost with a push on its way. The driver retires it, and its
+    # replacement joins under its id (another incarnation) before the lost one's push arrives.
+    shard = shard_actor(0.1).remote(0)
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    protocol = SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)
+    ray.get(shard.load.remote(["w"], [np.zeros(2, np.float32)], sgd, protocol, None))
+    ray.get([shard.join.remote(0, 10), shard.join.remote(1, 11)])
+    ray.get(shard.retire.remote(1))  # the driver's, of the lost worker
+    ray.get(shard.join.remote(1, 12))  # its replacement
+    late = ray.get(shard.push.remote([np.full(2, 100.0, np.float32)], 0, 1, 0, 16, True, 11))
+    assert late.verdict == "retired" and late.next.done  # no steps left for the lost incarnation
+    ray.get(shard.retire.remote(1, 11))  # nor does its own retire retire its replacement
+    pushes = [
+        shard.push.remote([np.full(2, gradient, np.float32)], 0, worker, 0, 16, True, incarnation)
+        for worker, gradient, incarnation in ((0, 1.0, 10), (1, 3.0, 12))
+    ]
+    assert [r.verdict for r in ray.get(pushes)] == ["applied", "applied"]  # the replacement's counts
+    np.testing.assert_allclose(ray.get(ray.get(shard.pull.remote(1)).params)[0], -2.0)  # not the 100
+    assert ray.get(shard.examples_taken.remote()) == {0: 16, 1: 16}  # the late batch's rows went over
+    assert ray.get(shard.stats.remote())["retired"] == 1
     ray.kill(shard)
 
 

@@ -24,6 +24,7 @@ class Verdict(str, enum.Enum):
     APPLIED = "applied"  # the shard's reply: it went into an update
     STALE = "stale"  # computed against an older version than the protocol takes: dropped
     REJECTED = "rejected"  # a second push for one step: a protocol bug, dropped
+    RETIRED = "retired"  # from a worker retired or replaced under its id (a lost one's late push): dropped
     SKIPPED = "skipped"  # its loss was not finite (nan_guard: skip): counted, nothing added
     DONE = "done"  # the shard had finished: no more steps
     PARTIAL = "partial"  # the worker's record: the shards answered differently
@@ -47,6 +48,11 @@ class SyncProtocol:
     A shard applies one update when it holds `replicas_to_aggregate` gradients computed against its
     current version; gradients computed against an older version are dropped. With more workers than
     that (backup workers) the slowest gradients of each step are the ones dropped.
+
+    A worker takes part from its join, as one incarnation (a number of its run's own), until it
+    retires. A push of another incarnation is dropped: a lost worker's push that arrives after the
+    driver retired it, or after its replacement joined under its id, would otherwise count in a
+    step, in the replacement's place.
     """
 
     # Every worker waits for each update: workers get equal data shares, pushing gradients in
@@ -56,34 +62,44 @@ class SyncProtocol:
     total_num_replicas: int
     _held: set[int] = field(default_factory=set)  # workers whose gradient the step being built holds
     _retired: set[int] = field(default_factory=set)
+    _members: dict[int, int] = field(default_factory=dict)  # worker id -> the incarnation taking part
 
     @property
     def required(self) -> int:
         active = self.total_num_replicas - len(self._retired)
         return max(1, min(self.replicas_to_aggregate, active))
 
-    def on_push(self, version_read: int, version: int, worker: int) -> Decision:
+    def on_push(self, version_read: int, version: int, worker: int, incarnation: int) -> Decision:
         if version_read < version:
             return Decision(Verdict.STALE, staleness=version - version_read)
+        if self._members.get(worker) != incarnation:
+            return Decision(Verdict.RETIRED)
         if worker in self._held:
             # A worker contributes once per step; a second push for the same version is a protocol bug.
             return Decision(Verdict.REJECTED)
         self._held.add(worker)
         return self._maybe_complete()
 
-    def on_retire(self, worker: int) -> Decision:
-        """A worker has left (its data ran out, or it died): aggregate over those still running."""
+    def on_retire(self, worker: int, incarnation: int | None = None) -> Decision:
+        """A worker has left (its data ran out, or it died): aggregate over those still running.
+        `incarnation` None (the driver, of a lost worker): whichever takes part; an incarnation that
+        no longer does (replaced meanwhile) retires nobody."""
+        if incarnation is not None and self._members.get(worker) != incarnation:
+            return Decision(Verdict.HELD)
+        self._members.pop(worker, None)
         self._retired.add(worker)
         return self._maybe_complete()
 
-    def on_join(self, worker: int) -> None:
-        """A worker (a replacement under a lost one's id) takes part in the steps from now on."""
+    def on_join(self, worker: int, incarnation: int) -> None:
+        """A worker (at its run's start; a replacement under a lost one's id) takes part in the steps
+        from now on, as `incarnation`."""
+        self._members[worker] = incarnation
         self._retired.discard(worker)
 
     def resize(self, total_num_replicas: int, replicas_to_aggregate: int) -> None:
         """A new set of workers (an elastic resize), each to join; called between steps, none held."""
         self.total_num_replicas, self.replicas_to_aggregate = total_num_replicas, replicas_to_aggregate
-        self._held, self._retired = set(), set()
+        self._held, self._retired, self._members = set(), set(), {}
 
     def _maybe_complete(self) -> Decision:
         if not self._held or len(self._held) < self.required:
@@ -103,17 +119,17 @@ class AsyncProtocol:
     lockstep: ClassVar[bool] = False  # no worker waits for another; staleness is what to watch
     max_staleness: int | None = None
 
-    def on_push(self, version_read: int, version: int, worker: int) -> Decision:
+    def on_push(self, version_read: int, version: int, worker: int, incarnation: int) -> Decision:
         staleness = version - version_read
         if self.max_staleness is not None and staleness > self.max_staleness:
             return Decision(Verdict.STALE, staleness=staleness)
         return Decision(Verdict.APPLY, count=1, staleness=staleness)
 
-    def on_retire(self, worker: int) -> Decision:
+    def on_retire(self, worker: int, incarnation: int | None = None) -> Decision:
         return Decision(Verdict.HELD)
 
-    def on_join(self, worker: int) -> None:
-        return None
+    def on_join(self, worker: int, incarnation: int) -> None:
+        return None  # a late gradient of a lost worker is one more stale gradient, bounded as any
 
     def resize(self, total_num_replicas: int, replicas_to_aggregate: int) -> None:
         return None  # every push applies on its own, however many workers there are

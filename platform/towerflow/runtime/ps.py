@@ -138,6 +138,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
             "gradients": 0,
             "stale": 0,
             "rejected": 0,
+            "retired": 0,  # pushes of a worker retired or replaced: a lost one's, late
             "skipped": 0,
             "after_done": 0,
         }
@@ -166,11 +167,13 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         bucket: int = 0,
         examples: int = 0,
         with_params: bool = True,
+        incarnation: int = 0,
     ) -> PushReply:
         """Gradients for this shard's pieces of `bucket`, computed against `version_read` on a batch
-        of `examples` examples (counted per worker: the rows a lost worker used). The reply carries
-        the parameters to compute the next step with, unless the worker goes on with its own
-        (`with_params` False: async fetch_every), and then publishes nothing.
+        of `examples` examples (counted per worker: the rows a lost worker used) by `worker`'s run
+        `incarnation` (its `join`). The reply carries the parameters to compute the next step with,
+        unless the worker goes on with its own (`with_params` False: async fetch_every), and then
+        publishes nothing.
 
         None is a skipped gradient (its loss was not finite, nan_guard: skip): sync counts the
         worker in its step all the same, with nothing added, so the others do not wait for it.
@@ -179,12 +182,16 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         if self._done or self._bucket_exhausted(bucket):
             self._counts["after_done"] += counted
             return PushReply(Verdict.DONE, -1, 0, 0.0, self._params_reply())
-        self._taken[worker] += examples if counted else 0
         protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
+        decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker, incarnation)
+        if decision.verdict is Verdict.RETIRED:
+            # Its rows went to its replacement, uncounted here: no steps are left for this incarnation.
+            self._counts["retired"] += counted
+            return PushReply(Verdict.RETIRED, -1, 0, 0.0, ParamsReply(self._version, None, True))
+        self._taken[worker] += examples if counted else 0
         if gradients is None and isinstance(protocol, AsyncProtocol):
             self._counts["skipped"] += counted
             return PushReply(Verdict.SKIPPED, -1, 0, 0.0, self._next_params(protocol.lockstep, with_params))
-        decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker)
         verdict, step = decision.verdict, -1
         if (
             decision.verdict is Verdict.APPLY
@@ -220,17 +227,19 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
             workers=self._step_workers.get(step, ()) if bucket == self._last_bucket else (),
         )
 
-    async def retire(self, worker: int) -> None:
-        """A worker stopped pushing (done, failed or lost); sync aggregation goes on with the others."""
+    async def retire(self, worker: int, incarnation: int | None = None) -> None:
+        """A worker stopped pushing (done, failed or lost); sync aggregation goes on with the others.
+        `incarnation`: the worker's own, at its run's end (None: the driver's, of a lost worker)."""
         for bucket, protocol in self._protocols.items():
-            decision = protocol.on_retire(worker)
+            decision = protocol.on_retire(worker, incarnation)
             if decision.verdict is Verdict.APPLY and not self._done:
                 self._apply_held(bucket)
 
-    def join(self, worker: int) -> None:
-        """A worker takes part in the steps from now on (a replacement, under its lost one's id)."""
+    def join(self, worker: int, incarnation: int) -> None:
+        """A worker's run takes part in the steps from now on, as `incarnation` (a number of the
+        run's own; a replacement's, under its lost one's id, takes the place of the lost one's)."""
         for protocol in self._protocols.values():
-            protocol.on_join(worker)
+            protocol.on_join(worker, incarnation)
 
     def resize(
         self, total_num_replicas: int, replicas_to_aggregate: int, examples_seen: int, term: int = 0

@@ -40,18 +40,20 @@ class PushPlan:
         bucket: int,
         gradients: dict[int, np.ndarray] | None,
         versions: list[int],
-        worker: int,
+        pusher: tuple[int, int],
         examples: int,
         with_params: bool = True,
     ) -> list[tuple[int, Any]]:
         """Push `bucket` (of a gradient of `examples` examples) to every shard holding some of it;
         returns (shard, reply ref) pairs. None pushes a skipped gradient (nan_guard: skip) in the
-        bucket's place. `with_params`: the replies carry the shards' new parameters (False: their
-        versions only; the worker goes on with the parameters it has).
+        bucket's place. `pusher`: the worker's id and its run's incarnation (the shards' `join`).
+        `with_params`: the replies carry the shards' new parameters (False: their versions only; the
+        worker goes on with the parameters it has).
 
         Ray copies the arguments into its object store before `remote` returns, so the gradient
         buffers (which TensorFlow reuses once the hook returns) may change right after.
         """
+        worker, incarnation = pusher
         sent = []
         for s, (shard, pieces, buckets) in enumerate(zip(self.shards, self.placement, self.buckets)):
             mine = [piece for piece, b in zip(pieces, buckets) if b == bucket]
@@ -63,7 +65,8 @@ class PushPlan:
                     gradients[variable] if whole else gradients[variable][start:stop]
                     for variable, start, stop, whole in mine
                 ]
-            sent.append((s, shard.push.remote(rows, versions[s], worker, bucket, examples, with_params)))
+            reply = shard.push.remote(rows, versions[s], worker, bucket, examples, with_params, incarnation)
+            sent.append((s, reply))
         return sent
 
 

@@ -25,6 +25,16 @@ from towerflow.runtime.worker_messages import Rejoin
 log = logging.getLogger(__name__)
 
 
+def _hear_out(finishing: list[Any], timeout_s: float = 5.0) -> None:
+    """Read the shards' answers to a rollback's `finish`: a lost shard's is its loss, known already;
+    a newer driver's refusal (`FencedOut`) stops this one here, before it picks a rollback point
+    and loads the shards (where the load's refusal stopped it before)."""
+    ready, _ = ray.wait(finishing, num_returns=len(finishing), timeout=timeout_s)
+    for ref in ready:
+        with contextlib.suppress(*ACTOR_GONE):
+            ray.get(ref)
+
+
 class State(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
@@ -246,9 +256,10 @@ class RecoveryActions:
         started = time.monotonic()
         heard = max(self.group.global_step, self._global_step())
         self._close_data()
-        self.shard_group.finish()  # release every worker waiting on a live shard; each run ends
+        finishing = self.shard_group.finish()  # release every worker waiting on a live shard; each run ends
         self.group.request_stop()  # and every worker waiting for data
         self.group.wait_ended(timeout_s=60)
+        _hear_out(finishing)
         state, source = self._rollback_point([loss.index for loss in losses])
         version = state.global_step if state is not None else 0
         by_spare = self.shard_group.replace([loss.index for loss in losses])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -66,6 +67,7 @@ class StepLoop:
         self._plan: PushPlan | None = None
         self._bucket_variables: list[list[int]] = []
         self._step: StepPushes | None = None  # the step in progress, as the push hook sees it
+        self._incarnation = 0  # the run's own number, under which it joins the shards' steps
         self._busy_since: float | None = None  # when the current step's own work began (monotonic)
         self._waiting_since: float | None = None  # when it began waiting for the batch in hand
 
@@ -128,8 +130,10 @@ class StepLoop:
         done, or the driver stops us; returns (steps, examples) trained."""
         cfg, shards = self.config, self._plan.shards
         placement = self._plan.placement
-        # A replacement takes its predecessor's place in every step still to aggregate.
-        ray.get([shard.join.remote(cfg.worker_id) for shard in shards])
+        # A replacement takes its predecessor's place in every step still to aggregate; the shards
+        # drop a push of any other incarnation of this worker id (a lost one's, late).
+        self._incarnation = incarnation = secrets.randbits(62)
+        ray.get([shard.join.remote(cfg.worker_id, incarnation) for shard in shards])
         replies = ray.get([shard.pull.remote(cfg.start_at_step) for shard in shards])
         versions = [r.version for r in replies]
         fresh = replies  # parameters not yet loaded into the model (None: the model holds the last)
@@ -198,7 +202,7 @@ class StepLoop:
             # Let sync aggregation go on without us (also when our own code failed).
             if retire:
                 with contextlib.suppress(ray.exceptions.RayError):
-                    ray.get([shard.retire.remote(cfg.worker_id) for shard in shards])
+                    ray.get([shard.retire.remote(cfg.worker_id, incarnation) for shard in shards])
         return steps, examples
 
     # -- one step --------------------------------------------------------------------------------
@@ -221,7 +225,7 @@ class StepLoop:
                 if cfg.skip_nonfinite:  # the shards count this worker in the step, with no gradient
                     for bucket_id in range(len(self._bucket_variables)):
                         sent = self._plan.send(
-                            bucket_id, None, step.versions, cfg.worker_id, step.examples, step.fetch
+                            bucket_id, None, step.versions, self._pusher, step.examples, step.fetch
                         )
                         for shard, ref in sent:
                             step.sent.append((shard, bucket_id, ref))
@@ -230,12 +234,16 @@ class StepLoop:
                 time.sleep(self._faults.delay(cfg.worker_id))
             by_variable = dict(zip(self._bucket_variables[bucket], gradients, strict=True))
             for shard, ref in self._plan.send(
-                bucket, by_variable, step.versions, cfg.worker_id, step.examples, step.fetch
+                bucket, by_variable, step.versions, self._pusher, step.examples, step.fetch
             ):
                 step.sent.append((shard, bucket, ref))
         except BaseException as exc:  # noqa: BLE001 - handed to the worker's own thread
             step.error = exc
         return np.int64(0)
+
+    @property
+    def _pusher(self) -> tuple[int, int]:
+        return self.config.worker_id, self._incarnation
 
     def _compute(
         self, step: StepPushes, inputs: Any, labels: Any, first: bool
