@@ -25,11 +25,15 @@ from towerflow.runtime.worker_messages import Rejoin
 log = logging.getLogger(__name__)
 
 
-def _hear_out(finishing: list[Any], timeout_s: float = 5.0) -> None:
-    """Read the shards' answers to a rollback's `finish`: a lost shard's is its loss, known already;
-    a newer driver's refusal (`FencedOut`) stops this one here, before it picks a rollback point
-    and loads the shards (where the load's refusal stopped it before)."""
-    ready, _ = ray.wait(finishing, num_returns=len(finishing), timeout=timeout_s)
+def _hear_out(finishing: list[Any], lost: Sequence[int], timeout_s: float = 5.0) -> None:
+    """Read the live shards' answers to a rollback's `finish` (the `lost` ones' are their loss,
+    known already, and may not come while the GCS is away): a newer driver's refusal (`FencedOut`)
+    stops this one here, before it picks a rollback point and loads the shards (where the load's
+    refusal stopped it before)."""
+    live = [ref for index, ref in enumerate(finishing) if index not in lost]
+    if not live:
+        return
+    ready, _ = ray.wait(live, num_returns=len(live), timeout=timeout_s)
     for ref in ready:
         with contextlib.suppress(*ACTOR_GONE):
             ray.get(ref)
@@ -259,7 +263,7 @@ class RecoveryActions:
         finishing = self.shard_group.finish()  # release every worker waiting on a live shard; each run ends
         self.group.request_stop()  # and every worker waiting for data
         self.group.wait_ended(timeout_s=60)
-        _hear_out(finishing)
+        _hear_out(finishing, lost=[loss.index for loss in losses])
         state, source = self._rollback_point([loss.index for loss in losses])
         version = state.global_step if state is not None else 0
         by_spare = self.shard_group.replace([loss.index for loss in losses])
