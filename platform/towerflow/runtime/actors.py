@@ -1,5 +1,6 @@
 """Small helpers about Ray actors, for the driver's groups and the workers alike: the errors of an
-actor that is gone, killing one that may be gone already, and an error's first line for a log.
+actor that is gone, killing one that may be gone already, the answers that come in time, and an
+error's first line for a log.
 """
 
 from __future__ import annotations
@@ -17,6 +18,21 @@ def kill_quietly(actor: Any) -> None:
     """Kill an actor; one already dead (or Ray already gone) is fine."""
     with contextlib.suppress(Exception):
         ray.kill(actor)
+
+
+def answers_within(
+    refs: list[Any], timeout_s: float, tolerated: tuple[type[BaseException], ...] = (ray.exceptions.RayError,)
+) -> list[Any]:
+    """The answers of the calls `refs` that come within `timeout_s`; a call that fails with one of
+    `tolerated` (its actor gone, by default any of Ray's errors) gives none, any other error is raised."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    answers = []
+    for ref in ready:
+        try:
+            answers.append(ray.get(ref))
+        except tolerated:
+            continue
+    return answers
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

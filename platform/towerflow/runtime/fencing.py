@@ -18,9 +18,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import ray
-
 from towerflow.errors import FencedOut
+from towerflow.runtime.actors import answers_within
 
 log = logging.getLogger(__name__)
 FENCE_ANSWER_S = 10.0  # how long a take-over waits for its actors to answer, each of its two asks (a hung one costs it that)
@@ -66,7 +65,7 @@ def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
     term, one above any they hold. An actor that does not answer is left out: it is gone, or
     will be found lost (a taken-over shard that does not answer ends the take-over)."""
     term = max(held_terms(actors, FENCE_ANSWER_S), default=0) + 1
-    held = _answers([actor.fence.remote(term) for actor in actors], FENCE_ANSWER_S)
+    held = answers_within([actor.fence.remote(term) for actor in actors], FENCE_ANSWER_S)
     log.info(
         "run %s: %d of its %d actors now take their orders from this driver (term %d)",
         run_id,
@@ -79,15 +78,4 @@ def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
 
 def held_terms(actors: Sequence[Any], timeout_s: float) -> list[int]:
     """The terms the actors hold, of those that answer within `timeout_s`."""
-    return _answers([actor.term.remote() for actor in actors], timeout_s)
-
-
-def _answers(refs: list[Any], timeout_s: float) -> list[Any]:
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-    answers = []
-    for ref in ready:
-        try:
-            answers.append(ray.get(ref))
-        except ray.exceptions.RayError:  # gone: found lost where it matters
-            continue
-    return answers
+    return answers_within([actor.term.remote() for actor in actors], timeout_s)

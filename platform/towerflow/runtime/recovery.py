@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from towerflow.errors import DataError, TrainingError
-from towerflow.runtime.actors import ACTOR_GONE
+from towerflow.runtime.actors import ACTOR_GONE, answers_within
 from towerflow.runtime.events import StepAggregator
 from towerflow.runtime.failure import ActorLoss, Decision, LossKind
 from towerflow.runtime.hooks import FaultEvent
@@ -23,20 +23,6 @@ from towerflow.runtime.placement import DECLARED_DEAD_WAIT_S, declared_dead
 from towerflow.runtime.worker_messages import Rejoin
 
 log = logging.getLogger(__name__)
-
-
-def _hear_out(finishing: list[Any], lost: Sequence[int], timeout_s: float = 5.0) -> None:
-    """Read the live shards' answers to a rollback's `finish` (the `lost` ones' are their loss,
-    known already, and may not come while the GCS is away): a newer driver's refusal (`FencedOut`)
-    stops this one here, before it picks a rollback point and loads the shards (where the load's
-    refusal stopped it before)."""
-    live = [ref for index, ref in enumerate(finishing) if index not in lost]
-    if not live:
-        return
-    ready, _ = ray.wait(live, num_returns=len(live), timeout=timeout_s)
-    for ref in ready:
-        with contextlib.suppress(*ACTOR_GONE):
-            ray.get(ref)
 
 
 class State(enum.Enum):
@@ -260,13 +246,16 @@ class RecoveryActions:
         started = time.monotonic()
         heard = max(self.group.global_step, self._global_step())
         self._close_data()
+        lost = [loss.index for loss in losses]
         finishing = self.shard_group.finish()  # release every worker waiting on a live shard; each run ends
         self.group.request_stop()  # and every worker waiting for data
         self.group.wait_ended(timeout_s=60)
-        _hear_out(finishing, lost=[loss.index for loss in losses])
-        state, source = self._rollback_point([loss.index for loss in losses])
+        # The live shards' answers (a lost one's may not come while the GCS is away): a newer
+        # driver's refusal (`FencedOut`) stops this one here, before it picks a rollback point.
+        answers_within([ref for index, ref in enumerate(finishing) if index not in lost], 5.0, ACTOR_GONE)
+        state, source = self._rollback_point(lost)
         version = state.global_step if state is not None else 0
-        by_spare = self.shard_group.replace([loss.index for loss in losses])
+        by_spare = self.shard_group.replace(lost)
         self._load_shards(state, version, rollback=True)
         seen = state.examples_seen if state is not None else 0
         members = sorted(self.group.slots)
