@@ -9,23 +9,28 @@ import os
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import ray
 from ray.util import placement_group_table
 from ray.util.placement_group import placement_group
+from support import blob_spec
 
 from towerflow.errors import ClusterError, RunTakenOver
 from towerflow.runtime.run_control import (
     ASK_AFTER_S,
     ControlPoint,
     RunControl,
+    Takeover,
     control_name,
     find_control,
     recall,
     request_scale,
 )
+from towerflow.runtime.run_keeper import take_over_live_run
+from towerflow.spec import validate_spec
 
 
 def _gone(actor) -> bool:
@@ -105,7 +110,7 @@ def test_a_control_point_restarted_by_ray_is_told_the_run_again_by_its_driver(ra
         os.kill(ray.get(control.actor.pid.remote()), signal.SIGKILL)  # Ray starts it again
         told = _once_restarted(control.actor.driver_job.remote, lambda told: told == job)
         assert told == job
-        assert ray.get(control.actor.take_over.remote(job)) == {"shards": ["the run's"]}
+        assert ray.get(control.actor.take_over.remote(job, job)) == Takeover({"shards": ["the run's"]})
     finally:
         control.close()
 
@@ -130,7 +135,7 @@ def test_a_control_point_restarted_with_its_driver_gone_still_hands_the_run_over
         pid = _once_restarted(keeper.pid.remote, lambda pid: pid not in (None, first))
         assert pid != first
         assert ray.get(keeper.driver_job.remote()) == "a lost driver's job"
-        handover = ray.get(keeper.take_over.remote("the new driver's job"))
+        handover = ray.get(keeper.take_over.remote("the new driver's job", "a lost driver's job")).handover
         assert ray.get(handover["shards"][0].pid.remote()) == ray.get(shard.pid.remote())  # the same actor
     finally:
         with contextlib.suppress(ray.exceptions.RayActorError):  # it ends itself as it answers
@@ -146,7 +151,9 @@ def _taken_over_by_another_driver(control: ControlPoint, *, renewing: bool = Tru
     control.confirm()  # its own run: nothing raised
     if not renewing:
         control.let_go()  # no renewal from here on, as while its process is stopped
-    assert ray.get(control.actor.take_over.remote("the new driver's job")) == {"shards": ["the run's"]}
+    old_job = ray.get_runtime_context().get_job_id()
+    taken = ray.get(control.actor.take_over.remote("the new driver's job", old_job))
+    assert taken == Takeover({"shards": ["the run's"]})
 
 
 def test_a_driver_whose_run_was_taken_over_hears_so_at_its_next_renewal_and_is_not_listened_to(ray_cluster):
@@ -163,7 +170,8 @@ def test_a_driver_whose_run_was_taken_over_hears_so_at_its_next_renewal_and_is_n
                 heard = str(exc)
         assert heard is not None and "taken over by another driver (Ray job the new driver's job)" in heard
         assert ray.get(control.actor.driver_job.remote()) == "the new driver's job"
-        assert ray.get(control.actor.take_over.remote("the new driver's job")) == {"shards": ["the run's"]}
+        taken = ray.get(control.actor.take_over.remote("the new driver's job", "the new driver's job"))
+        assert taken == Takeover({"shards": ["the run's"]})
     finally:
         control.close()
 
@@ -180,3 +188,45 @@ def test_a_driver_whose_lease_may_have_lapsed_asks_before_it_acts(ray_cluster):
             control.confirm()
     finally:
         control.close()
+
+
+def _a_lost_drivers_run(run_id: str) -> Any:
+    keeper = RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
+        run_id, 60.0
+    )
+    ray.get(keeper.keep.remote("the lost driver's job"))
+    ray.get(keeper.remember.remote({"shards": ["the run's"]}, "the lost driver's job"))
+    return keeper
+
+
+def test_of_two_drivers_taking_a_lost_drivers_run_over_together_only_the_first_gets_it(ray_cluster):
+    keeper = _a_lost_drivers_run(uuid.uuid4().hex)
+    try:
+        # Both saw the lost driver go; the control point answers one at a time.
+        asks = [keeper.take_over.remote(job, "the lost driver's job") for job in ("job A", "job B")]
+        first, second = ray.get(asks)
+        assert first == Takeover({"shards": ["the run's"]})
+        assert second == Takeover(None, taken_by="job A")
+        assert ray.get(keeper.driver_job.remote()) == "job A"
+    finally:
+        ray.kill(keeper)
+
+
+def test_a_resume_whose_run_another_driver_took_while_it_waited_is_refused_naming_it(ray_cluster, tmp_path):
+    run_id = uuid.uuid4().hex
+    keeper = _a_lost_drivers_run(run_id)
+    spec = validate_spec(blob_spec(tmp_path, training={"failure": {"driver_grace_s": 60}}))
+    pool = ThreadPoolExecutor(1)
+    resuming = pool.submit(take_over_live_run, run_id, spec, None)
+    try:
+        time.sleep(2)  # it has read the lost driver's job and waits for its lease to lapse (10 s)
+        assert not resuming.done()
+        assert ray.get(keeper.take_over.remote("job A", "the lost driver's job")).taken_by is None
+        with pytest.raises(
+            ClusterError, match=f"run {run_id} was taken over by another driver \\(Ray job job A\\)"
+        ):
+            resuming.result(timeout=60)
+        assert ray.get(keeper.driver_job.remote()) == "job A"  # the run stays the first taker's
+    finally:
+        pool.shutdown(wait=False)
+        ray.kill(keeper)

@@ -63,9 +63,13 @@ def fenced_out(whose: str, term: int, ours: int) -> FencedOut:
 def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
     """Fence a taken-over run's live actors against its earlier drivers; returns the new driver's
     term, one above any they hold. An actor that does not answer is left out: it is gone, or
-    will be found lost (a taken-over shard that does not answer ends the take-over)."""
+    will be found lost (a taken-over shard that does not answer ends the take-over). Raise
+    FencedOut where one already holds a later term: a driver that took the run over after this
+    one fenced it in between."""
     term = max(held_terms(actors, FENCE_ANSWER_S), default=0) + 1
     held = answers_within([actor.fence.remote(term) for actor in actors], FENCE_ANSWER_S)
+    if max(held, default=term) > term:
+        raise fenced_out(f"run {run_id}'s actors", max(held), term)
     log.info(
         "run %s: %d of its %d actors now take their orders from this driver (term %d)",
         run_id,

@@ -61,6 +61,14 @@ class Lease:
         return self.driver_job is not None and self.driver_job != job
 
 
+@dataclass(frozen=True)
+class Takeover:
+    """A control point's answer to a driver taking its run over."""
+
+    handover: Any  # runtime/run_keeper.Handover; None where none is known (a keeper restarted since)
+    taken_by: str | None = None  # refused: the Ray job of the driver that took the run over first
+
+
 def control_name(run_id: str) -> str:
     return f"run-{run_id}"
 
@@ -146,13 +154,16 @@ class RunControl:
     def driver_job(self) -> str | None:
         return self._driver_job
 
-    def take_over(self, driver_job: str) -> Any:
-        """What a new driver (of Ray job `driver_job`) needs to take the run's shards over (None
-        where none is known: a keeper restarted since), now that driver's: it renews the lease
-        from here on."""
+    def take_over(self, driver_job: str, gone_job: str | None) -> Takeover:
+        """The run, now the new driver's (of Ray job `driver_job`, which renews the lease from here
+        on), and what it needs to take the shards over; refused where the run's driver is no longer
+        `gone_job`, the one that driver saw go: another took the run over meanwhile (two resumes
+        started together). A compare-and-set, so that only one of them steers the run."""
+        if self._driver_job not in (None, gone_job, driver_job):
+            return Takeover(None, taken_by=self._driver_job)
         self._renewed, self._driver_job = time.monotonic(), driver_job
         self._note()
-        return self._handover
+        return Takeover(self._handover)
 
     def end(self) -> None:
         """End the run's shards (remove its placement groups) and this actor: the run is over."""

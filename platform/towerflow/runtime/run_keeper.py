@@ -123,8 +123,8 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         log.info("run %s has no control point on this Ray cluster: no live shards to take over", run_id)
         return None
     try:
-        _wait_for_the_driver_to_go(run_id, control)
-        handover = ray.get(control.take_over.remote(ray.get_runtime_context().get_job_id()), timeout=30)
+        gone = _wait_for_the_driver_to_go(run_id, control)
+        answer = ray.get(control.take_over.remote(ray.get_runtime_context().get_job_id(), gone), timeout=30)
     except ray.exceptions.RayError as exc:
         log.warning(
             "run %s's control point did not answer (%s): the run goes on from its stored checkpoint, "
@@ -133,6 +133,13 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
             first_line(exc),
         )
         return None
+    if answer.taken_by is not None:
+        raise ClusterError(
+            f"run {run_id} was taken over by another driver (Ray job {answer.taken_by}) while this one "
+            f"waited for its lost driver (Ray job {gone}) to go: that driver has the run now; stop it "
+            "(`ray job stop`) before resuming the run here"
+        )
+    handover = answer.handover
     if handover is None:  # started again without its record: it knows the groups, not the shards
         log.info(
             "run %s's control point knows no live shards (started again without its record): they end", run_id
@@ -243,21 +250,23 @@ def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, in
     return positions, None
 
 
-def _wait_for_the_driver_to_go(run_id: str, control: Any) -> None:
-    """Return once the run's driver is gone: its Ray job has ended (Ray says so within a second or
-    two of its process's end), or it has not renewed its lease for a while; raise where it goes on
-    renewing it: two drivers must never train on one run's shards."""
+def _wait_for_the_driver_to_go(run_id: str, control: Any) -> str | None:
+    """The run's driver's Ray job (None where it has none), once that driver is gone: its job has
+    ended (Ray says so within a second or two of its process's end), or it has not renewed its
+    lease for a while; raise where it goes on renewing it: two drivers must never train on one
+    run's shards."""
     job = _first_answer(run_id, control)
     deadline = time.monotonic() + 3 * LEASE_FRESH_S
     while (seen := ray.get(control.driver_seen_s_ago.remote(), timeout=30)) < LEASE_FRESH_S:
         if job is not None and _job_ended(job):
-            return
+            return job
         if time.monotonic() > deadline:
             raise ClusterError(
                 f"run {run_id} still has a driver on this Ray cluster (it renewed its lease {seen:.0f} s "
                 "ago): stop that one (`ray job stop`, or Ctrl-C) before resuming the run"
             )
         time.sleep(0.5)
+    return job
 
 
 def _first_answer(run_id: str, control: Any) -> str | None:
