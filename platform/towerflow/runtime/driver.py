@@ -19,16 +19,14 @@ from typing import Any
 import numpy as np
 import ray
 
-from towerflow.errors import FencedOut, RunTakenOver, TrainingError
+from towerflow.errors import TrainingError
 from towerflow.runtime.actor_pool import IdleActors, ReuseKey, free_for_the_next_run
-from towerflow.runtime.actors import first_line
 from towerflow.runtime.checkpointing import CheckpointActions
 from towerflow.runtime.draining import LOOK_EVERY_S, DrainWatch, ray_draining_nodes
 from towerflow.runtime.elastic import ElasticPolicy, workers_that_fit
 from towerflow.runtime.events import StepAggregator, past_step_events
 from towerflow.runtime.failure import Decision, FailurePolicy
 from towerflow.runtime.faults import FaultInjector
-from towerflow.runtime.fencing import fenced_out, held_terms
 from towerflow.runtime.head_watch import BackgroundAnswer, HeadWatch
 from towerflow.runtime.hook_queries import HookQueries
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, end_hooks
@@ -41,6 +39,7 @@ from towerflow.runtime.run_actors import RunActors
 from towerflow.runtime.run_control import ControlPoint
 from towerflow.runtime.run_end import RunEnd
 from towerflow.runtime.run_keeper import LiveRun
+from towerflow.runtime.run_ownership import RunOwnership
 from towerflow.runtime.shard_group import ShardGroup
 from towerflow.runtime.signals import StopRequested, StopSignals
 from towerflow.runtime.spares import SparePool
@@ -53,12 +52,10 @@ log = logging.getLogger(__name__)
 # live one answers a drain within a poll, even mid-step (a drain runs on a thread of its own).
 SILENT_AT_THE_END_S = 15.0
 LET_GO = "let go, not replaced: {}"
-# A kept run's failure: how long its actors get to say whether another driver has them now.
-TERMS_AT_THE_END_S = 5.0
 LAST_STEP_TAKEN = "the run's last step was taken"
 
 
-class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd):
+class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd, RunOwnership):
     def __init__(
         self,
         spec: Any,
@@ -369,48 +366,6 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd)
             self._resize(leaving=leaving, joining=joining, records=status.records)
             return []
         return status.records
-
-    def _confirm_the_run_is_ours(self) -> None:
-        """Raise RunTakenOver where its control point says another driver took the run over
-        (runtime/run_control.py); the workers' poll says so itself (runtime/fencing.py)."""
-        if self.control is not None:
-            self.control.confirm()
-
-    def _taken_over(self, exc: BaseException) -> RunTakenOver | None:
-        """Why the run is no longer this driver's, where `exc` (its run's failure) came of it or
-        the run was taken over meanwhile; else None."""
-        seen: BaseException | None = exc
-        for _ in range(8):  # a hook's error over an actor's refusal, say (a chain may loop)
-            if seen is None:
-                break
-            if isinstance(seen, RunTakenOver):
-                return self._naming_the_run(seen)
-            seen = seen.__cause__ or seen.__context__
-        try:
-            self._confirm_the_run_is_ours()
-        except RunTakenOver as taken:
-            return self._naming_the_run(taken)
-        if self._kept_beyond_the_driver():  # unheard, perhaps: asked before its end kills them
-            newer = [
-                t for t in held_terms([*self.shards, *self.workers], TERMS_AT_THE_END_S) if t > self.term
-            ]
-            if newer:
-                return self._naming_the_run(fenced_out("its actors", max(newer), self.term))
-        return None
-
-    def _naming_the_run(self, exc: RunTakenOver) -> RunTakenOver:
-        """The error this driver stops with: the control point's as it is; an actor's refusal
-        (`FencedOut`, perhaps in Ray's wrapper) with the run named."""
-        if not isinstance(exc, FencedOut):
-            return exc
-        why = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
-        job = self.control.taken_by if self.control is not None else None
-        by = f" (Ray job {job})" if job else ""
-        return RunTakenOver(
-            f"run {self.session.tags.get('run_id')} was taken over by another driver{by} while this one "
-            f"was paused or cut off from the cluster; {first_line(why)}. This driver stops and leaves "
-            "the run to it"
-        )
 
     def _note_data_end(self, from_step: int, feed: DataFeed) -> None:
         """Where the data planned from `from_step` runs out, where the files' counts tell."""
