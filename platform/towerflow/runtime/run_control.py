@@ -11,9 +11,10 @@ take them over (`remember`, `take_over`), and knows its driver is there by the l
 the driver's process renews every few seconds: a driver stuck in a long wait still renews it, a
 lost one does not. After `grace_s` without a renewal it removes the run's placement groups, which
 ends every shard and worker placed in them, and then itself. A new driver takes the run over only
-once the lease has lapsed; the lease is then the new driver's, and the old one, should it wake
-(paused, or cut off from the cluster, not lost), hears so and stops before it acts on the run
-again (`ControlPoint.confirm`); where it does not hear, the run's actors refuse its orders
+once the lease has lapsed, and only from the driver it saw go (`take_over` is a compare-and-set:
+of two resumes started together, one gets the run); the lease is then the new driver's, and
+the old one, should it wake (paused, or cut off from the cluster, not lost), hears so and stops
+before it acts on the run again (`ControlPoint.confirm`); where it does not hear, the run's actors refuse its orders
 (runtime/fencing.py): two drivers never steer one run. Otherwise it lives as long as
 its driver. What it is told it also writes to the GCS's key-value store, so that restarted by Ray
 (its process or its node lost: the driver's node, with the driver on it) it knows the run again,
