@@ -41,6 +41,14 @@ def _gone(actor) -> bool:
     return False
 
 
+def _keeper(run_id: str, *args: Any) -> Any:
+    """A kept run's control point as a driver makes it (detached, named after the run; Ray starts
+    it again), with RunControl's arguments after the run id."""
+    return RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
+        run_id, *args
+    )
+
+
 def _once_restarted(ask, done) -> Any:
     """The answer of `ask()` (a call to an actor Ray is starting again) once `done` takes it, or
     the last one after 30 s (None while it was still restarting)."""
@@ -56,9 +64,7 @@ def test_a_kept_run_without_a_driver_loses_its_placement_groups_and_its_keeper(r
     run_id = uuid.uuid4().hex
     group = placement_group([{"CPU": 0.5}], name=f"towerflow-test-{run_id}", lifetime="detached")
     ray.get(group.ready())
-    keeper = RunControl.options(
-        name=control_name(run_id), namespace="towerflow", lifetime="detached", max_restarts=-1
-    ).remote(run_id, 3.0, (f"towerflow-test-{run_id}",))
+    keeper = _keeper(run_id, 3.0, (f"towerflow-test-{run_id}",))
     # Its process killed: Ray starts it again, and it still knows the run's groups.
     os.kill(ray.get(keeper.pid.remote()), signal.SIGKILL)
     # Nobody renews its lease: three seconds after its start, the run ends.
@@ -88,9 +94,7 @@ def test_a_renewed_lease_keeps_the_run_and_takes_worker_counts(ray_cluster):
 
 def test_scaling_a_kept_run_whose_driver_is_gone_is_refused(ray_cluster):
     run_id = uuid.uuid4().hex
-    keeper = RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
-        run_id, 60.0
-    )
+    keeper = _keeper(run_id, 60.0)
     try:
         ray.get(keeper.__ray_ready__.remote())
         time.sleep(11)  # no renewal for longer than a live driver leaves between two
@@ -120,9 +124,7 @@ def test_a_control_point_restarted_with_its_driver_gone_still_hands_the_run_over
     control point again elsewhere, and it reads back what it was told from the GCS's store."""
     run_id = uuid.uuid4().hex
     shard = RunControl.options(num_cpus=0).remote()  # an actor of the run, whose handle is handed over
-    keeper = RunControl.options(
-        name=control_name(run_id), namespace="towerflow", lifetime="detached", max_restarts=-1
-    ).remote(run_id, 60.0, (), "its own id")
+    keeper = _keeper(run_id, 60.0, (), "its own id")
     try:
         ray.get(keeper.keep.remote("a lost driver's job"))
         ray.get(keeper.remember.remote({"shards": [shard]}, "a lost driver's job"))
@@ -191,9 +193,7 @@ def test_a_driver_whose_lease_may_have_lapsed_asks_before_it_acts(ray_cluster):
 
 
 def _a_lost_drivers_run(run_id: str) -> Any:
-    keeper = RunControl.options(name=control_name(run_id), namespace="towerflow", lifetime="detached").remote(
-        run_id, 60.0
-    )
+    keeper = _keeper(run_id, 60.0)
     ray.get(keeper.keep.remote("the lost driver's job"))
     ray.get(keeper.remember.remote({"shards": ["the run's"]}, "the lost driver's job"))
     return keeper

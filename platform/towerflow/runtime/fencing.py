@@ -22,7 +22,8 @@ from towerflow.errors import FencedOut
 from towerflow.runtime.actors import answers_within
 
 log = logging.getLogger(__name__)
-FENCE_ANSWER_S = 10.0  # how long a take-over waits for its actors to answer, each of its two asks (a hung one costs it that)
+# How long a take-over waits for its actors to answer, each of its two asks (a hung one costs it that).
+FENCE_ANSWER_S = 10.0
 
 
 class DriverTerm:
@@ -68,8 +69,8 @@ def fence_taken_actors(actors: Sequence[Any], run_id: str) -> int:
     one fenced it in between."""
     term = max(held_terms(actors, FENCE_ANSWER_S), default=0) + 1
     held = answers_within([actor.fence.remote(term) for actor in actors], FENCE_ANSWER_S)
-    if max(held, default=term) > term:
-        raise fenced_out(f"run {run_id}'s actors", max(held), term)
+    if (newest := max(held, default=term)) > term:
+        raise fenced_out(f"run {run_id}'s actors", newest, term)
     log.info(
         "run %s: %d of its %d actors now take their orders from this driver (term %d)",
         run_id,

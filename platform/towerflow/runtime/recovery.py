@@ -23,6 +23,8 @@ from towerflow.runtime.placement import DECLARED_DEAD_WAIT_S, declared_dead
 from towerflow.runtime.worker_messages import Rejoin
 
 log = logging.getLogger(__name__)
+# A rollback's wait for the live shards' answers to its `finish` (a newer driver's refusal among them).
+FINISH_ANSWER_S = 5.0
 
 
 class State(enum.Enum):
@@ -252,7 +254,8 @@ class RecoveryActions:
         self.group.wait_ended(timeout_s=60)
         # The live shards' answers (a lost one's may not come while the GCS is away): a newer
         # driver's refusal (`FencedOut`) stops this one here, before it picks a rollback point.
-        answers_within([ref for index, ref in enumerate(finishing) if index not in lost], 5.0, ACTOR_GONE)
+        live = [ref for index, ref in enumerate(finishing) if index not in lost]
+        answers_within(live, FINISH_ANSWER_S, ACTOR_GONE)
         state, source = self._rollback_point(lost)
         version = state.global_step if state is not None else 0
         by_spare = self.shard_group.replace(lost)

@@ -16,10 +16,10 @@ of two resumes started together, one gets the run); the lease is then the new dr
 the old one, should it wake (paused, or cut off from the cluster, not lost), hears so and stops
 before it acts on the run again (`ControlPoint.confirm`); where it does not hear, the run's
 actors refuse its orders (runtime/fencing.py): two drivers never steer one run. Otherwise it
-lives as long as its driver. What it is told it also writes to the GCS's key-value store, so that restarted by Ray
-(its process or its node lost: the driver's node, with the driver on it) it knows the run again,
-and a new driver takes the shards over all the same; under GCS fault tolerance that store
-outlives the head too.
+lives as long as its driver. What it is told it also writes to the GCS's key-value store, so
+that restarted by Ray (its process or its node lost: the driver's node, with the driver on it)
+it knows the run again, and a new driver takes the shards over all the same; under GCS fault
+tolerance that store outlives the head too.
 """
 
 from __future__ import annotations
