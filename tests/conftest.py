@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,33 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
         if ray.is_initialized():
             ray.shutdown()
+
+
+_FAILED = pytest.StashKey[bool]()  # a test's call failed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call":
+        item.stash[_FAILED] = report.failed
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed test on a module's own cluster ends what it left running there, so that the
+    module's next test does not fail too for want of the cores that run holds."""
+    yield
+    if not _starts_own_cluster(request.node) or not request.node.stash.get(_FAILED, False):
+        return
+    from multinode import LocalCluster
+    from multinode_drivers import end_leftover_runs
+
+    cluster = next((v for v in request.node.funcargs.values() if isinstance(v, LocalCluster)), None)
+    if cluster is not None:
+        ended = end_leftover_runs(cluster)
+        print(f"\nended what the failed test left on the cluster: {ended}")
 
 
 _module_seconds: dict[str, float] = {}

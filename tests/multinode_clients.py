@@ -231,3 +231,81 @@ told = [{"node": n.node_id, "shards": n.shards, "in_s": n.deadline_in_s, "says":
 print(json.dumps({"told": told, "draining": watch.shards_draining}), flush=True)
 time.sleep(120)  # the shard stays until the test is done (a job's end would free the node at once)
 """
+
+
+# Ends what runs a failed test left on its module's cluster: every run's control point (towerflow's
+# namespace) and every placement group still held (its kept shards and workers end with it).
+# Prints what it ended.
+END_RUNS_CLIENT = """
+import json
+
+import ray
+from ray.util import placement_group_table, remove_placement_group
+from ray.util.placement_group import PlacementGroup
+
+from towerflow.runtime.run_control import NAMESPACE
+
+ray.init(logging_level="ERROR", log_to_driver=False)
+ended = []
+for actor in ray.util.list_named_actors(all_namespaces=True):
+    if actor["namespace"] == NAMESPACE:
+        ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+        ended.append(actor["name"])
+for group_id, group in placement_group_table().items():
+    if group["state"] != "REMOVED":
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group_id)))
+        ended.append(group["name"] or group_id)
+print(json.dumps(ended))
+"""
+
+
+# A kept run's control point on the node argv[1] (a soft affinity, as a driver's own), and its
+# driver's side asking it at every `confirm` (as one whose lease has lapsed). Prints where it was
+# placed, then asks until it has not answered and answered again (Ray started it again elsewhere),
+# 90 s at most, and prints what the asking heard: whether `confirm` stopped the driver, and why.
+CONTROL_POINT_CLIENT = """
+import json
+import sys
+import time
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from towerflow.errors import RunTakenOver
+from towerflow.runtime import run_control
+from towerflow.runtime.run_control import NAMESPACE, ControlPoint, RunControl, control_name
+
+ray.init(logging_level="ERROR", log_to_driver=False)
+run_control.ASK_AFTER_S = 0.0  # ask at every confirm, not only after 5 s without a renewal
+there = NodeAffinitySchedulingStrategy(sys.argv[1], soft=True)
+for _ in range(30):  # a soft affinity to a node that has just joined may be passed over
+    run_id = uuid.uuid4().hex
+    actor = RunControl.options(
+        name=control_name(run_id), namespace=NAMESPACE, lifetime="detached", scheduling_strategy=there
+    ).remote(run_id, 60.0, (), uuid.uuid4().hex)
+    placed = ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+    if placed == sys.argv[1]:
+        break
+    ray.kill(actor)
+    time.sleep(1)
+control = ControlPoint(run_id, actor=actor)
+control.keep()
+print(json.dumps({"placed": placed}), flush=True)
+unanswered, stopped, deadline = 0, None, time.monotonic() + 90
+while time.monotonic() < deadline:
+    try:
+        control.confirm()
+    except RunTakenOver as exc:
+        stopped = str(exc)
+        break
+    try:
+        ray.get(actor.driver_job.remote(), timeout=1)
+        if unanswered:
+            break
+    except ray.exceptions.RayError:
+        unanswered += 1
+    time.sleep(0.2)
+print(json.dumps({"stopped": stopped, "unanswered": unanswered, "answered_again": time.monotonic() < deadline}))
+control.end_the_run()
+"""

@@ -12,10 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import LocalCluster, Node, cluster_spec_file
-from multinode_clients import HOLD_NODE_CLIENT
+from multinode_clients import END_RUNS_CLIENT, HOLD_NODE_CLIENT
 
 
 def client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
@@ -102,8 +103,11 @@ def train_command(spec: Path, *args: str, node: Node | None = None) -> list[str]
     return [sys.executable, "-c", _DRIVER_ON_NODE, node.temp_dir, *train]
 
 
+_started: list[subprocess.Popen] = []  # every driver's command started here (`end_leftover_runs`)
+
+
 def _towerflow(cluster: LocalCluster, args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
+    command = subprocess.Popen(
         args,
         cwd=REPO,
         env={**cluster.env(), "TF_CPP_MIN_LOG_LEVEL": "2"},
@@ -112,6 +116,24 @@ def _towerflow(cluster: LocalCluster, args: list[str]) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
+    _started.append(command)
+    return command
+
+
+def end_leftover_runs(cluster: LocalCluster) -> list[str]:
+    """After a failed test on its module's cluster: kill the drivers still running and end the runs
+    left on the cluster, which would otherwise keep their shards and workers (and the cores they
+    hold) for `driver_grace_s`, failing the module's next test for want of room. What it ended."""
+    left = [command for command in _started if command.poll() is None]
+    for command in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(command.pid)
+            for each in [process, *process.children(recursive=True)]:  # a driver it runs: a child
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    each.kill()
+        command.wait()
+    _started.clear()
+    return [f"driver pid {command.pid}" for command in left] + client_report(cluster, END_RUNS_CLIENT)
 
 
 def wait_for_step(

@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import multinode_cluster_fixture  # noqa: F401
-from multinode_clients import DRAIN_WATCH_CLIENT
+from multinode_clients import CONTROL_POINT_CLIENT, DRAIN_WATCH_CLIENT
 from multinode_drivers import (
     alive_actors,
     finish,
@@ -81,6 +81,31 @@ def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss
     faults = [v for k, v in sorted(run.data.tags.items()) if k.startswith("towerflow.fault.")]
     back_to = [re.search(r"rolled back to step (\d+) \(a memory checkpoint\)", v) for v in faults]
     assert any(m and int(m.group(1)) >= noticed_at for m in back_to), faults
+
+
+def test_a_driver_goes_on_while_ray_starts_its_control_point_again_off_a_preempted_node(multinode_cluster):
+    """Its run's control point is on the driver's node, unless Ray placed it elsewhere (a soft
+    affinity). On a node drained (a preempted instance) and then lost, Ray answers the driver's
+    calls with ActorDiedError while it starts the control point again on another node; the
+    driver must not take that as the run's end and leave a healthy run (as it did once here)."""
+    cluster = multinode_cluster
+    node = cluster.add_node(num_cpus=0)
+    client = subprocess.Popen(
+        [sys.executable, "-c", CONTROL_POINT_CLIENT, node.node_id],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert json.loads(client.stdout.readline()) == {"placed": node.node_id}
+        cluster.drain_node(node, deadline_s=30)
+        cluster.kill_node(node)
+        # Past the lines Ray prints to a driver of a node's death
+        heard = json.loads(next(line for line in client.stdout if line.startswith("{")))
+    finally:
+        client.kill()
+    assert heard == {"stopped": None, "unanswered": heard["unanswered"], "answered_again": True}, heard
+    assert heard["unanswered"] > 0, heard
 
 
 def test_a_node_that_leaves_as_a_pod_does_drains_first_and_the_watch_sees_its_shard(multinode_cluster):

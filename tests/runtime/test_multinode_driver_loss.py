@@ -282,11 +282,13 @@ def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_wit
     assert len(faults) == 2, faults
     head, worker = faults
     assert "the cluster's head (its GCS) did not answer for" in head and "training went on" in head
-    assert re.match(r"worker \d lost at step \d+: .*: replaced$", worker), worker
-    # Steps were trained and logged while the head was gone (its first and last seconds aside).
-    during = {
-        m.value
-        for m in client.get_metric_history(run_id, "global_step")
-        if lost_at + 1 < m.timestamp / 1000 < back_at - 1
-    }
-    assert len(during) >= 2 and max(during) - min(during) >= 20, (sorted(during), lost_at, back_at)
+    lost_step = re.match(r"worker \d lost at step (\d+): .*: replaced$", worker)
+    assert lost_step, worker
+    # The other worker trained on without the lost one, and the driver logged its steps, while the
+    # head was gone (its first and last seconds aside), as far as its data went: where the run's
+    # reading process was on the lost node (as in every try here), the next one starts only once
+    # the head is back (docs/reliability.md, "A worker's node lost with the head").
+    history = sorted((m.timestamp / 1000, m.value) for m in client.get_metric_history(run_id, "global_step"))
+    during = {step for at, step in history if lost_at + 1 < at < back_at - 1}
+    around = [(round(at - lost_at, 2), step) for at, step in history if lost_at - 3 < at < back_at + 15]
+    assert during and max(during) >= int(lost_step.group(1)) + 10, (around, back_at - lost_at, worker)

@@ -192,6 +192,19 @@ def test_a_driver_whose_lease_may_have_lapsed_asks_before_it_acts(ray_cluster):
         control.close()
 
 
+def test_a_driver_whose_control_point_ended_for_good_stops_and_says_why_ray_says_it_ended(ray_cluster):
+    control = ControlPoint(uuid.uuid4().hex, grace_s=60.0)
+    try:
+        control.keep()
+        control.let_go()  # no renewal from here on, as while its process is stopped
+        ray.kill(control.actor)  # no restart: as the run's end kills it
+        time.sleep(ASK_AFTER_S + 0.5)
+        with pytest.raises(RunTakenOver, match=r"control point has ended \(.*; Ray says: .*ray\.kill"):
+            control.confirm()
+    finally:
+        control.close()
+
+
 def _a_lost_drivers_run(run_id: str) -> Any:
     keeper = _keeper(run_id, 60.0)
     ray.get(keeper.keep.remote("the lost driver's job"))

@@ -258,13 +258,15 @@ class ControlPoint:
             self._asked_at = now
             try:
                 self._heard(ray.get(self.actor.renew.remote(self._job), timeout=ASK_WAIT_S))
-            except ray.exceptions.ActorDiedError as exc:  # ended, not restarting
-                raise RunTakenOver(
-                    f"run {self._run_id}'s control point has ended (its shards were ended after "
-                    "training.failure.driver_grace_s without this driver, or another driver ended the "
-                    "run): this driver stops and leaves the run"
-                ) from exc
-            except ray.exceptions.RayError:  # restarting, or slow: the next turn asks again
+            except ray.exceptions.RayError as exc:
+                if ended_for_good(exc):
+                    why = _cause(exc)
+                    raise RunTakenOver(
+                        f"run {self._run_id}'s control point has ended (its shards were ended after "
+                        "training.failure.driver_grace_s without this driver, or another driver ended "
+                        f"the run; Ray says: {why}): this driver stops and leaves the run"
+                    ) from exc
+                # restarting, or slow: the next turn asks again
                 log.debug("run %s's control point did not answer within %.0f s", self._run_id, ASK_WAIT_S)
         if self.taken_by is not None:
             raise RunTakenOver(
@@ -331,6 +333,21 @@ class ControlPoint:
                     self._heard(ray.get(actor.renew.remote(self._job), timeout=LEASE_FRESH_S))
 
         threading.Thread(target=renew, name="towerflow-lease", daemon=True).start()
+
+
+def ended_for_good(exc: Exception) -> bool:
+    """Whether a call's error says the control point is dead and not restarting. Ray answers
+    ActorDiedError also while it restarts one whose node was drained (a preempted instance) and
+    then lost; that error says `preempted` (measured, Ray 2.60: two calls so refused in the 3 s
+    before the control point answered again on another node)."""
+    return isinstance(exc, ray.exceptions.ActorDiedError) and not exc.preempted
+
+
+def _cause(exc: Exception) -> str:
+    """Ray's cause in its ActorDiedError (killed, its node died, ...): the last of its lines that
+    is not one of its tab-indented fields (class name, actor id, pid, ...)."""
+    lines = [line for line in str(exc).splitlines() if line.strip() and not line.startswith("\t")]
+    return lines[-1].strip() if lines else type(exc).__name__
 
 
 def find_control(run_id: str) -> Any:
