@@ -259,13 +259,15 @@ print(json.dumps(ended))
 """
 
 
-# A kept run's control point on the node argv[1] (a soft affinity, as a driver's own), and its
-# driver's side asking it at every `confirm` (as one whose lease has lapsed). Prints where it was
-# placed, then asks until it has not answered and answered again (Ray started it again elsewhere),
-# 90 s at most, and prints what the asking heard: whether `confirm` stopped the driver, and why.
+# A kept run's control point on the node argv[1] (a soft affinity, as a driver's own). Prints where
+# it was placed; once told on stdin that the node is lost, asks it as its driver does at every
+# `confirm` (as one whose lease has lapsed) until it has not answered and answered again (Ray
+# started it again elsewhere), 90 s at most, and meanwhile as a resume does (`_first_answer`).
+# Prints what they heard: whether `confirm` stopped the driver, and why; the resume's answer.
 CONTROL_POINT_CLIENT = """
 import json
 import sys
+import threading
 import time
 import uuid
 
@@ -273,7 +275,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from towerflow.errors import RunTakenOver
-from towerflow.runtime import run_control
+from towerflow.runtime import run_control, run_keeper
 from towerflow.runtime.run_control import NAMESPACE, ControlPoint, RunControl, control_name
 
 ray.init(logging_level="ERROR", log_to_driver=False)
@@ -292,6 +294,19 @@ for _ in range(30):  # a soft affinity to a node that has just joined may be pas
 control = ControlPoint(run_id, actor=actor)
 control.keep()
 print(json.dumps({"placed": placed}), flush=True)
+sys.stdin.readline()  # the node is lost
+resumed = {}
+
+
+def resume():
+    try:
+        resumed["driver_job"] = run_keeper._first_answer(run_id, actor)
+    except Exception as exc:
+        resumed["error"] = f"{type(exc).__name__}: {exc}"
+
+
+asking = threading.Thread(target=resume)
+asking.start()
 unanswered, stopped, deadline = 0, None, time.monotonic() + 90
 while time.monotonic() < deadline:
     try:
@@ -306,6 +321,10 @@ while time.monotonic() < deadline:
     except ray.exceptions.RayError:
         unanswered += 1
     time.sleep(0.2)
-print(json.dumps({"stopped": stopped, "unanswered": unanswered, "answered_again": time.monotonic() < deadline}))
+answered_again = time.monotonic() < deadline
+asking.join()
+job = ray.get_runtime_context().get_job_id()
+print(json.dumps({"stopped": stopped, "unanswered": unanswered, "answered_again": answered_again,
+                  "resume_heard": resumed, "job": job}))
 control.end_the_run()
 """

@@ -72,13 +72,19 @@ def test_nothing_is_answered_before_the_first_answer_and_a_failing_look_keeps_th
 
 
 class _Silence:
-    """A BackgroundAnswer's silence, set by the test."""
+    """A BackgroundAnswer's silence, set by the test: `seconds` the current one, `ended` the
+    longest that an answer ended since the watch last looked."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.ended = 0.0
 
     def silent_s(self) -> float:
         return self.seconds
+
+    def take_longest_silence(self) -> float:
+        ended, self.ended = self.ended, 0.0
+        return ended
 
 
 def test_the_head_watch_tells_once_when_the_head_falls_silent_and_once_when_it_answers_again():
@@ -103,3 +109,37 @@ def test_the_head_watch_tells_once_when_the_head_falls_silent_and_once_when_it_a
     assert back is not None and back.over and back.from_step == 100 and back.seconds == 14.5
     assert "did not answer for 14 s, from step 100" in back.describe()
     assert watch.state is HeadState.ANSWERING and watch.look(step=651) is None
+
+
+def test_a_silence_that_began_and_ended_between_two_looks_is_told_once_as_over():
+    """The driver's loop held up in a call through the head's whole absence (its turn longer
+    than the silence): the answers' own record still tells it."""
+    silence = _Silence()
+    watch = HeadWatch(silence, silent_after_s=5.0)
+    silence.seconds = 0.4
+    assert watch.look(step=100) is None
+    silence.seconds, silence.ended = 0.2, 8.5  # the head went and came back since the last look
+    missed = watch.look(step=180)
+    assert missed is not None and missed.over and missed.from_step == 100 and missed.seconds == 8.5
+    assert watch.state is HeadState.ANSWERING and watch.look(step=181) is None  # told once
+    silence.ended = 1.0  # an answer a second after the one before: no silence
+    assert watch.look(step=182) is None
+
+
+def test_the_answers_record_the_longest_silence_an_answer_ended():
+    answering = threading.Event()
+    answering.set()
+    answers = BackgroundAnswer(lambda: answering.wait() and 1, every_s=0.01, name="test-answers")
+    try:
+        _wait_for(lambda: answers() is not None)
+        answers.take_longest_silence()
+        answering.clear()  # the head goes
+        time.sleep(0.3)
+        assert answers.take_longest_silence() < 0.1  # not ended yet
+        answering.set()  # and comes back
+        _wait_for(lambda: answers.silent_s() < 0.05)
+        assert 0.3 <= answers.take_longest_silence() < 1.0
+        assert answers.take_longest_silence() < 0.1  # taken
+    finally:
+        answers.close()
+        answering.set()

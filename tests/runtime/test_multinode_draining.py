@@ -83,16 +83,18 @@ def test_a_draining_node_with_a_shard_hurries_the_memory_checkpoints_so_its_loss
     assert any(m and int(m.group(1)) >= noticed_at for m in back_to), faults
 
 
-def test_a_driver_goes_on_while_ray_starts_its_control_point_again_off_a_preempted_node(multinode_cluster):
-    """Its run's control point is on the driver's node, unless Ray placed it elsewhere (a soft
-    affinity). On a node drained (a preempted instance) and then lost, Ray answers the driver's
-    calls with ActorDiedError while it starts the control point again on another node; the
-    driver must not take that as the run's end and leave a healthy run (as it did once here)."""
+def test_a_control_point_that_ray_starts_again_off_a_preempted_node_is_waited_for(multinode_cluster):
+    """On a node drained (a preempted instance) and then lost, Ray answers calls to a run's
+    control point with ActorDiedError while it starts it again on another node. Its driver (the
+    control point was placed off the driver's node: a soft affinity) must not take that for the
+    run's end and leave a healthy run, as it did once here; nor a resume (the control point lost
+    with a preempted driver's node) for its absence, and go back to the stored checkpoint."""
     cluster = multinode_cluster
     node = cluster.add_node(num_cpus=0)
     client = subprocess.Popen(
         [sys.executable, "-c", CONTROL_POINT_CLIENT, node.node_id],
         env=cluster.env(),
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -100,12 +102,14 @@ def test_a_driver_goes_on_while_ray_starts_its_control_point_again_off_a_preempt
         assert json.loads(client.stdout.readline()) == {"placed": node.node_id}
         cluster.drain_node(node, deadline_s=30)
         cluster.kill_node(node)
+        client.stdin.write("lost\n")
+        client.stdin.flush()
         # Past the lines Ray prints to a driver of a node's death
         heard = json.loads(next(line for line in client.stdout if line.startswith("{")))
     finally:
         client.kill()
-    assert heard == {"stopped": None, "unanswered": heard["unanswered"], "answered_again": True}, heard
-    assert heard["unanswered"] > 0, heard
+    assert heard["stopped"] is None and heard["answered_again"] and heard["unanswered"] > 0, heard
+    assert heard["resume_heard"] == {"driver_job": heard["job"]}, heard
 
 
 def test_a_node_that_leaves_as_a_pod_does_drains_first_and_the_watch_sees_its_shard(multinode_cluster):

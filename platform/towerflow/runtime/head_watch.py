@@ -40,6 +40,7 @@ class BackgroundAnswer(Generic[T]):
         self._latest: T | None = None
         self._answered_at = clock()  # the first read's time until the first answer (silent_s)
         self._last_answer_at: float | None = None
+        self._longest_ended_s = 0.0  # the longest silence an answer ended, since it was last taken
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -54,6 +55,14 @@ class BackgroundAnswer(Generic[T]):
         self._start()
         with self._lock:
             return self._clock() - self._answered_at
+
+    def take_longest_silence(self) -> float:
+        """The longest silence (seconds between two answers, or from the first read to the first
+        answer) that an answer ended since the last call; 0 where none did."""
+        self._start()
+        with self._lock:
+            longest, self._longest_ended_s = self._longest_ended_s, 0.0
+            return longest
 
     def answered_after(self, moment: float) -> bool:
         """Whether an answer came after `moment` (this clock's): the GCS was there since."""
@@ -80,8 +89,10 @@ class BackgroundAnswer(Generic[T]):
                 log.debug("%s: no answer: %s", self._name, exc)
             else:
                 with self._lock:
+                    now = self._clock()
+                    self._longest_ended_s = max(self._longest_ended_s, now - self._answered_at)
                     self._latest = answer
-                    self._answered_at = self._last_answer_at = self._clock()
+                    self._answered_at = self._last_answer_at = now
             self._closed.wait(self._every_s)
 
 
@@ -112,7 +123,9 @@ class HeadSilence:
 
 
 class HeadWatch:
-    """Tells once when `answers` fall silent for `silent_after_s`, and once when they come back."""
+    """Tells once when `answers` fall silent for `silent_after_s`, and once when they come back;
+    a silence that began and ended between two looks (a loop held up meanwhile) is told once,
+    as over, from the answers' own record."""
 
     def __init__(self, answers: BackgroundAnswer, silent_after_s: float = SILENT_AFTER_S) -> None:
         self._answers = answers
@@ -123,7 +136,10 @@ class HeadWatch:
 
     def look(self, step: int) -> HeadSilence | None:
         silent_s = self._answers.silent_s()
+        ended_s = self._answers.take_longest_silence()
         if self.state is HeadState.ANSWERING:
+            if ended_s >= self._silent_after_s:  # not seen while it lasted
+                return HeadSilence(self._from_step, ended_s, over=True)
             if silent_s < FRESH_S:
                 self._from_step = step  # the last step seen while it answered
             if silent_s < self._silent_after_s:
@@ -134,5 +150,6 @@ class HeadWatch:
             self._longest_s = max(self._longest_s, silent_s)
             return None
         self.state = HeadState.ANSWERING
-        # The silence lasted until the answer that ended it: the longest seen, within a look's period.
-        return HeadSilence(self._from_step, self._longest_s, over=True)
+        # The silence lasted until the answer that ended it (the longest seen is within a look's
+        # period of it).
+        return HeadSilence(self._from_step, max(self._longest_s, ended_s), over=True)

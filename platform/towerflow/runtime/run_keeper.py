@@ -25,7 +25,7 @@ import ray
 from towerflow.errors import ClusterError
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.fencing import fence_taken_actors
-from towerflow.runtime.run_control import LEASE_FRESH_S, find_control
+from towerflow.runtime.run_control import LEASE_FRESH_S, ended_for_good, find_control
 
 log = logging.getLogger(__name__)
 # How long a lost driver's workers get to end their runs (a step, where their data has not ended
@@ -271,13 +271,14 @@ def _wait_for_the_driver_to_go(run_id: str, control: Any) -> str | None:
 
 def _first_answer(run_id: str, control: Any) -> str | None:
     """The driver's job, as the run's control point says once it answers: one that Ray is
-    starting again (its node lost) answers once it has been (CONTROL_RESTART_S at most)."""
+    starting again (its node lost, or drained and lost) answers once it has been
+    (CONTROL_RESTART_S at most)."""
     started = said = time.monotonic()
     while True:
         try:
             return ray.get(control.driver_job.remote(), timeout=10)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-            if time.monotonic() - started > CONTROL_RESTART_S:
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+            if ended_for_good(exc) or time.monotonic() - started > CONTROL_RESTART_S:
                 raise
             time.sleep(1)  # unavailable says so at once
             if time.monotonic() - said >= 10:
