@@ -17,6 +17,7 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import LocalCluster, Node, cluster_spec_file
 from multinode_clients import END_RUNS_CLIENT, HOLD_NODE_CLIENT
+from tracking_server import process_tree
 
 
 def client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
@@ -126,11 +127,9 @@ def end_leftover_runs(cluster: LocalCluster) -> list[str]:
     hold) for `driver_grace_s`, failing the module's next test for want of room. What it ended."""
     left = [command for command in _started if command.poll() is None]
     for command in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process = psutil.Process(command.pid)
-            for each in [process, *process.children(recursive=True)]:  # a driver it runs: a child
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    each.kill()
+        for process in process_tree(command.pid):  # with a driver it runs: a child
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         command.wait()
     _started.clear()
     return [f"driver pid {command.pid}" for command in left] + client_report(cluster, END_RUNS_CLIENT)
