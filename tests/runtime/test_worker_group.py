@@ -212,8 +212,9 @@ def test_the_drivers_own_pause_is_not_taken_for_its_workers_silence(ray_cluster,
     group = WorkerGroup(lambda _id: worker.remote(slow_s=4.0), timeout_s=2)
     group.start([0])
     group.run(0)
-    group.poll(0.1)  # its first drain: answered, so silence counts from now on
-    assert group.slots[0].answered
+    deadline = time.monotonic() + 30
+    while not group.slots[0].answered:  # its first drain (the actor's start may take seconds)
+        assert not group.poll(0.1).losses and time.monotonic() < deadline
     group.poll(0.1, answer_s=0.1)  # its second: unanswered for 4 s
     time.sleep(2.5)  # the driver paused (a SIGSTOP, a starved process) past the 2 s timeout
     deadline = time.monotonic() + 10

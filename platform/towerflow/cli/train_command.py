@@ -114,9 +114,12 @@ class _RunIdHook(Hook):
     def begin(self, session: SessionInfo) -> None:
         self.tags = dict(session.tags)
         self.run_id = session.tags.get("run_id")
-        if self.run_id:  # for `towerflow scale`, and for `towerflow submit` to find in the job's log
+        if self.run_id:
+            # Noted before it is printed: a driver killed once the line is out (by a user or a
+            # test that waits for it) is started again on this run, not a new one.
+            note_run_id(self.run_id)
+            # for `towerflow scale`, and for `towerflow submit` to find in the job's log
             print(f"towerflow: MLflow run {self.run_id}", flush=True)
-            note_run_id(self.run_id)  # a driver started again resumes it
 
 
 def _compare(args: argparse.Namespace) -> int:
