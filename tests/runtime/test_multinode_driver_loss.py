@@ -214,8 +214,8 @@ def test_a_driver_paused_past_its_lease_wakes_to_find_its_run_taken_over_and_lea
     """Not every driver that stops answering is lost: a stopped process (SIGSTOP here; a long stall,
     a node cut off from the cluster for a while) wakes again. A new driver takes the run over once
     the lease has lapsed; the old one, woken, stops before it acts on the run again: it ends neither
-    the run's actors nor its MLflow run, and the new driver finishes the run with the same
-    processes. Sync, one shard."""
+    the run's actors nor its MLflow run, and the new driver trains on with the same processes
+    (then stops the run). Sync, one shard."""
     cluster = gcs_ft_cluster
     name = "driver-paused"
     # Stopped once the old driver has left and the new one has trained on (the workers stop soon
