@@ -19,6 +19,7 @@ from support import blob_spec
 
 from towerflow.errors import TrainingError
 from towerflow.launch import train
+from towerflow.runtime import driver as driver_module
 from towerflow.runtime.driver import LAST_STEP_TAKEN
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook
@@ -135,12 +136,14 @@ def test_a_hung_worker_is_killed_and_replaced(ray_cluster, blob_data, tmp_path):
 
 @pytest.mark.parametrize("timeout_s", [300, 12])
 def test_a_worker_hung_when_the_last_step_is_taken_is_let_go_not_waited_for(
-    ray_cluster, blob_data, tmp_path, timeout_s
+    ray_cluster, blob_data, tmp_path, timeout_s, monkeypatch
 ):
     """Async: worker 0 takes the run to max_steps while worker 1 is paused. The run's end does not
-    wait out a long timeout (300 s here, 600 by default): worker 1 is let go once silent for 15 s;
-    found hung by a shorter one (12 s: worker 0's 30 steps alone take 3-10 s), it is not replaced,
-    there being no step left."""
+    wait out a long timeout (300 s here, 600 by default): worker 1 is let go once silent for
+    `SILENT_AT_THE_END_S` (15 s; 5 here, the driver being this process); found hung by a shorter
+    one (12 s: worker 0's 30 steps alone take 3-10 s), it is not replaced, there being no step left."""
+    if timeout_s == 300:
+        monkeypatch.setattr(driver_module, "SILENT_AT_THE_END_S", 5.0)
     spec = _spec(blob_data, mode="async", max_steps=40, epochs=None, failure={"worker_timeout_s": timeout_s})
     hook = FaultAt(step=10, sig=signal.SIGSTOP)
     slow = FaultInjector(step_delay_s={0: 0.05, 1: 0.05})
