@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -201,6 +203,13 @@ def placement_groups(cluster: LocalCluster, job: str) -> list[dict]:
 def finish(driver: subprocess.Popen, timeout: float = 300) -> str:
     out, _ = driver.communicate(timeout=timeout)
     assert driver.returncode == 0, out
+    return out
+
+
+def stop(driver: subprocess.Popen, timeout: float = 120) -> str:
+    """Stop the run as `ray job stop` does (SIGTERM to the command's process group); its output."""
+    os.killpg(driver.pid, signal.SIGTERM)
+    out, _ = driver.communicate(timeout=timeout)
     return out
 
 

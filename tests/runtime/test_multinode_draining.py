@@ -12,9 +12,7 @@ calls `ray.init` (another module's in-process Ray may be running).
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +27,7 @@ from multinode_drivers import (
     finish,
     spec_file,
     start_driver,
+    stop,
     wait_for_fault,
     wait_for_metric,
     wait_for_step,
@@ -184,8 +183,7 @@ def test_an_elastic_run_grows_onto_a_new_node_swaps_a_draining_ones_worker_ahead
     wait_for_metric(uri, run_id, "workers", 1.0, driver)
     step = client.get_run(run_id).data.metrics["global_step"]
     wait_for_step(uri, "elastic", step + 10, driver)  # and it trains on
-    os.killpg(driver.pid, signal.SIGTERM)
-    out, _ = driver.communicate(timeout=120)
+    out = stop(driver)
     run = client.get_run(run_id)
     assert run.info.status == "KILLED", out[-3000:]
     assert run.data.metrics["workers_lost"] == 1, out[-3000:]

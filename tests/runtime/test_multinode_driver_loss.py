@@ -38,6 +38,7 @@ from multinode_drivers import (
     spec_file,
     start_driver,
     start_driver_on,
+    stop,
     wait_for_step,
 )
 
@@ -246,11 +247,13 @@ def test_a_driver_paused_past_its_lease_wakes_to_find_its_run_taken_over_and_lea
     assert first.returncode != 0, woken[-3000:]
     assert f"run {run_id} was taken over by another driver" in woken, woken[-3000:]
     left_at = client.get_run(run_id).data.metrics["global_step"]
-    trained_on = lambda: client.get_run(run_id).data.metrics["global_step"] >= left_at + 20  # noqa: E731
+
+    def trained_on() -> bool:
+        return client.get_run(run_id).data.metrics["global_step"] >= left_at + 20
+
     _the_same_processes_train_on(cluster, actors, second, until=trained_on)
     assert second.poll() is None, second.communicate()[0][-3000:]
-    os.killpg(second.pid, signal.SIGTERM)
-    out, _ = second.communicate(timeout=120)
+    out = stop(second)
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and "saved a checkpoint of step" in out, out[-3000:]
     assert run.data.tags["towerflow.error"] == "SIGTERM"  # the stop's; the old driver left none
@@ -296,8 +299,7 @@ def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_wit
     # processes; one new process, the lost worker's replacement.
     assert any(survivors.items() <= alive.items() for alive in seen), (seen, kept_actor_states(cluster))
     assert len(set().union(*seen) - actors.keys()) == 1, seen
-    os.killpg(driver.pid, signal.SIGTERM)  # the run's end, as `ray job stop` makes it
-    out, _ = driver.communicate(timeout=120)
+    out = stop(driver)
     assert "saved a checkpoint of step" in out, out[-3000:]
     assert kept_actors(cluster) == {}
     run = client.get_run(run_id)
