@@ -6,6 +6,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: the waiting modules of tests/conftest.py's SIDE_LANE beside the rest
+# (docs/testing.md); `make test LANES=` runs everything in one process.
+LANES ?= -n 2 --dist loadgroup
 
 .PHONY: example test bench install lint clean
 
@@ -27,7 +30,7 @@ example: $(STAMP) data/mnist/manifest.json
 # pytest exits 5 when it collected no tests: say so and fail, so an empty run is never mistaken for a pass;
 # every other code is passed through unchanged.
 test: $(STAMP)
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest $(LANES) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; \
 	exit $$rc
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +28,11 @@ from towerflow.runtime.cluster import keep_embedded_ray_local  # noqa: E402
 
 keep_embedded_ray_local()  # the session's Ray listens on 127.0.0.1 only, as the CLI's does
 
-import tensorflow as tf  # noqa: E402
+from towerflow.tf_import import import_tensorflow  # noqa: E402
 
+# As towerflow's processes import it: quiet (under pytest-xdist a worker's early C++ log lines would
+# reach the terminal), and off the GPUs, which the tests' in-process towers do not use.
+tf = import_tensorflow(gpus=False)
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 tf.config.threading.set_intra_op_parallelism_threads(2)
@@ -68,13 +72,44 @@ def _module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Modules that never touch the session's Ray and spend most of their time waiting (Ray's fixed 30 s
+# wait for a raylet, a tracking server away, a second Ray in a subprocess): `make test` runs them in
+# a second pytest-xdist worker beside the rest (`-n 2 --dist loadgroup`), on the cores the main
+# lane leaves idle (docs/testing.md). A module here must not ask for `ray_cluster`: that worker
+# would start a second session Ray on the first one's ports.
+SIDE_LANE = frozenset(
+    {
+        "tests/local_cluster/test_head.py",
+        "tests/local_cluster/test_cluster_cli.py",
+        "tests/local_cluster/test_tracking_server.py",
+        "tests/local_cluster/test_postgres.py",
+        "tests/runtime/test_cluster.py",
+        "tests/runtime/test_worker_cpus.py",
+        "tests/tracking/test_shipper.py",
+        "tests/test_tf_import.py",
+        "tests/test_readme.py",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # the lanes' marks before pytest-xdist reads them
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that start a Ray cluster of their own run last (in their order), after every
     test on the session's embedded Ray, which is then shut down (below): idle, it still takes a
     tenth of the 2-core machine (docs/testing.md), which these modules' three-node clusters need.
-    So no test of such a module may ask for `ray_cluster`: it reaches its cluster from subprocesses."""
+    So no test of such a module may ask for `ray_cluster`: it reaches its cluster from subprocesses.
+    Under `--dist loadgroup` each test joins its lane: the side lane's modules, or the main one."""
     own = {_module_of(item.nodeid) for item in items if _starts_own_cluster(item)}
     items.sort(key=lambda item: _module_of(item.nodeid) in own)  # stable: the order is kept otherwise
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        side = _module_of(item.nodeid) in SIDE_LANE
+        if side and ("ray_cluster" in item.fixturenames or _starts_own_cluster(item)):
+            raise pytest.UsageError(
+                f"{item.nodeid} asks for a Ray of the suite's, so it cannot run in SIDE_LANE"
+            )
+        item.add_marker(pytest.mark.xdist_group("side" if side else "main"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -122,20 +157,28 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 SUITE_LIMIT_S = 35 * 60  # the whole suite, on the 2-core CI machine
+_started = time.monotonic()  # replaced as the session starts
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _started
+    _started = time.monotonic()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The slowest modules: where the suite's minutes go; and, where the tests' time comes near
-    the suite's limit (35 minutes on 2 cores), a line that says so."""
+    """The slowest modules: where the suite's minutes go; and, where the session's time comes near
+    the suite's limit (35 minutes on 2 cores), a line that says so. With lanes, the modules' time
+    adds up to more than the session's."""
     if not _module_seconds:
         return
     terminalreporter.section("slowest modules")
     for module, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:12]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
-    total = sum(_module_seconds.values())
-    if total > 0.9 * SUITE_LIMIT_S:
+    took_s = time.monotonic() - _started
+    if took_s > 0.9 * SUITE_LIMIT_S:
         terminalreporter.write_line(
-            f"the tests took {total / 60:.1f} of the suite's {SUITE_LIMIT_S // 60} minutes: make room "
-            "before adding a slow test (docs/testing.md)",
+            f"the session took {took_s / 60:.1f} of the suite's {SUITE_LIMIT_S // 60} minutes (its "
+            f"tests {sum(_module_seconds.values()) / 60:.1f}): make room before adding a slow test "
+            "(docs/testing.md)",
             yellow=True,
         )
