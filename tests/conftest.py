@@ -72,44 +72,45 @@ def _module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-# Modules that never touch the session's Ray and spend most of their time waiting (Ray's fixed 30 s
-# wait for a raylet, a tracking server away, a second Ray in a subprocess): `make test` runs them in
-# a second pytest-xdist worker beside the rest (`-n 2 --dist loadgroup`), on the cores the main
-# lane leaves idle (docs/testing.md). A module here must not ask for `ray_cluster`: that worker
-# would start a second session Ray on the first one's ports.
-SIDE_LANE = frozenset(
-    {
-        "tests/local_cluster/test_head.py",
-        "tests/local_cluster/test_cluster_cli.py",
-        "tests/local_cluster/test_tracking_server.py",
-        "tests/local_cluster/test_postgres.py",
-        "tests/runtime/test_cluster.py",
-        "tests/runtime/test_worker_cpus.py",
-        "tests/tracking/test_shipper.py",
-        "tests/test_tf_import.py",
-        "tests/test_readme.py",
-    }
+PHASES = ("all", "embedded", "own-cluster")
+# The embedded modules that take minutes (docs/testing.md), longest first.
+LONGEST_FIRST = (
+    "tests/runtime/test_faults.py",
+    "tests/supervision/test_supervision.py",
+    "tests/cli/test_cli.py",
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # the lanes' marks before pytest-xdist reads them
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--phase",
+        choices=PHASES,
+        default="all",
+        help="run only the tests on the session's embedded Ray (`embedded`: `make test` runs them in "
+        "two pytest-xdist workers) or only the modules that start a Ray cluster of their own "
+        "(`own-cluster`: then, alone); default: all, in one process",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that start a Ray cluster of their own run last (in their order), after every
     test on the session's embedded Ray, which is then shut down (below): idle, it still takes a
     tenth of the 2-core machine (docs/testing.md), which these modules' three-node clusters need.
     So no test of such a module may ask for `ray_cluster`: it reaches its cluster from subprocesses.
-    Under `--dist loadgroup` each test joins its lane: the side lane's modules, or the main one."""
+    `--phase` keeps one side of that line (`make test` runs the two one after the other)."""
     own = {_module_of(item.nodeid) for item in items if _starts_own_cluster(item)}
-    items.sort(key=lambda item: _module_of(item.nodeid) in own)  # stable: the order is kept otherwise
-    if config.getoption("dist", "no") != "loadgroup":
+    # stable: the order is kept otherwise, but for the longest embedded modules, which go first, so
+    # that two workers (`--dist loadfile --no-loadscope-reorder`) end about together
+    first = {module: rank for rank, module in enumerate(LONGEST_FIRST)}
+    items.sort(
+        key=lambda item: (_module_of(item.nodeid) in own, first.get(_module_of(item.nodeid), len(first)))
+    )
+    phase = config.getoption("phase")
+    if phase == "all":
         return
-    for item in items:
-        side = _module_of(item.nodeid) in SIDE_LANE
-        if side and ("ray_cluster" in item.fixturenames or _starts_own_cluster(item)):
-            raise pytest.UsageError(
-                f"{item.nodeid} asks for a Ray of the suite's, so it cannot run in SIDE_LANE"
-            )
-        item.add_marker(pytest.mark.xdist_group("side" if side else "main"))
+    kept = [item for item in items if (_module_of(item.nodeid) in own) == (phase == "own-cluster")]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -157,28 +158,30 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 SUITE_LIMIT_S = 35 * 60  # the whole suite, on the 2-core CI machine
-_started = time.monotonic()  # replaced as the session starts
+# When the suite started (seconds since the epoch): `make test` sets it for both its phases.
+SUITE_STARTED_ENV = "TOWERFLOW_SUITE_STARTED"
+_started = time.time()  # replaced as the session starts
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _started
-    _started = time.monotonic()
+    _started = float(os.environ.get(SUITE_STARTED_ENV) or time.time())
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The slowest modules: where the suite's minutes go; and, where the session's time comes near
-    the suite's limit (35 minutes on 2 cores), a line that says so. With lanes, the modules' time
-    adds up to more than the session's."""
+    """The slowest modules: where the suite's minutes go; and, where the suite's time so far comes
+    near its limit (35 minutes on 2 cores), a line that says so. The modules' time adds up to more
+    than the suite's where two workers run them side by side."""
     if not _module_seconds:
         return
     terminalreporter.section("slowest modules")
     for module, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1])[:12]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
-    took_s = time.monotonic() - _started
+    took_s = time.time() - _started
     if took_s > 0.9 * SUITE_LIMIT_S:
         terminalreporter.write_line(
-            f"the session took {took_s / 60:.1f} of the suite's {SUITE_LIMIT_S // 60} minutes (its "
-            f"tests {sum(_module_seconds.values()) / 60:.1f}): make room before adding a slow test "
+            f"the suite took {took_s / 60:.1f} of its {SUITE_LIMIT_S // 60} minutes (its tests "
+            f"{sum(_module_seconds.values()) / 60:.1f}): make room before adding a slow test "
             "(docs/testing.md)",
             yellow=True,
         )
