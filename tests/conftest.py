@@ -180,8 +180,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
     took_s = time.time() - _started
     if took_s > 0.9 * SUITE_LIMIT_S:
         terminalreporter.write_line(
-            f"the suite took {took_s / 60:.1f} of its {SUITE_LIMIT_S // 60} minutes (its tests "
-            f"{sum(_module_seconds.values()) / 60:.1f}): make room before adding a slow test "
+            f"the suite took {took_s / 60:.1f} of its {SUITE_LIMIT_S // 60} minutes (this session's "
+            f"tests {sum(_module_seconds.values()) / 60:.1f}): make room before adding a slow test "
             "(docs/testing.md)",
             yellow=True,
         )

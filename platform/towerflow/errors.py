@@ -27,7 +27,12 @@ class RunTakenOver(ClusterError):
 
 class FencedOut(RunTakenOver):
     """A call of this driver's refused by an actor of its run, which a newer driver has fenced
-    (runtime/fencing.py); the driver stops with a RunTakenOver that names the run."""
+    (runtime/fencing.py); the driver stops with a RunTakenOver that names the run. `term`: the
+    newer driver's, where the refusing actor told it."""
+
+    def __init__(self, message: str, term: int | None = None) -> None:
+        super().__init__(message)
+        self.term = term  # kept through pickling (in the instance's __dict__), as Ray ships it
 
 
 class TrainingError(TowerflowError):

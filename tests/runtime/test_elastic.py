@@ -68,8 +68,12 @@ def test_scale_shrinks_then_grows_a_running_sync_run_without_restarting_its_shar
     )
     assert hook.events[5].workers == [0, 1]
     alone = [e for e in hook.events if e.workers == [0]]
-    # A second or two in a fast hour; a slow hour is 3-4x slower.
-    assert alone and alone[0].elapsed_s - hook.asked_at[0].elapsed_s < 15, "worker 1 left soon after the ask"
+    # Within a few steps (4-5 seen): the driver reads the count between steps, without waiting, and
+    # resizes at the next step's end. Counted in steps, not seconds: a step's time moves with the hour
+    # and with what runs beside the test.
+    assert alone and alone[0].global_step - hook.asked_at[0].global_step <= 8, (
+        "worker 1 left soon after the ask"
+    )
     grown = [e for e in hook.events if e.workers == [0, 2]]
     assert grown and grown[0].global_step > alone[-1].global_step, "a new worker (id 2) joined later"
     # The spare traced its step while worker 0 trained on, not in its first step after joining,

@@ -198,11 +198,11 @@ def test_a_run_a_fenced_worker_refuses_is_the_run_taken_over_not_a_users_error(r
     worker = ray.remote(num_cpus=0, max_concurrency=4)(_Worker)
     group = WorkerGroup(lambda _id: worker.remote(), timeout_s=60)
     group.start([0])
-    ray.get(group.slots[0].actor.fence.remote(1))
+    ray.get(group.slots[0].actor.fence.remote(3))
     group.run(0)  # this driver's term: 0
     ray.wait([group.slots[0].run_ref], timeout=30)
-    with pytest.raises(FencedOut):
-        group.poll(0.2)
+    with pytest.raises(FencedOut, match=r"newer driver of the run \(term 3; this driver's 0\)"):
+        group.poll(0.2)  # the term the worker told, not merely one above this driver's
     group.kill()
 
 

@@ -49,7 +49,8 @@ class DriverTerm:
         if term < self._term:
             raise FencedOut(
                 f"{what} refused: this actor takes its orders from a newer driver of the run (term "
-                f"{self._term}; the call's {term})"
+                f"{self._term}; the call's {term})",
+                term=self._term,
             )
         self._term = term
 

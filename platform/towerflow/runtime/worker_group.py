@@ -318,7 +318,7 @@ class WorkerGroup(WorkerWatchdogs):
             ray.exceptions.RayTaskError
         ) as exc:  # raised in `run` (Ray makes it an instance of the cause too)
             if isinstance(exc.cause, FencedOut):  # refused: the worker is a newer driver's
-                self._note_term(self.term + 1)
+                self._note_term(exc.cause.term or self.term + 1)
                 return
             # A shard it talked to is gone, or the parameters it published (their owner): the shards' loss
             if isinstance(exc.cause, (*ACTOR_GONE, ray.exceptions.ObjectLostError)):
