@@ -33,7 +33,7 @@ def test_a_read_never_waits_for_an_answer_that_hangs_and_the_last_answer_stays()
         time.sleep(0.1)
         started = time.monotonic()
         held = answers()
-        assert time.monotonic() - started < 0.05  # the read did not wait
+        assert time.monotonic() - started < 0.5  # the read did not wait (the ask waits until set)
         assert held is not None and answers.silent_s() >= 0.05
         assert not answers.answered_after(started)  # what waits for the GCS waits on
         answering.set()  # the head is back
