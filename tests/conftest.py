@@ -108,8 +108,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     phase = config.getoption("phase")
     if phase == "all":
         return
-    kept = [item for item in items if (_module_of(item.nodeid) in own) == (phase == "own-cluster")]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    kept, left = [], []
+    for item in items:
+        in_phase = (_module_of(item.nodeid) in own) == (phase == "own-cluster")
+        (kept if in_phase else left).append(item)
+    config.hook.pytest_deselected(items=left)
     items[:] = kept
 
 
