@@ -19,16 +19,22 @@ from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import LocalCluster, Node, cluster_spec_file
 from multinode_clients import END_RUNS_CLIENT, HOLD_NODE_CLIENT
+from process_stacks import communicate_or_explain
 from tracking_server import process_tree
 
 
 def client_report(cluster: LocalCluster, source: str, *args: str) -> dict:
     """Run a client script on the cluster; the JSON on its last line of output."""
-    out = subprocess.run(
-        [sys.executable, "-c", source, *args], env=cluster.env(), capture_output=True, text=True, timeout=120
+    client = subprocess.Popen(
+        [sys.executable, "-c", source, *args],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = communicate_or_explain(client, timeout=120)
+    assert client.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @contextlib.contextmanager
@@ -201,7 +207,7 @@ def placement_groups(cluster: LocalCluster, job: str) -> list[dict]:
 
 
 def finish(driver: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = driver.communicate(timeout=timeout)
+    out = communicate_or_explain(driver, timeout)
     assert driver.returncode == 0, out
     return out
 
@@ -209,8 +215,7 @@ def finish(driver: subprocess.Popen, timeout: float = 300) -> str:
 def stop(driver: subprocess.Popen, timeout: float = 120) -> str:
     """Stop the run as `ray job stop` does (SIGTERM to the command's process group); its output."""
     os.killpg(driver.pid, signal.SIGTERM)
-    out, _ = driver.communicate(timeout=timeout)
-    return out
+    return communicate_or_explain(driver, timeout)
 
 
 def wait_for_metric(uri: str, run_id: str, key: str, value: float, driver, timeout: float = 180) -> None:
