@@ -12,8 +12,9 @@ import pytest
 import ray
 from support import blob_spec
 
+from towerflow.runtime import shard_group
 from towerflow.runtime.placement import ActorPlacement
-from towerflow.runtime.shard_group import ShardGroup
+from towerflow.runtime.shard_group import FIRST_WAIT_S, ShardGroup, ShardLook, look_at
 from towerflow.spec import validate_spec
 
 pytestmark = pytest.mark.timeout(180)
@@ -79,3 +80,41 @@ def test_a_spare_takes_a_lost_shards_place_and_a_lost_spare_is_made_good(ray_clu
         group.kill()
         placement.release()
     assert group.spares.spares == [] and group.actors == []
+
+
+@ray.remote(num_cpus=0)
+class _Pingable:
+    """Answers pings as a loaded shard does (`ParameterShard.ping`: its version)."""
+
+    def ping(self) -> int:
+        return 3
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_look_leaves_a_silent_shard_unjudged_while_the_gcs_is_silent_and_finds_it_hung_once_it_answers(
+    ray_cluster, monkeypatch
+):
+    """A shard that answers no ping is hung (lost) only where the GCS answered meanwhile: a ping to a
+    live shard may wait for a lost head's return, and the driver's loop must not wait with it."""
+    shards = [_Pingable.remote(), _Pingable.remote()]
+    _, silent_pid = ray.get([shard.pid.remote() for shard in shards])
+    stopped = False
+    try:
+        assert look_at(shards, 7, lambda since: False) == ShardLook([], [])  # every one answers
+        os.kill(silent_pid, signal.SIGSTOP)  # alive, and answers nothing
+        stopped = True
+
+        started = time.monotonic()
+        look = look_at(shards, 7, lambda since: False)  # the GCS silent too
+        assert look == ShardLook([], [1]) and time.monotonic() - started < FIRST_WAIT_S + 3
+
+        monkeypatch.setattr(shard_group, "HUNG_AFTER_S", FIRST_WAIT_S + 2)
+        look = look_at(shards, 8, lambda since: True)  # the GCS there: hung, so lost
+        assert look.unanswered == [] and [(loss.index, loss.at_step) for loss in look.lost] == [(1, 8)]
+    finally:
+        if stopped:
+            os.kill(silent_pid, signal.SIGCONT)
+        for shard in shards:
+            ray.kill(shard)

@@ -106,6 +106,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
         self._summaries: dict[int, dict[str, Any]] = {}  # worker id -> its run's summary
         # lost worker id -> its new actor's run, until Ray can place it (recovery.py)
         self._pending_replacements: dict[int, PendingReplacement] = {}
+        self._shards_unsettled = False  # some did not answer the last look, the GCS silent: look again
         self._idle: IdleActors | None = None  # the last run's actors, which this run takes (actor_pool.py)
         self._reuse: ReuseKey | None = None  # what this run's actors are made for, once known (`_reuse_key`)
         self._rollbacks = self._steps_redone = 0
@@ -324,12 +325,12 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
         self._summaries.update(status.finished)
         for seconds in self.group.recoveries_s[recovered:]:  # a replacement's first step: time lost
             self.session.log_metrics({"worker_recovery_s": seconds}, self.group.global_step)
-        if status.shard_trouble or suspect_shards or status.lost_workers:
+        if status.shard_trouble or suspect_shards or status.lost_workers or self._shards_unsettled:
             # (a lost worker's node may have held a shard too: the shards are looked at first)
             lost_shards = self._lost_shards()
             status.losses.extend(lost_shards)
-            if not lost_shards:  # a worker's failed call to a shard was not the shard's loss
-                self.group.lose_stranded(status)
+            if not lost_shards and not self._shards_unsettled:
+                self.group.lose_stranded(status)  # a worker's failed call to a shard was not the shard's loss
         decision = self.failure_policy.decide(status)
         if decision is Decision.FAIL:
             self.state = State.ERRORED

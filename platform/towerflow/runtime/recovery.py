@@ -327,7 +327,15 @@ class RecoveryActions:
         return memory, "a memory checkpoint"
 
     def _lost_shards(self) -> list[ActorLoss]:
-        return self.shard_group.lost(self._global_step())
+        """The shards lost. Those that did not answer while the GCS was silent are not judged:
+        `_shards_unsettled` has the next turn look again (shard_group.py, `ShardGroup.look`)."""
+        look = self.shard_group.look(self._global_step(), self.gcs_answers.answered_after)
+        if look.unanswered and not self._shards_unsettled:
+            log.info(
+                "shard(s) %s not answering while the cluster's head is silent: asked again", look.unanswered
+            )
+        self._shards_unsettled = bool(look.unanswered)
+        return look.lost
 
     def _fault(self, loss: ActorLoss, action: str) -> None:
         self._tell_fault(FaultEvent(loss.at_step, loss.describe(), action))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -28,6 +29,19 @@ from towerflow.runtime.sharding import cut_variables, gradient_buckets, make_sha
 from towerflow.runtime.spares import SparePool
 
 log = logging.getLogger(__name__)
+# A shard's ping answers in milliseconds. Longer than the GCS watcher's look (every second): by
+# then it has answered since the pings went out, where the GCS is there.
+FIRST_WAIT_S = 2.0
+HUNG_AFTER_S = 30.0  # a shard that answers no ping this long, the GCS there, is hung: lost
+
+
+@dataclass(frozen=True)
+class ShardLook:
+    """The shards' answers to a look (`ShardGroup.look`): those lost, and those not answered while
+    the GCS was silent, which are judged at a later look."""
+
+    lost: list[ActorLoss]
+    unanswered: list[int]
 
 
 class ShardGroup:
@@ -287,17 +301,9 @@ class ShardGroup:
             )
         return holders
 
-    def lost(self, at_step: int) -> list[ActorLoss]:
-        """The shards that do not answer (a worker's call to one failed)."""
-        found = []
-        pings = [shard.ping.remote() for shard in self.actors]  # all at once: a hung one costs 30 s once
-        deadline = time.monotonic() + 30
-        for index, ping in enumerate(pings):
-            try:
-                ray.get(ping, timeout=max(0.0, deadline - time.monotonic()))
-            except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
-                found.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
-        return found
+    def look(self, at_step: int, gcs_answered_after: Callable[[float], bool]) -> ShardLook:
+        """Ping every shard (a worker's call to one failed, or a worker was lost): `look_at`."""
+        return look_at(self.actors, at_step, gcs_answered_after)
 
     def replace(self, indices: list[int], attempts: int = 3) -> list[int]:
         """Other shards in the places of shards `indices`, started (load them before use): a warm
@@ -364,3 +370,32 @@ class ShardGroup:
         lifetime = {"lifetime": "detached"} if self.detached else {}
         actor = shard_actor(cpus).options(**self.actor_placement.bundle_options(bundle), **lifetime)
         return ask_node(actor.remote(index, cpus, apply_threads=self.apply_threads))
+
+
+def look_at(shards: Sequence[Any], at_step: int, gcs_answered_after: Callable[[float], bool]) -> ShardLook:
+    """Ping every one of `shards` (a worker's call to one failed, or a worker was lost). A failed ping is a
+    lost shard; one not answered within `FIRST_WAIT_S` is waited for up to `HUNG_AFTER_S` (then
+    lost: hung) where the GCS answered since the pings went out (`gcs_answered_after`, its
+    watcher's clock: monotonic). Where it did not, the look ends there and the silent shards
+    are left unanswered, to be asked again: a ping to a live shard on a live node may wait for
+    a lost head's return (seen: answered once the new GCS was), and the driver's loop must not."""
+    sent = time.monotonic()
+    pings = [shard.ping.remote() for shard in shards]  # all at once: a hung one costs 30 s once
+    lost, unanswered = [], []
+    for index, ping in enumerate(pings):
+        deadline = sent + FIRST_WAIT_S
+        while True:
+            try:
+                ray.get(ping, timeout=max(0.0, deadline - time.monotonic()))
+            except ACTOR_GONE as exc:
+                lost.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
+            except ray.exceptions.GetTimeoutError as exc:
+                if deadline > sent + FIRST_WAIT_S:
+                    lost.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
+                elif not gcs_answered_after(sent):
+                    unanswered.append(index)
+                else:
+                    deadline = sent + HUNG_AFTER_S
+                    continue
+            break
+    return ShardLook(lost, unanswered)
