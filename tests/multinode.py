@@ -89,6 +89,20 @@ class Node:
             return self.log.read_text(errors="replace")[-chars:]
         return ""
 
+    def exit_report(self, chars: int = 3000) -> str:
+        """Why it ended: `ray start --block` ends the whole node when one of its processes exits
+        and says which (its log), and the GCS's last lines say whether it crashed."""
+        parts = [
+            f"{self.name} exited ({self.process.returncode}); its ray start said:\n{self.log_tail(chars)}"
+        ]
+        for name in ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err"):
+            for path in sorted(
+                Path(self.temp_dir).glob(f"session_2*/logs/{name}")
+            ):  # not session_latest (a link)
+                with contextlib.suppress(OSError):
+                    parts.append(f"--- {path}:\n{path.read_text(errors='replace')[-chars:]}")
+        return "\n".join(parts)
+
 
 @dataclass(eq=False)
 class LocalCluster:
@@ -398,7 +412,12 @@ class LocalCluster:
         return time.monotonic() - start
 
     def shutdown(self) -> None:
-        """Stop every node still running (extra nodes first, the head last) and remove the temp dirs."""
+        """Stop every node still running (extra nodes first, the head last) and remove the temp dirs.
+        A node that had exited unasked has its `exit_report` printed first (a failed test's output
+        shows it): the temp dirs with its logs go."""
+        for node in self.nodes:
+            if not node.killed and node.process.poll() is not None:
+                print(node.exit_report())
         extra = [n for n in self.nodes[1:] if not n.killed]
         _stop(extra)
         _stop(self.nodes[:1])
