@@ -95,12 +95,10 @@ class Node:
         parts = [
             f"{self.name} exited ({self.process.returncode}); its ray start said:\n{self.log_tail(chars)}"
         ]
-        for name in ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err"):
-            for path in sorted(
-                Path(self.temp_dir).glob(f"session_2*/logs/{name}")
-            ):  # not session_latest (a link)
+        for logs in sorted(Path(self.temp_dir).glob("session_2*/logs")):  # not session_latest, a link to one
+            for name in ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err"):
                 with contextlib.suppress(OSError):
-                    parts.append(f"--- {path}:\n{path.read_text(errors='replace')[-chars:]}")
+                    parts.append(f"--- {logs / name}:\n{(logs / name).read_text(errors='replace')[-chars:]}")
         return "\n".join(parts)
 
 

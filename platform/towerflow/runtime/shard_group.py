@@ -383,19 +383,14 @@ def look_at(shards: Sequence[Any], at_step: int, gcs_answered_after: Callable[[f
     pings = [shard.ping.remote() for shard in shards]  # all at once: a hung one costs 30 s once
     lost, unanswered = [], []
     for index, ping in enumerate(pings):
-        deadline = sent + FIRST_WAIT_S
-        while True:
+        try:
             try:
-                ray.get(ping, timeout=max(0.0, deadline - time.monotonic()))
-            except ACTOR_GONE as exc:
-                lost.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
-            except ray.exceptions.GetTimeoutError as exc:
-                if deadline > sent + FIRST_WAIT_S:
-                    lost.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
-                elif not gcs_answered_after(sent):
+                ray.get(ping, timeout=max(0.0, sent + FIRST_WAIT_S - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                if not gcs_answered_after(sent):
                     unanswered.append(index)
-                else:
-                    deadline = sent + HUNG_AFTER_S
                     continue
-            break
+                ray.get(ping, timeout=max(0.0, sent + HUNG_AFTER_S - time.monotonic()))
+        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
+            lost.append(ActorLoss(LossKind.SHARD, index, at_step, first_line(exc)))
     return ShardLook(lost, unanswered)
