@@ -95,11 +95,19 @@ class Node:
         parts = [
             f"{self.name} exited ({self.process.returncode}); its ray start said:\n{self.log_tail(chars)}"
         ]
-        for logs in sorted(Path(self.temp_dir).glob("session_2*/logs")):  # not session_latest, a link to one
-            for name in ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err"):
-                with contextlib.suppress(OSError):
-                    parts.append(f"--- {logs / name}:\n{(logs / name).read_text(errors='replace')[-chars:]}")
+        names = ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err")
+        parts += [f"--- {path}:\n{text[-chars:]}" for path, text in self._session_logs(names)]
         return "\n".join(parts)
+
+    def gcs_said(self, text: str) -> bool:
+        """Whether this node's GCS (a head's) wrote `text` to its output: a check it failed, say."""
+        return any(text in said for _, said in self._session_logs(("gcs_server.err", "gcs_server.out")))
+
+    def _session_logs(self, names: Sequence[str]) -> Iterator[tuple[Path, str]]:
+        for logs in sorted(Path(self.temp_dir).glob("session_2*/logs")):  # not session_latest, a link to one
+            for name in names:
+                with contextlib.suppress(OSError):
+                    yield logs / name, (logs / name).read_text(errors="replace")
 
 
 @dataclass(eq=False)

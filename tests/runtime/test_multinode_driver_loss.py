@@ -262,6 +262,13 @@ def test_a_driver_paused_past_its_lease_wakes_to_find_its_run_taken_over_and_lea
     assert not any(alive_actors(cluster, kind) for kind in (*KEPT, "RunControl"))
 
 
+# Ray 2.60's restarted GCS can fail this check of its own, and exit, as the stopped run removes its
+# placement groups (a bundle placed again after its node's loss, around the GCS's restart): the
+# driver, its checkpoint saved, then waits for a head that is gone (docs/reliability.md). About 1
+# try in 20 here; Ray's bug, not the run's.
+RAY_GCS_REMOVAL_CHECK = "All bundles in a RemovePlacementGroupBundles batch must target the same node"
+
+
 def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_with_it(
     gcs_ft_cluster, blob_data, tmp_path
 ):
@@ -299,7 +306,12 @@ def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_wit
     # processes; one new process, the lost worker's replacement.
     assert any(survivors.items() <= alive.items() for alive in seen), (seen, kept_actor_states(cluster))
     assert len(set().union(*seen) - actors.keys()) == 1, seen
-    out = stop(driver)
+    try:
+        out = stop(driver)
+    except AssertionError as hung:  # its stacks and output: the driver outlived the wait
+        if "saved a checkpoint of step" in str(hung) and cluster.head.gcs_said(RAY_GCS_REMOVAL_CHECK):
+            pytest.xfail(f"Ray 2.60's GCS failed its check {RAY_GCS_REMOVAL_CHECK!r} (docs/reliability.md)")
+        raise
     assert "saved a checkpoint of step" in out, out[-3000:]
     assert kept_actors(cluster) == {}
     run = client.get_run(run_id)
