@@ -209,8 +209,10 @@ def test_sync_backup_worker_gradients_are_dropped_as_stale(ray_cluster, blob_dat
     assert sum(e.dropped_stale for e in hook.events) <= result.dropped_stale
     slow_steps = next(w["steps"] for w in result.workers if w["worker"] == 2)
     assert slow_steps < 10
-    # Nearly every update was made of the two fast workers' gradients.
-    assert sum(2 in e.workers for e in hook.events) <= 2
+    # Nearly every update was made of the two fast workers' gradients (waiting for all three, every
+    # one would hold the slow one's). Not none: the first step's, and any where both fast workers
+    # stalled on the busy cores past the slow one's step (3 of 20 once, beside another test process).
+    assert sum(2 in e.workers for e in hook.events) <= 4
     assert all(len(e.workers) == 2 for e in hook.events)
 
 
