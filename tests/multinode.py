@@ -47,7 +47,15 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from node_processes import MOUNT_NAMESPACE, descendants, is_raylet, node_id_of, raylet_of, stop_processes
+from node_processes import (
+    MOUNT_NAMESPACE,
+    Node,
+    descendants,
+    is_raylet,
+    node_id_of,
+    raylet_of,
+    stop_processes,
+)
 from redis_store import RedisStore, redis_server_binary
 from support import blob_spec, free_ports, sqlite_store
 
@@ -61,53 +69,6 @@ OBJECT_STORE_BYTES = 200_000_000  # small, so that three nodes fit in memory
 # Worker ports below Linux's ephemeral range (32768-60999, where free_ports' ports fall), apart from
 # the session's Ray (10002-19999) and tests/cli/test_job_submit.py's head (23000-24999).
 _WORKER_PORTS = range(25000, 32000, 100)
-
-
-@dataclass(eq=False)
-class Node:
-    """One node: its `ray start --block` process (a process group leader), temp dir and Ray node id."""
-
-    name: str
-    process: subprocess.Popen
-    temp_dir: str
-    num_cpus: float
-    worker_ports: int  # first of its 100 worker ports
-    resources: dict[str, float] | None = None
-    args: tuple[str, ...] = ()  # its `ray start` options beyond the ones every node gets
-    hidden: tuple[str, ...] = ()  # folders it cannot see (`LocalCluster.add_node`)
-    drain_s: float = 0  # how long it drains on SIGTERM before it stops (`LocalCluster.add_node`)
-    node_id: str = ""  # known once its raylet runs
-    killed: bool = False
-
-    @property
-    def log(self) -> Path:
-        """stdout and stderr of its `ray start` (a file, so a chatty node never blocks on a pipe)."""
-        return Path(self.temp_dir) / "ray-start.log"
-
-    def log_tail(self, chars: int = 4000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-chars:]
-        return ""
-
-    def exit_report(self, chars: int = 3000) -> str:
-        """Why it ended: `ray start --block` ends the whole node when one of its processes exits
-        and says which (its log), and the GCS's last lines say whether it crashed."""
-        parts = [
-            f"{self.name} exited ({self.process.returncode}); its ray start said:\n{self.log_tail(chars)}"
-        ]
-        names = ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err")
-        parts += [f"--- {path}:\n{text[-chars:]}" for path, text in self._session_logs(names)]
-        return "\n".join(parts)
-
-    def gcs_said(self, text: str) -> bool:
-        """Whether this node's GCS (a head's) wrote `text` to its output: a check it failed, say."""
-        return any(text in said for _, said in self._session_logs(("gcs_server.err", "gcs_server.out")))
-
-    def _session_logs(self, names: Sequence[str]) -> Iterator[tuple[Path, str]]:
-        for logs in sorted(Path(self.temp_dir).glob("session_2*/logs")):  # not session_latest, a link to one
-            for name in names:
-                with contextlib.suppress(OSError):
-                    yield logs / name, (logs / name).read_text(errors="replace")
 
 
 @dataclass(eq=False)

@@ -17,8 +17,9 @@ from pathlib import Path
 import psutil
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from multinode import LocalCluster, Node, cluster_spec_file
+from multinode import LocalCluster, cluster_spec_file
 from multinode_clients import END_RUNS_CLIENT, HOLD_NODE_CLIENT
+from node_processes import Node
 from process_stacks import communicate_or_explain
 from tracking_server import process_tree
 

@@ -1,7 +1,8 @@
-"""The processes of a Ray node started as `ray start --block` (tests/multinode.py): found as the
-descendants of that process (Ray's workers sit in process groups of their own), its raylet and the
-node id it was given, and how to stop them all; and whether this machine lets a node start in a
-mount namespace of its own (a node that does not see some folders)."""
+"""A Ray node started as `ray start --block` (tests/multinode.py): its process, temp dir and logs
+(why it ended); its processes, found as the descendants of that process (Ray's workers sit in
+process groups of their own), its raylet and the node id it was given, and how to stop them all;
+and whether this machine lets a node start in a mount namespace of its own (a node that does not
+see some folders)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -68,3 +72,50 @@ def stop_processes(starts: list[subprocess.Popen], timeout: float = 30) -> None:
     for process in leftovers:
         with contextlib.suppress(psutil.Error):
             process.kill()
+
+
+@dataclass(eq=False)
+class Node:
+    """One node: its `ray start --block` process (a process group leader), temp dir and Ray node id."""
+
+    name: str
+    process: subprocess.Popen
+    temp_dir: str
+    num_cpus: float
+    worker_ports: int  # first of its 100 worker ports
+    resources: dict[str, float] | None = None
+    args: tuple[str, ...] = ()  # its `ray start` options beyond the ones every node gets
+    hidden: tuple[str, ...] = ()  # folders it cannot see (`LocalCluster.add_node`)
+    drain_s: float = 0  # how long it drains on SIGTERM before it stops (`LocalCluster.add_node`)
+    node_id: str = ""  # known once its raylet runs
+    killed: bool = False
+
+    @property
+    def log(self) -> Path:
+        """stdout and stderr of its `ray start` (a file, so a chatty node never blocks on a pipe)."""
+        return Path(self.temp_dir) / "ray-start.log"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-chars:]
+        return ""
+
+    def exit_report(self, chars: int = 3000) -> str:
+        """Why it ended: `ray start --block` ends the whole node when one of its processes exits
+        and says which (its log), and the GCS's last lines say whether it crashed."""
+        parts = [
+            f"{self.name} exited ({self.process.returncode}); its ray start said:\n{self.log_tail(chars)}"
+        ]
+        names = ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err")
+        parts += [f"--- {path}:\n{text[-chars:]}" for path, text in self._session_logs(names)]
+        return "\n".join(parts)
+
+    def gcs_said(self, text: str) -> bool:
+        """Whether this node's GCS (a head's) wrote `text` to its output: a check it failed, say."""
+        return any(text in said for _, said in self._session_logs(("gcs_server.err", "gcs_server.out")))
+
+    def _session_logs(self, names: Sequence[str]) -> Iterator[tuple[Path, str]]:
+        for logs in sorted(Path(self.temp_dir).glob("session_2*/logs")):  # not session_latest, a link to one
+            for name in names:
+                with contextlib.suppress(OSError):
+                    yield logs / name, (logs / name).read_text(errors="replace")
