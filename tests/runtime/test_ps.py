@@ -119,6 +119,36 @@ def test_a_stopping_workers_last_push_and_retire_leave_every_shard_at_one_versio
         ray.kill(shard)
 
 
+def test_async_shards_that_drifted_apart_settle_at_the_furthest_once_finished(ray_cluster):
+    # A late gradient one shard applies and another drops as too stale: their versions drift.
+    def make_shard(i):
+        shard = shard_actor(0.1).remote(i)
+        sgd = {"name": "sgd", "learning_rate": 1.0}
+        ray.get(
+            shard.load.remote([f"w{i}"], [np.zeros(2, np.float32)], sgd, AsyncProtocol(max_staleness=1), None)
+        )
+        return shard
+
+    shards = [make_shard(0), make_shard(1)]
+    one = [np.ones(2, np.float32)]
+    for _ in range(2):  # worker 0 at both: version 2
+        ray.get([s.push.remote(one, ray.get(s.ping.remote()), 0) for s in shards])
+    ray.get(shards[1].push.remote(one, 2, 1))  # worker 1's push reaches shard 1 in time: version 3
+    assert ray.get(shards[0].push.remote(one, 0, 1)).verdict == "stale"  # and shard 0 too late
+    assert [ray.get(s.ping.remote()) for s in shards] == [2, 3]
+
+    with pytest.raises(RuntimeError, match="still training"):
+        ray.get(shards[0].settle_at.remote(3))
+    ray.get([s.finish.remote() for s in shards])
+    assert ray.get([s.settle_at.remote(3) for s in shards]) == [3, 3]
+    snapshot = ray.get(shards[0].snapshot.remote(3))  # its last state, under the furthest's version
+    assert snapshot.version == 3
+    np.testing.assert_allclose(snapshot.values[0], -2.0)  # the two updates it applied
+    assert ray.get(shards[1].settle_at.remote(2)) == 3  # never back
+    for shard in shards:
+        ray.kill(shard)
+
+
 def _wait_until(condition, timeout_s: float = 30.0) -> None:
     """An async actor runs concurrent calls in no set order: wait for one to land before the next."""
     deadline = time.monotonic() + timeout_s

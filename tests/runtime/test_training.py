@@ -131,6 +131,36 @@ def test_async_bounded_staleness_rejects_old_gradients(ray_cluster, blob_data):
     assert result.shards[0]["stale"] >= 1  # and the slow worker's old gradients were rejected
 
 
+def test_async_shards_that_dropped_different_gradients_end_at_one_step_and_checkpoint_it(
+    ray_cluster, blob_data, tmp_path
+):
+    """Bounded staleness judges each push at each shard: worker 1's pushes reach shard 0 too late
+    (dropped there) and shard 1 in time, so shard 0 falls behind. The run still ends at one step,
+    and its last checkpoint holds each shard's last state at it."""
+    spec = validate_spec(
+        blob_spec(
+            blob_data,
+            data={"batch_size": 16, "epochs": 3},
+            cluster={"workers": 2, "ps": 2},
+            training={"mode": "async", "max_steps": 30, "max_staleness": 1},
+        )
+    )
+    from towerflow.checkpoint import LocalCheckpointStore
+    from towerflow.checkpoint.stores import latest_step
+    from towerflow.launch import train
+
+    late_at_shard_0 = FaultInjector(pushes_older_at_shard={1: (0, 5)})
+    result = train(spec, track=False, faults=late_at_shard_0, output_dir=tmp_path)
+    stale = [shard["stale"] for shard in result.shards]
+    assert stale[0] > stale[1]  # worker 1's pushes were dropped at shard 0
+    assert [shard["version"] for shard in result.shards] == [30, 30]  # settled at the furthest
+    assert result.global_step == 30
+    store = LocalCheckpointStore(tmp_path / "checkpoints")
+    assert latest_step(store) == 30
+    state = store.load(30)
+    assert state.global_step == 30 and all(np.isfinite(v).all() for v in state.variables.values())
+
+
 @pytest.mark.parametrize("push_bucket_bytes", [None, 64], ids=["one-push", "bucketed"])
 def test_sync_two_workers_equal_one_process_with_double_batch(ray_cluster, blob_data, push_bucket_bytes):
     """Bucketed: every variable is a bucket of its own, pushed from inside the backward pass."""

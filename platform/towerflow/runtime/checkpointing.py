@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointActions:
-    """Checkpointing verbs of the Driver, which provides the shards, the worker group, the state
-    and the poll (`_turn`) these use."""
+    """Checkpointing verbs of the Driver, which provides the shards, the worker group, the update
+    protocol, the state and the poll (`_turn`) these use."""
 
     def capture_state(self, version: int | None = None, data_position: dict[str, Any] | None = None):
         """All shards' state at one version: a consistent cut, taken without a pause."""
@@ -36,6 +36,8 @@ class CheckpointActions:
 
         target = version if version is not None else self._next_version()
         snapshots = self._cut([s.snapshot.remote(target) for s in self.shards])
+        if snapshots and self._ended_apart({s.version for s in snapshots}):
+            return self.capture_state(None, data_position)
         if snapshots is None or (version is not None and any(s.version != version for s in snapshots)):
             # A shard was lost meanwhile (cut the rolled-back shards instead), or no longer held
             # `version` (it keeps the last few, and the chief heard of that step too late) or ended
@@ -80,10 +82,8 @@ class CheckpointActions:
                 if version is None and len(versions) == 1 and versions != {target}:
                     # every shard ended at the same earlier version (end of data, stop): save that one
                     return self.save_checkpoint(store, versions.pop(), data_position, skip)
-                if len(versions) > 1 and not self.group.running:  # they will not meet again
-                    raise TrainingError(
-                        f"shards ended at different versions {sorted(versions)}: no consistent cut"
-                    )
+                if self._ended_apart(versions):
+                    return self.save_checkpoint(store, None, data_position, skip)
                 later = self.save_checkpoint(store, None, None, skip)  # cut again, as capture_state does
                 if version is not None and later.written:
                     log.info(
@@ -174,6 +174,32 @@ class CheckpointActions:
     def _worker_actors(self) -> list[Any]:
         """The running workers' actors, by id (one may hold a lone shard's memory checkpoint)."""
         return [self.group.slots[worker].actor for worker in self.group.running]
+
+    def _ended_apart(self, versions: set[int]) -> bool:
+        """True where the workers are gone and the shards ended at different `versions`, now
+        settled at the furthest (`_settle_ended_shards`): cut again. Raises where they cannot be."""
+        if len(versions) < 2 or self.group.running:
+            return False
+        if not self._settle_ended_shards(ray.get(self.shard_group.finish())):  # settling needs them finished
+            raise TrainingError(f"shards ended at different versions {sorted(versions)}: no consistent cut")
+        return True
+
+    def _settle_ended_shards(self, versions: list[int]) -> bool:
+        """Whether finished shards are at one version now: async shards that drifted apart
+        (`AsyncProtocol.versions_drift`) take the furthest as their last, the state each ended
+        with being the run's last. Sync shards never drift; apart, they are left as they are."""
+        if len(set(versions)) < 2:
+            return True
+        if not self.protocol.versions_drift:
+            return False
+        log.info(
+            "the shards ended at steps %s (bounded staleness dropped a late gradient at some and not "
+            "at others): their last states are the run's step %d",
+            versions,
+            max(versions),
+        )
+        ray.get(self.shard_group.settle_at(max(versions)))
+        return True
 
     def _next_version(self, timeout_s: float | None = None) -> int:
         return max(ray.get([s.ping.remote() for s in self.shards], timeout=timeout_s)) + 1

@@ -292,7 +292,8 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
                 # (steps a hook's wait drained at the very end are reported by one more turn first)
                 self.state = State.FINISHING
         self._confirm_the_run_is_ours()
-        ray.get(self.shard_group.finish())  # every worker is done: the state is final
+        # Every worker is done: the state is final (async shards that drifted settle at the furthest).
+        self._settle_ended_shards(ray.get(self.shard_group.finish()))
         self._report(self.aggregator.flush())
         self.state = State.FINISHED
         return [summary for _, summary in sorted(self._summaries.items())]

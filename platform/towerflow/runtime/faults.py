@@ -30,12 +30,20 @@ class FaultInjector:
     # worker id -> global steps [first, stop): at the first of them, once its pushes are applied, its
     # process is SIGKILLed before it records the step (the record, and any not yet drained, is lost)
     killed_before_record: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # worker id -> (shard, versions): its pushes to that one shard say they were computed that many
+    # versions further back (as a push held up on its way there: bounded staleness drops it at
+    # that shard only, so the shards' versions drift apart)
+    pushes_older_at_shard: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def delay(self, worker: int) -> float:
         return self.step_delay_s.get(worker, 0.0)
 
     def run_start_delay(self, worker: int) -> float:
         return self.run_start_delay_s.get(worker, 0.0)
+
+    def versions_pushed(self, worker: int, versions: list[int]) -> list[int]:
+        shard, older = self.pushes_older_at_shard.get(worker, (-1, 0))
+        return [v - older if s == shard else v for s, v in enumerate(versions)]
 
     def loss(self, worker: int, global_step: int, loss: float) -> float:
         window = self.nonfinite_loss.get(worker)

@@ -58,6 +58,8 @@ class SyncProtocol:
     # Every worker waits for each update: workers get equal data shares, pushing gradients in
     # buckets during backprop pays, and the shards may use the waiting workers' cores to apply.
     lockstep: ClassVar[bool] = True
+    # Every shard applies every step's update, so the shards stay at one version.
+    versions_drift: ClassVar[bool] = False
     replicas_to_aggregate: int
     total_num_replicas: int
     _held: set[int] = field(default_factory=set)  # workers whose gradient the step being built holds
@@ -117,6 +119,9 @@ class AsyncProtocol:
     """Downpour: every push is applied at once; with `max_staleness`, older gradients are rejected."""
 
     lockstep: ClassVar[bool] = False  # no worker waits for another; staleness is what to watch
+    # Each shard judges a push's staleness on its own: a late gradient one applies another may
+    # drop, and their versions (counts of updates) drift apart by those drops.
+    versions_drift: ClassVar[bool] = True
     max_staleness: int | None = None
 
     def on_push(self, version_read: int, version: int, worker: int, incarnation: int) -> Decision:

@@ -270,6 +270,20 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         await self._notify()
         return self._version
 
+    def settle_at(self, version: int, term: int = 0) -> int:
+        """After an async run's end (finished, no update follows): take `version`, the furthest
+        shard's, as this shard's last. Bounded staleness judges each push at each shard on its
+        own, and a late gradient one shard applied another may have dropped, so their counts of
+        updates drift apart by those drops; the state each ended with is the run's last all the
+        same, as a take-over's shards go on from the furthest (runtime/run_keeper.py)."""
+        self._obey(term, "settling a shard's last version")
+        if not self._done:
+            raise RuntimeError(f"shard {self.shard_id} is still training: only a finished shard settles")
+        if version > self._version:
+            self._version = version
+            self._bucket_versions = dict.fromkeys(self._bucket_versions, version)
+        return self._version
+
     # -- inspection ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         var_bytes = sum(_nbytes(v) for v in self._variables)

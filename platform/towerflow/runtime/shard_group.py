@@ -358,6 +358,10 @@ class ShardGroup:
         their answers (`RunTakenOver` where another driver has the shards now)."""
         return [shard.finish.remote(term=self.term) for shard in self.actors]
 
+    def settle_at(self, version: int) -> list[Any]:
+        """Every finished shard takes `version` as its last (`ParameterShard.settle_at`); the refs."""
+        return [shard.settle_at.remote(version, term=self.term) for shard in self.actors]
+
     def kill(self) -> None:
         for shard in self.actors:
             kill_quietly(shard)

@@ -233,8 +233,9 @@ class StepLoop:
             if bucket == 0 and self._faults.delay(cfg.worker_id):
                 time.sleep(self._faults.delay(cfg.worker_id))
             by_variable = dict(zip(self._bucket_variables[bucket], gradients, strict=True))
+            versions = self._faults.versions_pushed(cfg.worker_id, step.versions)
             for shard, ref in self._plan.send(
-                bucket, by_variable, step.versions, self._pusher, step.examples, step.fetch
+                bucket, by_variable, versions, self._pusher, step.examples, step.fetch
             ):
                 step.sent.append((shard, bucket, ref))
         except BaseException as exc:  # noqa: BLE001 - handed to the worker's own thread
