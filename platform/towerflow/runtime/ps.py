@@ -83,13 +83,15 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         shard_id: int | None = None,
         examples_seen: int = 0,
         term: int = 0,
+        loading: int = 0,
     ) -> bool:
         """Take this shard's pieces, their optimizer and update protocol; publish the first version.
         Called once, before any worker pulls or pushes. Pieces given as a checkpoint part are read
         here, from the store; False (nothing loaded) where this node cannot reach it. `shard_id`:
         the place this shard takes, where it is not the one it started in (a spare's);
         `examples_seen`: the run's data position at `initial_version` (`live_position`); `term`:
-        the calling driver's (runtime/fencing.py)."""
+        the calling driver's (runtime/fencing.py); `loading`: the number of the load this is one
+        of, the same for every shard of it (`live_position`)."""
         from towerflow.runtime.optimizers import build_optimizer
 
         self._obey(term, "loading a shard")
@@ -151,6 +153,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         self._reset_snapshots(snapshot_every)
         self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
         self._examples_before = examples_seen  # the data position when `_taken` began
+        self._loading = loading
         self._step_workers: dict[int, tuple[int, ...]] = {}  # the last bucket's versions
         return True
 
@@ -257,11 +260,12 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         since it was loaded or resized: the rows a lost worker used, counted where they arrived."""
         return dict(self._taken)
 
-    def live_position(self) -> tuple[int, int]:
-        """This shard's version and the run's data position as the gradients it took tell: what a
-        driver taking the shards over goes on from (runtime/run_keeper.py). Examples of gradients
-        taken but not yet applied count: their rows were read."""
-        return self._version, self._examples_before + sum(self._taken.values())
+    def live_position(self) -> tuple[int, int, int]:
+        """This shard's version, the run's data position as the gradients it took tell, and the
+        number of the load it was last given: what a driver taking the shards over goes on from,
+        if they were all loaded together (runtime/run_keeper.py). Examples of gradients taken
+        but not yet applied count: their rows were read."""
+        return self._version, self._examples_before + sum(self._taken.values()), self._loading
 
     async def finish(self, term: int = 0) -> int:
         """Stop accepting gradients and release every waiting worker."""

@@ -25,6 +25,7 @@ import ray
 from towerflow.errors import ClusterError
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.fencing import fence_taken_actors
+from towerflow.runtime.protocol import protocol_for
 from towerflow.runtime.run_control import LEASE_FRESH_S, ended_for_good, find_control
 
 log = logging.getLogger(__name__)
@@ -160,11 +161,11 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         )
         control.end.remote()  # removes the run's placement groups, which ends every shard in them
         return None
-    versions = sorted({version for version, _ in positions})
+    versions = sorted({version for version, *_ in positions})
     step = versions[-1]
-    if len(versions) > 1:  # the driver was lost while the workers' pushes of a step were under way
+    if len(versions) > 1:  # a step's pushes under way when the driver was lost, or async's drift
         log.info(
-            "the run's shards were at steps %s when its driver was lost: the update some had not "
+            "the run's shards were at steps %s when its driver was lost: an update some had not "
             "applied is dropped, as a stale gradient would be, and every shard goes on from step %d",
             versions,
             step,
@@ -233,19 +234,19 @@ def _wait_for_rest(refs: list[Any], timeout_s: float, after_first_s: float | Non
             deadline = min(deadline, time.monotonic() + after_first_s)
 
 
-def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, int]], str | None]:
-    """Each shard's version and data position (`ParameterShard.live_position`), and why the run
-    cannot go on from them, or None where it can."""
+def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, int, int]], str | None]:
+    """Each shard's version, data position and load (`ParameterShard.live_position`), and why the
+    run cannot go on from them, or None where it can."""
     try:
         positions = ray.get([shard.live_position.remote() for shard in handover.shards], timeout=30)
     except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
         return [], f"did not all answer ({first_line(exc)})"
-    versions = sorted({version for version, _ in positions})
-    # Pushes under way when the driver was lost leave the shards this far apart at most: one step
-    # in sync mode, a push of each worker's in async. Further apart, the driver was lost while it
-    # was loading them (a rollback's): their states are of different times.
-    spread = 1 if spec.training.mode == "sync" else spec.cluster.workers + spec.cluster.spare_workers
-    if versions[-1] - versions[0] > spread:
+    if len({loading for *_, loading in positions}) > 1:
+        return positions, "were not all given the same load (their driver was lost while it loaded them)"
+    versions = sorted({version for version, *_ in positions})
+    # Pushes under way when the driver was lost leave sync shards one step apart at most. Async
+    # shards drift apart by the late gradients some dropped and others applied, any number of steps.
+    if not protocol_for(spec.training.mode).versions_drift and versions[-1] - versions[0] > 1:
         return positions, f"are at steps {versions}, too far apart to go on from"
     return positions, None
 

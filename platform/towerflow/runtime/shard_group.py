@@ -6,6 +6,7 @@ a new shard."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -156,6 +157,8 @@ class ShardGroup:
             max_staleness=spec.training.max_staleness,
         )
 
+        loading = secrets.randbits(62)  # one number for this load's shards: a half-done one shows
+
         def load(shard: int, values: Any, slots: Any) -> Any:
             return self.actors[shard].load.remote(
                 [self.pieces[i].name for i in self.assignment[shard]],
@@ -170,6 +173,7 @@ class ShardGroup:
                 shard_id=shard,
                 examples_seen=examples_seen,
                 term=self.term,
+                loading=loading,
             )
 
         self._replaced = set()
