@@ -1,5 +1,6 @@
 """Faults a test or a benchmark injects into workers: slowness, a late start, non-finite losses, a
-call to the shards that fails in transit, and a worker killed between a push and its record.
+call to the shards that fails in transit, a worker killed between a push and its record, and
+pushes late to one shard only.
 
 Production types carry no test knobs: a caller passes one `FaultInjector` (`towerflow.train(...,
 faults=...)`) and every worker asks it. Faults that need no help from the code under test (a
