@@ -193,8 +193,8 @@ class CheckpointActions:
         if not self.protocol.versions_drift:
             return False
         log.info(
-            "the shards ended at steps %s (bounded staleness dropped a late gradient at some and not "
-            "at others): their last states are the run's step %d",
+            "the shards ended at steps %s (async: a late gradient some dropped and others applied, or "
+            "a lost worker's push that reached only some): their last states are the run's step %d",
             versions,
             max(versions),
         )

@@ -120,7 +120,8 @@ class AsyncProtocol:
 
     lockstep: ClassVar[bool] = False  # no worker waits for another; staleness is what to watch
     # Each shard judges a push's staleness on its own: a late gradient one applies another may
-    # drop, and their versions (counts of updates) drift apart by those drops.
+    # drop, and a lost worker's push may reach only some; their versions (counts of updates)
+    # drift apart by those.
     versions_drift: ClassVar[bool] = True
     max_staleness: int | None = None
 
