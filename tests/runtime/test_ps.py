@@ -92,15 +92,10 @@ def test_an_async_reply_carries_its_own_version_and_sync_replies_share_one_copy(
 def test_a_stopping_workers_last_push_and_retire_leave_every_shard_at_one_version(ray_cluster):
     # How a stop drains: a worker's last push and its retire reach two shards in different orders.
     # Whichever comes first, each shard takes exactly one more step, so the final state is a cut.
-    def make_shard(i):
-        shard = shard_actor(0.1).remote(i)
-        sgd = {"name": "sgd", "learning_rate": 1.0}
-        protocol = SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)
-        ray.get(shard.load.remote([f"w{i}"], [np.zeros(2, np.float32)], sgd, protocol, None))
-        ray.get([shard.join.remote(worker, 0) for worker in range(2)])
-        return shard
-
-    shards = [make_shard(0), make_shard(1)]
+    shards = [
+        _two_zeros_shard(i, SyncProtocol(replicas_to_aggregate=2, total_num_replicas=2)) for i in range(2)
+    ]
+    ray.get([shard.join.remote(worker, 0) for shard in shards for worker in range(2)])
     grad = {w: np.full(2, w + 1.0, np.float32) for w in range(2)}
     a0, a1 = (s.push.remote([grad[0]], 0, 0) for s in shards)
     # Shard 0 gets worker 1's push, then its retire: both gradients make the step.
@@ -121,15 +116,7 @@ def test_a_stopping_workers_last_push_and_retire_leave_every_shard_at_one_versio
 
 def test_async_shards_that_drifted_apart_settle_at_the_furthest_once_finished(ray_cluster):
     # A late gradient one shard applies and another drops as too stale: their versions drift.
-    def make_shard(i):
-        shard = shard_actor(0.1).remote(i)
-        sgd = {"name": "sgd", "learning_rate": 1.0}
-        ray.get(
-            shard.load.remote([f"w{i}"], [np.zeros(2, np.float32)], sgd, AsyncProtocol(max_staleness=1), None)
-        )
-        return shard
-
-    shards = [make_shard(0), make_shard(1)]
+    shards = [_two_zeros_shard(i, AsyncProtocol(max_staleness=1)) for i in range(2)]
     one = [np.ones(2, np.float32)]
     for _ in range(2):  # worker 0 at both: version 2
         ray.get([s.push.remote(one, ray.get(s.ping.remote()), 0) for s in shards])
@@ -147,6 +134,14 @@ def test_async_shards_that_drifted_apart_settle_at_the_furthest_once_finished(ra
     assert ray.get(shards[1].settle_at.remote(2)) == 3  # never back
     for shard in shards:
         ray.kill(shard)
+
+
+def _two_zeros_shard(i: int, protocol):
+    """Shard `i` holding one variable `w{i}` of two zeros, plain SGD at learning rate 1."""
+    shard = shard_actor(0.1).remote(i)
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    ray.get(shard.load.remote([f"w{i}"], [np.zeros(2, np.float32)], sgd, protocol, None))
+    return shard
 
 
 def _wait_until(condition, timeout_s: float = 30.0) -> None:

@@ -43,7 +43,9 @@ class FaultInjector:
         return self.run_start_delay_s.get(worker, 0.0)
 
     def versions_pushed(self, worker: int, versions: list[int]) -> list[int]:
-        shard, older = self.pushes_older_at_shard.get(worker, (-1, 0))
+        if worker not in self.pushes_older_at_shard:  # every bucket's push asks: no copy then
+            return versions
+        shard, older = self.pushes_older_at_shard[worker]
         return [v - older if s == shard else v for s, v in enumerate(versions)]
 
     def loss(self, worker: int, global_step: int, loss: float) -> float:
