@@ -38,7 +38,7 @@ test: $(STAMP)
 	for rc in $$embedded $$own; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done; \
 	if [ $$embedded -eq 5 ] && [ $$own -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; exit 5; fi
 
-# towerflow beside its peers (benchmarks/bench.py): about 15-17 minutes on 2 cores in a fast hour (16.7 on a fresh clone at 2026-11-28 02:50 UTC), 18-22 in a middling one (22.1 at 2026-11-27 12:21 UTC), 26-27 in a slow one (25.8 at 09:24 the same day; both before the driver's lighter start); rewrites
+# towerflow beside its peers (benchmarks/bench.py): about 15-17 minutes on 2 cores in a fast hour (16.7 on a fresh clone at 2026-11-28 02:50 UTC), 18-22 in a middling one (22.1 at 2026-11-27 12:21 UTC), 26-27 in a slow one (25.8 at 09:24 the same day; both before the driver's lighter start), 22.8 at 2026-12-07 04:56 in a slower hour; rewrites
 # the generated section of docs/benchmarks.md and docs/img/bench-*.png.
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)
