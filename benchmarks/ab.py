@@ -44,6 +44,17 @@ def run_once(tree: Path, workload: str, mode: str, workers: int, data: Path, out
     return read_report(done.stdout)
 
 
+def reading(ratios: list[float], band: float = 0.05) -> str:
+    """What a config's per-round new/base ratios say: a change shows in every round's ratio on one
+    side; rounds that disagree, or all within `band` of 1, are this machine's swing (a single
+    3-round median read 0.83 and, an hour later, 0.95 for one and the same code)."""
+    if all(r < 1 - band for r in ratios):
+        return "slower in every round"
+    if all(r > 1 + band for r in ratios):
+        return "faster in every round"
+    return "rounds disagree: within the swing" if min(ratios) < 1 < max(ratios) else "within the swing"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="the commit to compare against (default HEAD)")
@@ -89,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{workload + ' ' + mode:<14} {statistics.median(sides['base']):>10,.0f} "
             f"{statistics.median(sides['new']):>10,.0f}  {', '.join(f'{r:.3f}' for r in ratios)}"
+            f"  ({reading(ratios)})"
         )
         summary.append(f"{workload}_{mode}={statistics.median(ratios):.3f}")
     print("ab: " + " ".join(summary))
