@@ -41,6 +41,7 @@ from multinode_drivers import (
     stop,
     wait_for_step,
 )
+from node_processes import RAY_GCS_REMOVAL_CHECK
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -262,11 +263,9 @@ def test_a_driver_paused_past_its_lease_wakes_to_find_its_run_taken_over_and_lea
     assert not any(alive_actors(cluster, kind) for kind in (*KEPT, "RunControl"))
 
 
-# Ray 2.60's restarted GCS can fail this check of its own, and exit, as the stopped run removes its
-# placement groups (a bundle placed again after its node's loss, around the GCS's restart): the
-# driver, its checkpoint saved, then waits for a head that is gone (docs/reliability.md). About 1
+# Ray 2.60's restarted GCS can fail RAY_GCS_REMOVAL_CHECK, and exit, as the stopped run removes its
+# placement groups: the driver, its checkpoint saved, then waits for a head that is gone. About 1
 # try in 20 here; Ray's bug, not the run's.
-RAY_GCS_REMOVAL_CHECK = "All bundles in a RemovePlacementGroupBundles batch must target the same node"
 
 
 def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_with_it(
