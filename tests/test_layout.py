@@ -39,3 +39,18 @@ def test_data_and_checkpoint_import_nothing_of_the_runtime():
                     f"{path.relative_to(package)}: {n}" for n in names if n.startswith("towerflow.runtime")
                 ]
     assert found == []
+
+
+def test_only_the_command_line_prints():
+    """The library logs (towerflow/messages.py says how its lines show); the CLI decides what to print."""
+    import ast
+
+    package = REPO / "platform" / "towerflow"
+    found = [
+        f"{path.relative_to(package)}:{node.lineno}"
+        for path in sorted(package.rglob("*.py"))
+        if path.parent.name != "cli" and path.name != "__main__.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+    ]
+    assert found == []

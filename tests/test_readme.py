@@ -45,6 +45,8 @@ def test_the_python_api_example_runs_as_printed(tmp_path):
     assert summary.startswith("run ") and "finished steps=20" in summary and "accuracy=" in summary
     run_id = ids.split()[0]
     assert "to opt out" not in out.stderr and "listens on" not in out.stderr
+    # towerflow's messages show, as the CLI shows them, where the script set up no logging of its own
+    assert "towerflow: cluster.cpus_per_worker: auto -> " in out.stderr, out.stderr[-3000:]
     assert "DeprecationWarning" not in out.stderr, out.stderr[-3000:]
     # The run is in the store in the working directory, where `mlflow ui` started there looks.
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)

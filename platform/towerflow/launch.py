@@ -5,17 +5,21 @@ The CLI only calls this.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from towerflow import messages
 from towerflow.runtime.faults import FaultInjector
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.runtime.result import TrainResult
 from towerflow.shared_types import StepShape
 from towerflow.spec import JobSpec, load_spec
+
+log = logging.getLogger(__name__)
 
 AUTO_RESUME = "auto"  # resume=: the newest unfinished run of the job, if any (tracking/auto_resume.py)
 
@@ -72,6 +76,7 @@ def train(
     from towerflow.supervision.artifacts import LocalArtifactSink, MlflowArtifactSink
     from towerflow.supervision.skipped_records import SkippedRecordsHook
 
+    messages.show_unless_configured()  # a script's or notebook's caller sees what the CLI shows
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, overrides)
     # cluster.cpus_per_worker and cluster.ps: auto -> numbers, before anything sizes the cluster (a
@@ -143,7 +148,7 @@ def train(
             spec, num_workers, shape, examples_seen=seen, ledger=ledger, check_nodes=examples_seen is None
         )
         if data.resume_note:
-            print(f"towerflow: {data.resume_note}")
+            log.info("%s", data.resume_note)
         if skipped is not None:
             skipped.ledger = data.ledger
         # A spare's node readies a process for the next pipeline's reads only where reads spread.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import threading
 import time
 
@@ -139,14 +140,15 @@ def test_readahead_stays_within_its_budget(ray_cluster, tmp_path):
     assert peak_mb < 112, f"object store peaked at {peak_mb:.1f} MiB"
 
 
-def test_csv_with_groups_and_inferred_columns(ray_cluster, tmp_path, capsys):
+def test_csv_with_groups_and_inferred_columns(ray_cluster, tmp_path, caplog):
     write_csv(tmp_path / "train-00000-of-00002.csv", tabular_header(), tabular_rows(30))
     write_csv(tmp_path / "train-00001-of-00002.csv", tabular_header(), tabular_rows(20, start_id=30))
     spec = _spec(str(tmp_path / "train-*.csv"), workers=1, epochs=1, drop_remainder=False)
     spec.data.train.format = "csv"
     spec.data.train.groups = {"features": ["f*"]}
-    data = build_training_data(spec, 1, _shape(spec))
-    printed = capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="towerflow"):
+        data = build_training_data(spec, 1, _shape(spec))
+    printed = caplog.text
     assert "inferred from" in printed and "f0: float32 []" in printed and "example_id: int64 []" in printed
     assert data.groups == {"features": ["f0", "f1", "f2"]}
     batch = next(data.splits[0].batches(batch_size=64, drop_last=False, shuffle_buffer=0, seed=0))

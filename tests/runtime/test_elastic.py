@@ -4,6 +4,7 @@ are in test_multinode_draining.py (multi-node)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -98,7 +99,7 @@ def _shards_with_bad_records_in_the_first(folder: Path, files: int, per_file: in
     write_manifest(folder, "blobs", [p.name for p in paths], [per_file] * files, dim=8)
 
 
-def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp_path, capsys):
+def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp_path, caplog):
     """`on_bad_record: skip`: the resize's new pipeline starts past the files trained on, so it never
     reads the first file's bad records again; the run's one ledger still has them at the end."""
     data = tmp_path / "data"
@@ -117,10 +118,11 @@ def test_a_resize_keeps_the_counts_of_records_skipped_before_it(ray_cluster, tmp
     # Worker 1 (the one to leave) holds each sync step of two: the resize lands before the data
     # ends (64 such steps), also in a slow hour; worker 0 alone then trains on at full speed.
     slow = FaultInjector(step_delay_s={1: 0.4})
-    result = train(validate_spec(raw), hooks=[hook], output_dir=tmp_path, faults=slow)
+    with caplog.at_level(logging.INFO, logger="towerflow"):
+        result = train(validate_spec(raw), hooks=[hook], output_dir=tmp_path, faults=slow)
 
     assert [e for e in hook.events if e.workers == [0]], "the run shrank to one worker"
-    resumed = re.search(r"data resumes in epoch 1 of 1, after (\d+) file\(s\)", capsys.readouterr().out)
+    resumed = re.search(r"data resumes in epoch 1 of 1, after (\d+) file\(s\)", caplog.text)
     assert resumed and int(resumed[1]) >= 1, "the resize's stream starts past the first file"
     metrics = MlflowClient(uri).get_run(result.run_id).data.metrics
     assert metrics["bad_records_skipped"] == 2

@@ -6,6 +6,7 @@ wait for the next run that fits them (runtime/actor_pool.py)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -345,7 +346,7 @@ def test_a_worker_still_waiting_to_start_does_not_hold_the_end(ray_cluster, blob
     assert {s["version"] for s in result.shards} == {result.global_step}
 
 
-def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, blob_data, tmp_path, capsys):
+def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, blob_data, tmp_path, caplog):
     # An epoch is 16 steps of 2 workers x 32 (1,024 examples in 4 files of 256). Stopped at step 12,
     # the resumed run reads only the last file: 4 more steps to the end of the epoch, not 16.
     run_dir = tmp_path / "run"
@@ -360,8 +361,9 @@ def test_resume_goes_on_with_the_epoch_instead_of_starting_it_over(ray_cluster, 
     first = train(spec(12), hooks=hooks[:1], track=False, output_dir=run_dir)
     assert first.global_step == 12 and first.examples_seen == 768
     longer = spec(100)
-    resumed = train(longer, hooks=hooks[1:], track=False, resume=str(run_dir), output_dir=run_dir)
-    assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="towerflow"):
+        resumed = train(longer, hooks=hooks[1:], track=False, resume=str(run_dir), output_dir=run_dir)
+    assert "data resumes in epoch 1 of 1, after 3 file(s) of it (768 of 768" in caplog.text
     assert resumed.global_step == 16 and resumed.examples_seen == 1024
     assert resumed.shards[0]["loaded_from"] == "shard-00000 of step 12"  # the shard read its own part
     # Both runs knew from the files' counts that the data ends at step 16 (the progress bar's total).

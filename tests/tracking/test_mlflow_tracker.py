@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 
 import keras
@@ -28,20 +29,21 @@ def test_default_store_is_in_the_working_directory(tmp_path, monkeypatch):
     assert default_tracking_uri() == "sqlite:///elsewhere.db"
 
 
-def test_a_store_lost_with_a_ray_jobs_working_directory_is_warned_of_once(tmp_path, monkeypatch, capsys):
+def test_a_store_lost_with_a_ray_jobs_working_directory_is_warned_of_once(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)  # as Ray runs a job: in the working directory it unpacked for it
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv(RAY_JOB_ENV, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_0.zip"}}))
     assert run_store_uri() == run_store_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "MLFLOW_TRACKING_URI" in warnings[0], warnings
+    caplog.clear()
     assert run_store_uri("sqlite:///kept.db") == "sqlite:///kept.db"  # a store of the spec's own
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     run_store_uri()
     monkeypatch.setenv(RAY_JOB_ENV, json.dumps({"runtime_env": {}}))  # a job run where it was started
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     run_store_uri()
-    assert "warning" not in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_run_records_spec_and_step_metrics(ray_cluster, blob_data, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import logging
 import os
 import sys
 import threading
@@ -13,6 +12,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from towerflow import messages
 from towerflow.cli.cluster_command import add_cluster_command
 from towerflow.cli.data_command import add_data_command
 from towerflow.cli.options import add_overrides_option, add_store_option
@@ -97,13 +97,7 @@ def _stop_forwarding_ray_logs() -> None:
 def _show_library_messages() -> None:
     """towerflow's own log lines (a worker lost and replaced, a run resumed) on stderr, as the rest
     of what the command says; libraries log, the command decides how it looks."""
-    logger = logging.getLogger("towerflow")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("towerflow: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    messages.show()
 
 
 def _working_directory_importable() -> None:

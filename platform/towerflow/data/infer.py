@@ -8,11 +8,14 @@ block of the first file; integers become int64, other numbers float32, anything 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from towerflow.data.csv import CsvLayout
 from towerflow.data.sources import local_copy, open_binary
 from towerflow.errors import DataError
+
+log = logging.getLogger(__name__)
 
 SAMPLE_RECORDS = 64
 _KINDS = {"int64_list": "int64", "float_list": "float32", "bytes_list": "bytes"}
@@ -111,9 +114,8 @@ def resolve_features(
     else:
         raw = infer_csv(files[0], layout) if source.format == "csv" else infer_tfrecord(files[0])
         features = normalize(raw, origin=files[0])
-        print(f"towerflow: {key}: no feature spec given; inferred from {files[0]}:")
-        for name, spec in features.items():
-            print(f"towerflow:   {describe(name, spec)}")
+        described = "".join(f"\n  {describe(name, spec)}" for name, spec in features.items())
+        log.info("%s: no feature spec given; inferred from %s:%s", key, files[0], described)
     if source.format == "csv":
         _check_csv_columns(files[0], layout, features, header_columns(files[0], layout))
     return features

@@ -9,6 +9,7 @@ oversubscription of threads).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -16,6 +17,8 @@ import sys
 from dataclasses import dataclass
 
 from towerflow.errors import ClusterError
+
+log = logging.getLogger(__name__)
 
 # Ray's switch for clusters of one machine: off, a Ray started here takes 127.0.0.1 as its node
 # address, and then every one of its servers (GCS, raylet, workers) listens on 127.0.0.1 only.
@@ -114,12 +117,13 @@ def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> 
         _started_here.add(ray.get_runtime_context().gcs_address)
         host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
         if host not in _LOOPBACK:
-            print(
-                f"towerflow: warning: the embedded Ray listens on {host}, not only 127.0.0.1 (token "
-                f"authentication is still on). Ray was imported before towerflow could keep it local: "
-                f"call towerflow.keep_ray_local() before importing Ray, set {SINGLE_MACHINE_SWITCH}=0 in "
-                "the environment, or use the towerflow command.",
-                file=sys.stderr,
+            log.warning(
+                "the embedded Ray listens on %s, not only 127.0.0.1 (token authentication is still "
+                "on). Ray was imported before towerflow could keep it local: call "
+                "towerflow.keep_ray_local() before importing Ray, set %s=0 in the environment, or use "
+                "the towerflow command.",
+                host,
+                SINGLE_MACHINE_SWITCH,
             )
     check_capacity(needed or budget, ray.cluster_resources())
     return how

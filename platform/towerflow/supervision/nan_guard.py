@@ -8,11 +8,14 @@ step counts it with no gradient, so the others do not wait for it.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Literal
 
 from towerflow.errors import TrainingError
 from towerflow.runtime.hooks import Hook, RunContext, StepEvent
+
+log = logging.getLogger(__name__)
 
 
 class NanGuardHook(Hook):
@@ -37,5 +40,5 @@ class NanGuardHook(Hook):
         )
         if self.action == "fail":
             raise TrainingError(message)
-        print(f"towerflow: stopping: {message}")
+        log.warning("stopping: %s", message)
         context.request_stop("non-finite loss")

@@ -9,12 +9,15 @@ under `profiles/ray_timeline.json`.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from towerflow.runtime.hooks import Hook, RunOutcome, SessionInfo
 from towerflow.supervision.artifacts import ArtifactSink
+
+log = logging.getLogger(__name__)
 
 
 class ProfilerHook(Hook):
@@ -45,8 +48,8 @@ class ProfilerHook(Hook):
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(payload)
             if not windows:
-                print(
-                    f"towerflow: profiler: steps [{self.start_step}, {self.stop_step}) were never run; no profile"
+                log.warning(
+                    "profiler: steps [%d, %d) were never run; no profile", self.start_step, self.stop_step
                 )
                 return
             start, stop = min(w[0] for w in windows), max(w[1] for w in windows)

@@ -1,19 +1,22 @@
 """SkippedRecordsHook: the bad records that parse tasks skipped (`data.on_bad_record: skip`), read
-from the data's ledger actor (data/bad_records.py), printed per file at the end and logged as
+from the data's ledger actor (data/bad_records.py), said per file at the end (a warning) and logged as
 `bad_records_skipped` (total and per file) while training runs."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from pathlib import PurePosixPath
 from typing import Any
 
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 
+log = logging.getLogger(__name__)
+
 
 class SkippedRecordsHook(Hook):
-    """Reports skipped records: printed per file at the end, logged to MLflow while training runs."""
+    """Reports skipped records: a warning per file at the end, metrics in MLflow while training runs."""
 
     def __init__(self, every_s: float = 10.0) -> None:
         self.ledger: Any = None  # set by the data set-up once the ledger exists
@@ -38,7 +41,7 @@ class SkippedRecordsHook(Hook):
             return
         counts, reasons = self._fetch()
         for path, count in sorted(counts.items()):
-            print(f"towerflow: skipped {count} bad record(s) in {path} (e.g. {reasons.get(path, '')})")
+            log.warning("skipped %d bad record(s) in %s (e.g. %s)", count, path, reasons.get(path, ""))
         self._log(session, counts, final=True)
         self._end_ledger()
 

@@ -278,7 +278,7 @@ class MLflowTracker(Hook):
         try:
             system.start(next_sample_steps(self.client, self.run_id) if self.resume_run_id else None)
         except Exception as exc:  # monitoring must never stop training
-            print(f"towerflow: system metrics are off for this run: {exc}")
+            log.warning("system metrics are off for this run: %s", exc)
             return
         self._system = system
 

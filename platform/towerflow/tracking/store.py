@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
-import sys
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DB = "mlflow.db"
 # Set by Ray for the entrypoint of a job (`ray job submit`): the job runs in a working directory of
@@ -36,7 +38,7 @@ def run_store_uri(spec_uri: str | None = None) -> str:
 
 @functools.cache
 def _warn_once(message: str) -> None:
-    print(f"towerflow: warning: {message}", file=sys.stderr)
+    log.warning("%s", message)
 
 
 def artifact_location(tracking_uri: str) -> str | None:

@@ -1,0 +1,67 @@
+"""How towerflow's log lines show: the CLI's form, and a script's default (towerflow/messages.py)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from towerflow.messages import MessageFormatter
+
+
+def _record(level: int, message: str, *args, exc_info=None) -> logging.LogRecord:
+    return logging.LogRecord("towerflow.x", level, __file__, 1, message, args, exc_info)
+
+
+@pytest.mark.parametrize(
+    ("level", "line"),
+    [
+        (logging.INFO, "towerflow: worker 1 replaced"),
+        (logging.WARNING, "towerflow: warning: worker 1 replaced"),
+        (logging.ERROR, "towerflow: error: worker 1 replaced"),
+    ],
+)
+def test_a_message_says_its_level_after_the_prefix(level, line):
+    assert MessageFormatter().format(_record(level, "worker %d replaced", 1)) == line
+
+
+def test_each_line_of_a_message_is_prefixed_and_a_traceback_follows_as_python_prints_it():
+    try:
+        raise ValueError("bad value")
+    except ValueError:
+        record = _record(logging.WARNING, "inferred:\n  a: float32", exc_info=sys.exc_info())
+    lines = MessageFormatter().format(record).splitlines()
+    assert lines[:3] == [
+        "towerflow: warning: inferred:",
+        "towerflow: warning:   a: float32",
+        "Traceback (most recent call last):",
+    ]
+    assert lines[-1] == "ValueError: bad value"
+
+
+SCRIPT = """
+import logging, sys
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, format="app %(levelname)s %(message)s")
+from towerflow.messages import show_unless_configured
+show_unless_configured()
+show_unless_configured()  # a second run in the same process adds no second handler
+logging.getLogger("towerflow.launch").info("data resumes in epoch 2")
+logging.getLogger("towerflow.tracking").warning("a store lost with the job")
+"""
+
+
+@pytest.mark.parametrize(
+    ("caller", "shown"),
+    [
+        ("bare", ["towerflow: data resumes in epoch 2", "towerflow: warning: a store lost with the job"]),
+        ("configured", ["app INFO data resumes in epoch 2", "app WARNING a store lost with the job"]),
+    ],
+)
+def test_a_script_sees_the_messages_once_in_its_own_logging_where_it_has_some(caller, shown):
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, caller], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stderr.splitlines() == shown
