@@ -119,7 +119,7 @@ def test_a_compare_job_on_the_default_store_is_warned_that_it_loses_its_runs(ray
         timeout=180,
     )
     assert done.returncode == 2, done.stderr
-    warnings = [line for line in done.stderr.splitlines() if line.startswith("towerflow: warning:")]
+    warnings = [line for line in done.stderr.splitlines() if "towerflow: warning:" in line]
     assert len(warnings) == 1 and f"{tmp_path / 'mlflow.db'}" in warnings[0], done.stderr
     assert "matches no files" in done.stderr
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import logging
+import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
-from towerflow.messages import MessageFormatter
+from towerflow.messages import MessageFormatter, read_later, stamp
+
+TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 
 
 def _record(level: int, message: str, *args, exc_info=None) -> logging.LogRecord:
@@ -41,6 +47,24 @@ def test_each_line_of_a_message_is_prefixed_and_a_traceback_follows_as_python_pr
     assert lines[-1] == "ValueError: bad value"
 
 
+def test_lines_read_later_start_with_the_time_the_message_was_logged():
+    record = _record(logging.WARNING, "worker %d lost\nreplaced", 1)
+    record.created = time.mktime((2026, 12, 7, 8, 30, 5, 0, 0, -1))
+    assert MessageFormatter(timestamps=True).format(record).splitlines() == [
+        "2026-12-07 08:30:05 towerflow: warning: worker 1 lost",
+        "2026-12-07 08:30:05 towerflow: warning: replaced",
+    ]
+    assert re.fullmatch(TIME, stamp())
+
+
+def test_only_a_terminal_is_read_as_it_comes():
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as terminal:
+        assert not read_later(terminal)
+    os.close(leader)
+    assert read_later(io.StringIO())
+
+
 SCRIPT = """
 import logging, sys
 if sys.argv[1] == "configured":
@@ -55,8 +79,14 @@ logging.getLogger("towerflow.tracking").warning("a store lost with the job")
 
 @pytest.mark.parametrize(
     ("caller", "shown"),
-    [
-        ("bare", ["towerflow: data resumes in epoch 2", "towerflow: warning: a store lost with the job"]),
+    [  # stderr is a pipe here, read later: the script's lines are timed
+        (
+            "bare",
+            [
+                f"{TIME} towerflow: data resumes in epoch 2",
+                f"{TIME} towerflow: warning: a store lost with the job",
+            ],
+        ),
         ("configured", ["app INFO data resumes in epoch 2", "app WARNING a store lost with the job"]),
     ],
 )
@@ -64,4 +94,5 @@ def test_a_script_sees_the_messages_once_in_its_own_logging_where_it_has_some(ca
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, caller], capture_output=True, text=True, timeout=60, check=True
     )
-    assert out.stderr.splitlines() == shown
+    lines = out.stderr.splitlines()
+    assert len(lines) == len(shown) and all(re.fullmatch(p, line) for p, line in zip(shown, lines)), lines

@@ -1,4 +1,5 @@
-"""How towerflow's messages show: `towerflow: ` and the message, a warning or an error named so.
+"""How towerflow's messages show: `towerflow: ` and the message, a warning or an error named so,
+after the time where they are read later (a job's log, a pod's, a file) instead of on a terminal.
 
 Library modules only log (`logging.getLogger(__name__)`, under the `towerflow` logger); what shows
 the lines is the caller's choice. The CLI always shows them on stderr (`show`); `towerflow.train`
@@ -11,21 +12,39 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import TextIO
 
 LOGGER = "towerflow"
 PREFIX = "towerflow: "
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # local time, as Ray's own lines in the same log have it
 _LEVEL_WORDS = ((logging.ERROR, "error: "), (logging.WARNING, "warning: "))
 
 
+def stamp(when: float | None = None) -> str:
+    """The time a line of a log read later starts with (`when`: seconds since the epoch, or now)."""
+    return time.strftime(TIME_FORMAT, time.localtime(when))
+
+
+def read_later(stream: TextIO) -> bool:
+    """Whether lines written to `stream` are read after the fact (not a terminal), and so want times."""
+    isatty = getattr(stream, "isatty", None)
+    return not (isatty is not None and isatty())
+
+
 class MessageFormatter(logging.Formatter):
-    """`towerflow: [warning: |error: ]message`, each line of a multi-line message prefixed alike
-    (a traceback logged with it stays as Python prints it)."""
+    """`[time ]towerflow: [warning: |error: ]message`, each line of a multi-line message prefixed
+    alike (a traceback logged with it stays as Python prints it)."""
+
+    def __init__(self, *, timestamps: bool = False) -> None:
+        super().__init__()
+        self.timestamps = timestamps
 
     def format(self, record: logging.LogRecord) -> str:
         word = next((w for level, w in _LEVEL_WORDS if record.levelno >= level), "")
+        lead = f"{stamp(record.created)} {PREFIX}{word}" if self.timestamps else f"{PREFIX}{word}"
         lines = record.getMessage().splitlines() or [""]
-        text = "\n".join(f"{PREFIX}{word}{line}" for line in lines)
+        text = "\n".join(f"{lead}{line}" for line in lines)
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:
@@ -36,12 +55,14 @@ class MessageFormatter(logging.Formatter):
 
 
 def show(stream: TextIO | None = None, *, propagate: bool = False) -> None:
-    """Show towerflow's messages (INFO and above) on `stream` (stderr); once per process, later
-    calls keep the first handler. `propagate`: pass them on to the root logger's handlers too."""
+    """Show towerflow's messages (INFO and above) on `stream` (stderr), timed where it is no
+    terminal; once per process, later calls keep the first handler. `propagate`: pass them on to
+    the root logger's handlers too."""
     logger = logging.getLogger(LOGGER)
     if not logger.handlers:
-        handler = logging.StreamHandler(stream or sys.stderr)
-        handler.setFormatter(MessageFormatter())
+        stream = stream or sys.stderr
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(MessageFormatter(timestamps=read_later(stream)))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = propagate

@@ -204,7 +204,7 @@ def test_towerflow_submit_trains_on_the_cluster_and_tracks_to_the_server(
     assert f"ray job logs -f --address {address} {job_id}" in logs
     assert f"towerflow: job {job_id} SUCCEEDED" in logs
     # The job's log shows the run's progress (a line at the first step, then every 10 s).
-    assert re.search(r"^step 1/6 loss \d", logs, re.M), logs
+    assert re.search(r"^\S+ \S+ step 1/6 loss \d", logs, re.M), logs
     run_id = logs.split("towerflow: the job tracks MLflow run ", 1)[1].split()[0]
     _check_tracked_on_the_server(tracking_server, run_id, monkeypatch, full=False)
 

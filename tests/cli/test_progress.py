@@ -4,12 +4,20 @@ the data runs out) and its banner."""
 from __future__ import annotations
 
 import io
+import re
 
 from rich.console import Console
 
 from towerflow.cli.progress import ProgressHook
 from towerflow.runtime.hooks import SessionInfo, StepEvent
 from towerflow.spec import load_spec
+
+
+def _untimed(printed: str) -> list[str]:
+    """The plain lines, each checked to start with the time (a job's log is read later)."""
+    lines = printed.splitlines()
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line) for line in lines), lines
+    return [line[20:] for line in lines]
 
 
 def _session(data_steps, overrides=()):
@@ -42,7 +50,7 @@ def test_progress_lines_say_no_rate_until_one_is_known(capsys):
     hook.after_create_session(_session(None))  # not a terminal: plain lines
     for step, rate in ((1, None), (2, 1234.4)):
         hook.after_run(None, StepEvent(step, 0.25, {}, 64, 64 * step, float(step), rate, {}, [0]))
-    assert capsys.readouterr().err.splitlines() == [
+    assert _untimed(capsys.readouterr().err) == [
         "step 1/10 loss 0.2500 examples/sec -",
         "step 2/10 loss 0.2500 examples/sec 1,234",
     ]
@@ -64,7 +72,7 @@ def test_the_total_follows_a_replanned_end_of_the_data(capsys):
     hook.after_run(None, StepEvent(400, 0.25, {}, 64, 64, 1.0, 100.0, {}, [0]))
     session.data_steps = 492  # the driver's rollback set it
     hook.after_run(None, StepEvent(470, 0.25, {}, 64, 64, 2.0, 100.0, {}, [0]))
-    assert capsys.readouterr().err.splitlines() == [
+    assert _untimed(capsys.readouterr().err) == [
         "step 400/468 loss 0.2500 examples/sec 100",
         "step 470/492 loss 0.2500 examples/sec 100",
     ]

@@ -1,4 +1,4 @@
-"""Live progress for `towerflow train`: a rich bar on a terminal, periodic plain lines in job logs."""
+"""Live progress for `towerflow train`: a rich bar on a terminal, periodic timed lines in job logs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from towerflow.messages import stamp
 from towerflow.runtime.hooks import Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 
 
@@ -57,7 +58,8 @@ class ProgressHook(Hook):
         elif time.monotonic() - self._last_log >= self.log_every_s:
             self._last_log = time.monotonic()
             print(
-                f"step {event.global_step}{f'/{total}' if total else ''} loss {loss} examples/sec {rate}",
+                f"{stamp()} step {event.global_step}{f'/{total}' if total else ''} loss {loss} "
+                f"examples/sec {rate}",
                 file=sys.stderr,
                 flush=True,
             )
