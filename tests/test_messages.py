@@ -96,3 +96,22 @@ def test_a_script_sees_the_messages_once_in_its_own_logging_where_it_has_some(ca
     )
     lines = out.stderr.splitlines()
     assert len(lines) == len(shown) and all(re.fullmatch(p, line) for p, line in zip(shown, lines)), lines
+
+
+LIVE_BAR = """
+import io, logging, sys
+from towerflow.messages import show
+show()
+real, sys.stderr = sys.stderr, io.StringIO()  # as a live progress bar swaps in its proxy
+logging.getLogger("towerflow.runtime").warning("worker 1 lost")
+caught, sys.stderr = sys.stderr.getvalue(), real
+print(caught, end="")
+"""
+
+
+def test_a_message_goes_where_stderr_is_at_the_time_so_a_live_bar_prints_it_above_itself():
+    out = subprocess.run(
+        [sys.executable, "-c", LIVE_BAR], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert re.fullmatch(f"{TIME} towerflow: warning: worker 1 lost\n", out.stdout), out
+    assert out.stderr == ""

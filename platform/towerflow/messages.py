@@ -54,15 +54,27 @@ class MessageFormatter(logging.Formatter):
         return text
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is at each line, not as it was when made: a live progress bar
+    (rich's) swaps it for a proxy that prints the line above the bar instead of through it."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass  # StreamHandler's own __init__ sets it
+
+
 def show(stream: TextIO | None = None, *, propagate: bool = False) -> None:
-    """Show towerflow's messages (INFO and above) on `stream` (stderr), timed where it is no
-    terminal; once per process, later calls keep the first handler. `propagate`: pass them on to
-    the root logger's handlers too."""
+    """Show towerflow's messages (INFO and above) on `stream` (default: stderr, whatever it is at
+    each line), timed where it is no terminal; once per process, later calls keep the first
+    handler. `propagate`: pass them on to the root logger's handlers too."""
     logger = logging.getLogger(LOGGER)
     if not logger.handlers:
-        stream = stream or sys.stderr
-        handler = logging.StreamHandler(stream)
-        handler.setFormatter(MessageFormatter(timestamps=read_later(stream)))
+        handler = _CurrentStderr() if stream is None else logging.StreamHandler(stream)
+        handler.setFormatter(MessageFormatter(timestamps=read_later(handler.stream)))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = propagate
