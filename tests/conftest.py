@@ -149,6 +149,8 @@ def _no_run_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
     if cluster is not None:
         ended = end_leftover_runs(cluster)
         print(f"\nended what the failed test left on the cluster: {ended}")
+        for report in cluster.unasked_losses():  # a node lost unasked, the likelier cause
+            print(f"\na node lost without the test asking:\n{report}")
 
 
 _module_seconds: dict[str, float] = {}

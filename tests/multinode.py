@@ -319,6 +319,19 @@ class LocalCluster:
             raise ValueError(f"the state API failed: {reply.get('msg')}")
         return {n["node_id"]: n["state"] for n in reply["data"]["result"]["result"]}
 
+    def unasked_losses(self) -> list[str]:
+        """Reports of the nodes lost without a test asking: exited, or declared dead by the GCS (a
+        raylet that missed its health checks on the busy cores) while its process ran on. For a
+        failed test's output: the module's teardown removes their logs."""
+        states: dict[str, str] = {}
+        with contextlib.suppress(OSError, ValueError):  # the head itself may be gone
+            states = self.node_states()
+        return [
+            node.exit_report()
+            for node in self.nodes
+            if not node.killed and (node.process.poll() is not None or states.get(node.node_id) == "DEAD")
+        ]
+
     def alive_nodes(self) -> set[str]:
         """Ids of the nodes the GCS reports alive."""
         return {node_id for node_id, state in self.node_states().items() if state == "ALIVE"}

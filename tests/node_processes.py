@@ -108,11 +108,11 @@ class Node:
 
     def exit_report(self, chars: int = 3000) -> str:
         """Why it ended: `ray start --block` ends the whole node when one of its processes exits
-        and says which (its log), and the GCS's last lines say whether it crashed."""
-        parts = [
-            f"{self.name} exited ({self.process.returncode}); its ray start said:\n{self.log_tail(chars)}"
-        ]
-        names = ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err")
+        and says which (its log), the GCS's last lines say whether it crashed, and the raylet's
+        whether it was told it was dead (missed health checks)."""
+        ended = "running" if self.process.returncode is None else f"exited ({self.process.returncode})"
+        parts = [f"{self.name} {ended}; its ray start said:\n{self.log_tail(chars)}"]
+        names = ("ray_process_exit.log", "gcs_server.err", "gcs_server.out", "raylet.err", "raylet.out")
         parts += [f"--- {path}:\n{text[-chars:]}" for path, text in self._session_logs(names)]
         return "\n".join(parts)
 

@@ -41,7 +41,7 @@ from multinode_drivers import (
     start_driver,
     wait_for_step,
 )
-from node_processes import can_hide_folders
+from node_processes import can_hide_folders, raylet_of
 
 from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 
@@ -214,9 +214,13 @@ def test_runs_spread_over_nodes_train_as_one_process_does(
 def test_a_killed_node_is_reported_dead_and_a_new_one_joins(multinode_cluster: LocalCluster):
     cluster = multinode_cluster
     victim = cluster.nodes[-1]
-    cluster.kill_node(victim)
-    assert victim.process.poll() is not None
+    assert cluster.unasked_losses() == []
+    raylet_of(victim.process.pid).kill()  # a loss the test did not ask for: a failed test reports it
     cluster.wait_for_state(victim, "DEAD", timeout=60)
+    (report,) = cluster.unasked_losses()
+    assert report.startswith(victim.name) and "raylet.out" in report, report
+    cluster.kill_node(victim)  # the rest of its processes, as asked
+    assert victim.process.poll() is not None and cluster.unasked_losses() == []
     assert len(cluster.alive_nodes()) == 2 and victim.node_id not in cluster.alive_nodes()
 
     fresh = cluster.add_node(num_cpus=2)
