@@ -147,6 +147,7 @@ def test_ray_job_submit_trains_on_the_cluster_tracks_to_the_server_and_registers
     # nor Ray Data's execution plan.
     assert "absl::InitializeLog" not in logs and "I0000 00:00" not in logs, logs
     assert "Execution plan of Dataset" not in logs, logs
+    assert "tqdm is not installed" not in logs and "progress UI" not in logs, logs  # nor its progress bars
     # cpus_per_worker: auto read the cluster joined: three 2-CPU nodes hold one 1-CPU worker each
     # beside a shard and Ray Data's CPU
     assert "cluster.cpus_per_worker: auto -> 1 on the Ray cluster joined (3 node(s): 2, 2, 2 CPUs" in logs

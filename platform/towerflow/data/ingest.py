@@ -229,6 +229,11 @@ def build_training_data(
     # Not the execution plan at INFO in every job's log: Ray forwards the split coordinator's lines
     # to a connected driver. Ray Data's own log file under the session's logs/ still has them.
     ds.context.print_on_execution_start = False
+    # Nor Ray Data's own progress bars (the run's progress is towerflow's): in the split
+    # coordinator each bar would send its state to a connected driver every second, and the
+    # driver would say that tqdm is missing, the coordinator offer "a new progress UI", in every
+    # job's log.
+    ds.context.enable_progress_bars = False
     # Lockstep (sync): every worker gets the same number of examples. Async: faster workers take more.
     # A lost worker's replacement takes its split over, with what it had not used (data/splits.py).
     # Reading starts now, while the workers start: their first batch is then ready, or nearly.

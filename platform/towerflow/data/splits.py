@@ -53,6 +53,9 @@ class _LedgeredCoordinator(_RAYS_COORDINATOR):
     """Ray Data's split coordinator, also keeping each split's blocks until their rows are used."""
 
     def __init__(self, dataset: Any, n: int, locality_hints: Any, name: str) -> None:
+        # Ray Data says, once per process, that its progress bars are off (data/ingest.py turns
+        # them off): not a line for every job's log.
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
         self._closed = False
         self._name = name  # the actor's, under which its execution's claim on the cores is recorded
         self._claimed: Any = None  # the execution last recorded
