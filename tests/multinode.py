@@ -329,7 +329,7 @@ class LocalCluster:
         return [
             node.exit_report()
             for node in self.nodes
-            if not node.killed and (node.process.poll() is not None or states.get(node.node_id) == "DEAD")
+            if node.exited_unasked or (not node.killed and states.get(node.node_id) == "DEAD")
         ]
 
     def alive_nodes(self) -> set[str]:
@@ -396,7 +396,7 @@ class LocalCluster:
         A node that had exited unasked has its `exit_report` printed first (a failed test's output
         shows it): the temp dirs with its logs go."""
         for node in self.nodes:
-            if not node.killed and node.process.poll() is not None:
+            if node.exited_unasked:
                 print(node.exit_report())
         extra = [n for n in self.nodes[1:] if not n.killed]
         _stop(extra)

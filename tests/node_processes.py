@@ -106,6 +106,11 @@ class Node:
             return self.log.read_text(errors="replace")[-chars:]
         return ""
 
+    @property
+    def exited_unasked(self) -> bool:
+        """Its processes ended without the test's killing it."""
+        return not self.killed and self.process.poll() is not None
+
     def exit_report(self, chars: int = 3000) -> str:
         """Why it ended: `ray start --block` ends the whole node when one of its processes exits
         and says which (its log), the GCS's last lines say whether it crashed, and the raylet's

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     keep_embedded_ray_local()  # before any subcommand imports Ray
-    _show_library_messages()
+    messages.show()  # towerflow's log lines on stderr: libraries log, the command shows them
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -92,12 +92,6 @@ def _stop_forwarding_ray_logs() -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
-
-
-def _show_library_messages() -> None:
-    """towerflow's own log lines (a worker lost and replaced, a run resumed) on stderr, as the rest
-    of what the command says; libraries log, the command decides how it looks."""
-    messages.show()
 
 
 def _working_directory_importable() -> None:
