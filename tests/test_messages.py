@@ -74,6 +74,9 @@ show_unless_configured()
 show_unless_configured()  # a second run in the same process adds no second handler
 logging.getLogger("towerflow.launch").info("data resumes in epoch 2")
 logging.getLogger("towerflow.tracking").warning("a store lost with the job")
+if sys.argv[1] == "late":  # a notebook that sets its logging up after its first run
+    logging.basicConfig(level=logging.INFO, format="app %(levelname)s %(message)s")
+    logging.getLogger("towerflow.launch").info("the second run")
 """
 
 
@@ -88,6 +91,14 @@ logging.getLogger("towerflow.tracking").warning("a store lost with the job")
             ],
         ),
         ("configured", ["app INFO data resumes in epoch 2", "app WARNING a store lost with the job"]),
+        (
+            "late",
+            [
+                f"{TIME} towerflow: data resumes in epoch 2",
+                f"{TIME} towerflow: warning: a store lost with the job",
+                "app INFO the second run",  # once, in the caller's format: towerflow's handler gave way
+            ],
+        ),
     ],
 )
 def test_a_script_sees_the_messages_once_in_its_own_logging_where_it_has_some(caller, shown):

@@ -67,14 +67,20 @@ class _CurrentStderr(logging.StreamHandler):
         pass  # StreamHandler's own __init__ sets it
 
 
+def _root_unconfigured(record: logging.LogRecord) -> bool:
+    return not logging.getLogger().handlers
+
+
 def show(stream: TextIO | None = None, *, propagate: bool = False) -> None:
     """Show towerflow's messages (INFO and above) on `stream` (default: stderr, whatever it is at
     each line), timed where it is no terminal; once per process, later calls keep the first
-    handler. `propagate`: pass them on to the root logger's handlers too."""
+    handler. `propagate`: pass them on to the root logger's handlers instead, once it has any."""
     logger = logging.getLogger(LOGGER)
     if not logger.handlers:
         handler = _CurrentStderr() if stream is None else logging.StreamHandler(stream)
         handler.setFormatter(MessageFormatter(timestamps=read_later(handler.stream)))
+        if propagate:  # a caller that sets logging up later (basicConfig) gets each line once, its way
+            handler.addFilter(_root_unconfigured)
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = propagate
@@ -82,6 +88,7 @@ def show(stream: TextIO | None = None, *, propagate: bool = False) -> None:
 
 def show_unless_configured() -> None:
     """`show` where nothing shows towerflow's messages yet: neither a handler of its own nor the
-    root logger's (a caller's `logging.basicConfig`, pytest's capture), which then keep them."""
+    root logger's (a caller's `logging.basicConfig`, pytest's capture), which then keep them; and
+    only until the root logger has a handler."""
     if not logging.getLogger(LOGGER).handlers and not logging.getLogger().handlers:
         show(propagate=True)
