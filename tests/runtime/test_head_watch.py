@@ -108,6 +108,7 @@ def test_the_head_watch_tells_once_when_the_head_falls_silent_and_once_when_it_a
     back = watch.look(step=650)
     assert back is not None and back.over and back.from_step == 100 and back.seconds == 14.5
     assert "did not answer for 14 s, from step 100" in back.describe()
+    assert back.outcome() == "training went on, 500 step(s) meanwhile"  # to 600, the last look while silent
     assert watch.state is HeadState.ANSWERING and watch.look(step=651) is None
 
 
@@ -121,6 +122,7 @@ def test_a_silence_that_began_and_ended_between_two_looks_is_told_once_as_over()
     silence.seconds, silence.ended = 0.2, 8.5  # the head went and came back since the last look
     missed = watch.look(step=180)
     assert missed is not None and missed.over and missed.from_step == 100 and missed.seconds == 8.5
+    assert missed.outcome() == "the run went on once it answered"  # its steps meanwhile unknown
     assert watch.state is HeadState.ANSWERING and watch.look(step=181) is None  # told once
     silence.ended = 1.0  # an answer a second after the one before: no silence
     assert watch.look(step=182) is None
@@ -143,3 +145,19 @@ def test_the_answers_record_the_longest_silence_an_answer_ended():
     finally:
         answers.close()
         answering.set()
+
+
+def test_a_silence_through_which_no_step_was_heard_says_so():
+    """A parameter server lost with the head: the workers wait for its replacement, which waits
+    for the GCS. (After a rollback the steps heard go back: still none trained meanwhile.)"""
+    silence = _Silence()
+    watch = HeadWatch(silence, silent_after_s=5.0)
+    assert watch.look(step=134) is None
+    silence.seconds = 6.0
+    assert watch.look(step=134) is not None
+    silence.seconds = 12.0
+    assert watch.look(step=134) is None
+    silence.seconds = 0.2
+    back = watch.look(step=100)
+    assert back is not None and back.over
+    assert back.outcome() == "the run went on, no step trained meanwhile"

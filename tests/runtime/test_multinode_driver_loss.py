@@ -4,7 +4,8 @@ the same shard and worker processes; under `driver_restarts` the command starts 
 again, which takes the run over; with no driver, the kept shards end after the grace period; a
 driver stopped (SIGSTOP) past its lease and taken over leaves the run to the new one when it wakes.
 And the head lost and started again with a worker's node, the driver on a node of its own: the run
-trains on through the head's absence, and replaces the worker once the head is back.
+trains on through the head's absence, and replaces the worker once the head is back; with the
+shard's node instead, it rolls back once the head is back.
 
 One cluster for the module (tests/multinode.py's `gcs_ft_cluster`: the GCS's tables in a real
 Redis, a head with no CPUs, two 2-CPU nodes), the head's loss last. Everything reaches Ray through
@@ -60,10 +61,10 @@ def _kept_actors_while(
     return seen
 
 
-def _trained_after_recovery(client: MlflowClient, run_id: str, steps: int) -> bool:
-    """Whether a lost worker's replacement has reported its first step (`worker_recovery_s`) and the
-    run has trained `steps` more since."""
-    recovered = client.get_metric_history(run_id, "worker_recovery_s")
+def _trained_after(client: MlflowClient, run_id: str, metric: str, steps: int) -> bool:
+    """Whether the run has logged `metric` (`worker_recovery_s`: a lost worker's replacement has
+    reported its first step; `ps_rollbacks`: the shards rolled back) and trained `steps` more since."""
+    recovered = client.get_metric_history(run_id, metric)
     if not recovered:
         return False
     at = min(m.timestamp for m in recovered)
@@ -268,6 +269,30 @@ def test_a_driver_paused_past_its_lease_wakes_to_find_its_run_taken_over_and_lea
 # try in 20 here; Ray's bug, not the run's.
 
 
+def _lose_with_the_head(cluster, victim, driver: subprocess.Popen, until: Callable[[], bool]) -> list[dict]:
+    """SIGKILL `victim` and the head (its GCS, raylet and dashboard), start the head again 5 s later
+    (so that its silence is one, 5 s: head_watch.py, however soon the new GCS answers); the kept
+    actors seen until `until()`, the driver alive throughout."""
+    cluster.kill_node(victim)
+    cluster.restart_head(down_s=5)
+    seen = _kept_actors_while(cluster, driver, until)
+    assert driver.poll() is None, driver.communicate()[0][-3000:]
+    return seen
+
+
+def _stop_after_the_heads_loss(cluster, driver: subprocess.Popen) -> str:
+    """`stop`, or an expected failure where Ray's restarted GCS crashed as the run's end removed its
+    placement groups (the driver then waits for a head that is gone)."""
+    try:
+        out = stop(driver)
+    except AssertionError as hung:  # its stacks and output: the driver outlived the wait
+        if "saved a checkpoint of step" in str(hung) and cluster.head.gcs_said(RAY_GCS_REMOVAL_CHECK):
+            pytest.xfail(f"Ray 2.60's GCS failed its check {RAY_GCS_REMOVAL_CHECK!r} (docs/reliability.md)")
+        raise
+    assert "saved a checkpoint of step" in out, out[-3000:]
+    return out
+
+
 def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_with_it(
     gcs_ft_cluster, blob_data, tmp_path
 ):
@@ -294,24 +319,15 @@ def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_wit
     victim = nodes_with_a_worker_and_no_shard(cluster)[0]
     lost = {w["actor_id"] for w in alive_actors(cluster, "TowerWorker") if w["node_id"] == victim.node_id}
     survivors = {k: v for k, v in actors.items() if k not in lost}
-    cluster.kill_node(victim)
-    # SIGKILLed: its GCS, raylet and dashboard; started again 5 s later, so that its silence is
-    # one (5 s: head_watch.py) however soon the new GCS answers
-    cluster.restart_head(down_s=5)
     client = MlflowClient(uri)
-    seen = _kept_actors_while(cluster, driver, until=lambda: _trained_after_recovery(client, run_id, 20))
-    assert driver.poll() is None, driver.communicate()[0][-3000:]
+    seen = _lose_with_the_head(
+        cluster, victim, driver, lambda: _trained_after(client, run_id, "worker_recovery_s", 20)
+    )
     # The restarted GCS knows the run's actors from Redis: the shard and the other worker, the same
     # processes; one new process, the lost worker's replacement.
     assert any(survivors.items() <= alive.items() for alive in seen), (seen, kept_actor_states(cluster))
     assert len(set().union(*seen) - actors.keys()) == 1, seen
-    try:
-        out = stop(driver)
-    except AssertionError as hung:  # its stacks and output: the driver outlived the wait
-        if "saved a checkpoint of step" in str(hung) and cluster.head.gcs_said(RAY_GCS_REMOVAL_CHECK):
-            pytest.xfail(f"Ray 2.60's GCS failed its check {RAY_GCS_REMOVAL_CHECK!r} (docs/reliability.md)")
-        raise
-    assert "saved a checkpoint of step" in out, out[-3000:]
+    out = _stop_after_the_heads_loss(cluster, driver)
     assert kept_actors(cluster) == {}
     run = client.get_run(run_id)
     assert run.info.status == "KILLED", out[-3000:]
@@ -319,7 +335,11 @@ def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_wit
     faults = sorted(v for k, v in run.data.tags.items() if k.startswith("towerflow.fault."))
     assert len(faults) == 2, (faults, out[-3000:])
     head, worker = faults
-    assert "the cluster's head (its GCS) did not answer for" in head and "training went on" in head
+    assert "the cluster's head (its GCS) did not answer for" in head
+    # The other worker's steps meanwhile: none where its reads ran on the lost node (below).
+    assert re.search(
+        r": (training went on, \d+ step\(s\)|the run went on, no step trained) meanwhile$", head
+    ), head
     assert re.match(r"worker \d lost at step \d+: .*: replaced$", worker), worker
     # The driver's loop went on while the head was gone: it said so then. Before, the replacement's
     # wait held the loop for the head's whole absence, and so did the look at the shards after the
@@ -328,3 +348,45 @@ def test_a_sync_run_trains_on_through_the_heads_loss_and_a_workers_node_lost_wit
     # Not asserted: the other worker's steps meanwhile. They go as far as its data: none where the
     # reads ran on the lost node and nothing was read ahead (docs/reliability.md, "A worker's node
     # lost with the head"); benchmarks/faults.py measures them.
+
+
+def test_a_sync_run_rolls_its_shard_back_once_the_head_lost_with_the_shards_node_is_back(
+    gcs_ft_cluster, blob_data, tmp_path
+):
+    """The head and the shard's node lost together (one Kubernetes node with both pods): the
+    workers cannot train without the shard, and its replacement needs the GCS, so the run waits
+    for the head, then rolls back to its last checkpoint and trains on, the surviving workers the
+    same processes. The head's fault says no training went on meanwhile."""
+    cluster = gcs_ft_cluster
+    driver_node, _ = cluster.add_nodes(0, 2)  # the driver's node; room for a new shard
+    name = "head-and-shard-loss"
+    spec, uri = spec_file(
+        tmp_path, blob_data, name, max_steps=100_000, checkpoint_every=20, failure={"driver_restarts": 0}
+    )
+    driver = start_driver_on(cluster, driver_node, spec)
+    run_id = wait_for_step(uri, name, 30, driver)
+    shard_nodes = {a["node_id"] for a in alive_actors(cluster, "ParameterShard")}
+    victim = next(n for n in cluster.nodes[1:] if not n.killed and n.node_id in shard_nodes)
+    workers = {w["actor_id"]: w["node_id"] for w in alive_actors(cluster, "TowerWorker")}
+    surviving = {
+        k: v for k, v in kept_actors(cluster).items() if workers.get(k, victim.node_id) != victim.node_id
+    }
+    client = MlflowClient(uri)
+    seen = _lose_with_the_head(
+        cluster, victim, driver, lambda: _trained_after(client, run_id, "ps_rollbacks", 20)
+    )
+    assert surviving and surviving.items() <= seen[-1].items(), (surviving, seen[-1])  # not restarted
+    out = _stop_after_the_heads_loss(cluster, driver)
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED", out[-3000:]
+    assert run.data.metrics["ps_rollbacks"] == 1, out[-3000:]
+    faults = [v for k, v in sorted(run.data.tags.items()) if k.startswith("towerflow.fault.")]
+    shard = [f for f in faults if f.startswith("parameter server 0 lost")]
+    head = [f for f in faults if f.startswith("the cluster's head")]
+    assert len(shard) == 1 and re.search(r": rolled back to step \d+ \(", shard[0]), faults
+    # The workers waited for the new shard: the run went on, not its training.
+    assert len(head) == 1 and re.search(
+        r": the run went on(, no step trained meanwhile| once it answered)$", head[0]
+    )
+    others = [f for f in faults if f not in shard + head]  # a worker on the shard's node, replaced
+    assert all(re.match(r"worker \d lost at step \d+: .*: replaced$", f) for f in others), faults

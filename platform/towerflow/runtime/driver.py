@@ -299,15 +299,15 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
         return [summary for _, summary in sorted(self._summaries.items())]
 
     def _watch_head(self) -> None:
-        """The head's silence: a warning as it starts, a fault tag once it is over (the training
-        goes on meanwhile: head_watch.py)."""
+        """The head's silence: a warning as it starts, a fault tag once it is over, saying what the
+        run did meanwhile (the training goes on where it needs no GCS: head_watch.py)."""
         silence = self.head_watch.look(self.group.global_step)
         if silence is None:
             return
         if not silence.over:
             log.warning("%s", silence.describe())
         else:
-            self._tell_fault(FaultEvent(silence.from_step, silence.describe(), "training went on"))
+            self._tell_fault(FaultEvent(silence.from_step, silence.describe(), silence.outcome()))
 
     def _turn(self, *, suspect_shards: bool = False) -> list[Any]:
         """One poll of the cluster and what the failure policy decides about it; returns the step

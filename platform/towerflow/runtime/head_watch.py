@@ -103,11 +103,23 @@ class HeadState(enum.Enum):
 
 @dataclass(frozen=True)
 class HeadSilence:
-    """The GCS stopped answering at `from_step` (`over`: it answers again, after `seconds`)."""
+    """The GCS stopped answering at `from_step` (`over`: it answers again, after `seconds`).
+    `to_step`: the furthest step heard while it was silent; None where the driver's loop was held
+    up through the whole silence (a rollback waiting for the GCS to start a lost shard again)."""
 
     from_step: int
     seconds: float
     over: bool
+    to_step: int | None = None
+
+    def outcome(self) -> str:
+        """What the run did meanwhile, for the fault told once the silence is over."""
+        if self.to_step is None:
+            return "the run went on once it answered"
+        trained = self.to_step - self.from_step
+        if trained <= 0:
+            return "the run went on, no step trained meanwhile"
+        return f"training went on, {trained} step(s) meanwhile"
 
     def describe(self) -> str:
         if not self.over:
@@ -132,6 +144,7 @@ class HeadWatch:
         self._silent_after_s = silent_after_s
         self.state = HeadState.ANSWERING
         self._from_step = 0
+        self._to_step = 0
         self._longest_s = 0.0
 
     def look(self, step: int) -> HeadSilence | None:
@@ -144,12 +157,12 @@ class HeadWatch:
                 self._from_step = step  # the last step seen while it answered
             if silent_s < self._silent_after_s:
                 return None
-            self.state, self._longest_s = HeadState.SILENT, silent_s
+            self.state, self._longest_s, self._to_step = HeadState.SILENT, silent_s, step
             return HeadSilence(self._from_step, silent_s, over=False)
         if silent_s >= self._silent_after_s:
-            self._longest_s = max(self._longest_s, silent_s)
+            self._longest_s, self._to_step = max(self._longest_s, silent_s), max(self._to_step, step)
             return None
         self.state = HeadState.ANSWERING
         # The silence lasted until the answer that ended it (the longest seen is within a look's
-        # period of it).
-        return HeadSilence(self._from_step, max(self._longest_s, ended_s), over=True)
+        # period of it); the steps heard at this look may have come after it.
+        return HeadSilence(self._from_step, max(self._longest_s, ended_s), over=True, to_step=self._to_step)
