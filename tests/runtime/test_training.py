@@ -9,8 +9,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from mlflow.tracking import MlflowClient
 from sample_hooks import StopAtStepHook
-from support import blob_spec, blobs, ray_data_claims
+from support import blob_spec, blobs, ray_data_claims, tracked_spec
 
 from models import mlp
 from towerflow.runtime.driver import Driver
@@ -136,26 +137,30 @@ def test_async_shards_that_dropped_different_gradients_end_at_one_step_and_check
 ):
     """Bounded staleness judges each push at each shard: worker 1's pushes reach shard 0 too late
     (dropped there) and shard 1 in time, so shard 0 falls behind. The run still ends at one step,
-    and its last checkpoint holds each shard's last state at it."""
-    spec = validate_spec(
-        blob_spec(
-            blob_data,
-            data={"batch_size": 16, "epochs": 3},
-            cluster={"workers": 2, "ps": 2},
-            training={"mode": "async", "max_steps": 30, "max_staleness": 1},
-        )
+    its last checkpoint holds each shard's last state at it, and its metrics end there."""
+    spec, uri = tracked_spec(
+        tmp_path,
+        blob_data,
+        "drift",
+        data={"batch_size": 16, "epochs": 3},
+        cluster={"workers": 2, "ps": 2},
+        training={"mode": "async", "max_steps": 30, "max_staleness": 1},
     )
-    from towerflow.checkpoint import LocalCheckpointStore
+    from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
     from towerflow.checkpoint.stores import latest_step
     from towerflow.launch import train
 
     late_at_shard_0 = FaultInjector(pushes_older_at_shard={1: (0, 5)})
-    result = train(spec, track=False, faults=late_at_shard_0, output_dir=tmp_path)
+    result = train(spec, faults=late_at_shard_0)
     stale = [shard["stale"] for shard in result.shards]
     assert stale[0] > stale[1]  # worker 1's pushes were dropped at shard 0
     assert [shard["version"] for shard in result.shards] == [30, 30]  # settled at the furthest
     assert result.global_step == 30
-    store = LocalCheckpointStore(tmp_path / "checkpoints")
+    # The steps logged follow shard 0's count, behind: the run's metrics still end at its step.
+    client = MlflowClient(uri)
+    steps = client.get_metric_history(result.run_id, "global_step")
+    assert max(m.step for m in steps) == max(m.value for m in steps) == 30, steps[-3:]
+    store = MlflowCheckpointStore(client, result.run_id)
     assert latest_step(store) == 30
     state = store.load(30)
     assert state.global_step == 30 and all(np.isfinite(v).all() for v in state.variables.values())

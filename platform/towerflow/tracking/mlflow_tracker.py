@@ -234,6 +234,10 @@ class MLflowTracker(Hook):
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:
             self._log_step(last)  # the final step is always logged
+        if outcome.status == "FINISHED" and outcome.global_step > self._last_logged_step:
+            # Async shards that drifted apart ended at the furthest's step, which the steps heard
+            # (shard 0's count) fell short of: the run's metrics end where its result does.
+            self.on_metrics({"global_step": outcome.global_step}, outcome.global_step)
         self._hand_over()
         refusal = self._wait_for_the_server()
         status, error = outcome.status, outcome.error
