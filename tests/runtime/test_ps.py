@@ -1,5 +1,6 @@
 """A parameter-server shard whose pieces come in gradient buckets, on a real Ray actor."""
 
+import asyncio
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ from towerflow.errors import FencedOut
 from towerflow.runtime.fencing import fence_taken_actors
 from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol
 from towerflow.runtime.ps import shard_actor
+from towerflow.runtime.push_order import PushOrder
 from towerflow.runtime.shard_replies import parameter_values
 
 
@@ -112,6 +114,46 @@ def test_a_stopping_workers_last_push_and_retire_leave_every_shard_at_one_versio
     np.testing.assert_allclose(ray.get(ray.get(shards[1].pull.remote(1)).params)[0], -1.0)
     for shard in shards:
         ray.kill(shard)
+
+
+def test_a_workers_numbered_pushes_are_taken_in_its_order_whatever_order_they_arrive_in(ray_cluster):
+    """overlap_push: a worker's next push may reach the shard before the one it sent first. Taken
+    as they arrive, the first would count a staleness of 1 (and the second 0); taken in the worker's
+    order, each counts what the worker computed it against."""
+    shard = _two_zeros_shard(0, AsyncProtocol(max_staleness=0))
+    ray.get(shard.join.remote(0, 7))
+    one = [np.ones(2, np.float32)]
+    second = shard.push.remote(one, 1, 0, 0, 0, True, 7, 1)  # computed on version 1: after the first
+    ready, _ = ray.wait([second], timeout=1.0)
+    assert ready == []  # it waits for the first
+    first = ray.get(shard.push.remote(one, 0, 0, 0, 0, True, 7, 0))
+    second = ray.get(second)
+    assert (first.verdict, first.step, first.staleness) == ("applied", 1, 0)
+    assert (second.verdict, second.step, second.staleness) == ("applied", 2, 0)  # none dropped as stale
+    ray.kill(shard)
+
+
+def test_a_push_whose_predecessor_never_comes_goes_on_after_the_wait():
+    """The earlier push lost in transit (its worker lost with it): the later one is not held for ever."""
+    order = PushOrder(wait_s=0.2)
+
+    async def pushes() -> list[str]:
+        taken: list[str] = []
+
+        async def push(number: int) -> None:
+            await order.wait_turn((0, 7, 0), number)
+            taken.append(f"push {number}")
+            await order.taken((0, 7, 0), number)
+
+        started = time.monotonic()
+        await asyncio.gather(push(2), push(1))  # push 0 never comes
+        taken.append("waited" if time.monotonic() - started >= 0.2 else "did not wait")
+        await push(3)  # its turn at once
+        order.forget(0)  # the worker's next run numbers from 0 again
+        await asyncio.wait_for(push(0), 0.1)
+        return taken
+
+    assert asyncio.run(pushes()) == ["push 1", "push 2", "waited", "push 3", "push 0"]
 
 
 def test_async_shards_that_drifted_apart_settle_at_the_furthest_once_finished(ray_cluster):

@@ -28,6 +28,7 @@ import ray
 from towerflow.runtime.accumulator import GradientAccumulator
 from towerflow.runtime.fencing import DriverTerm
 from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
+from towerflow.runtime.push_order import PushOrder
 from towerflow.runtime.shard_checkpoints import ShardCheckpoints
 from towerflow.runtime.shard_parts import LiveState, OwnCopy, PartSource, ShardSnapshot
 from towerflow.runtime.shard_replies import ParamsReply, PushReply
@@ -60,6 +61,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         self._written: dict[int, ShardSnapshot] = {}
         # (shard id, version) -> another shard's state, held for it: its part of a memory checkpoint
         self._peer_copies: dict[tuple[int, int], ShardSnapshot] = {}
+        self._order = PushOrder()  # a new one with each `load`
 
     def reset(self, shard_id: int) -> None:
         """A kept shard's next run (runtime/actor_pool.py), as shard `shard_id`: the last run's
@@ -134,6 +136,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         self._version = initial_version
         self._done = max_steps is not None and initial_version >= max_steps
         self._changed: asyncio.Condition | None = None
+        self._order = PushOrder()
         # applied: updates (versions); gradients: the gradients they averaged
         self._counts = {
             "applied": 0,
@@ -171,16 +174,38 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         examples: int = 0,
         with_params: bool = True,
         incarnation: int = 0,
+        number: int | None = None,
     ) -> PushReply:
         """Gradients for this shard's pieces of `bucket`, computed against `version_read` on a batch
         of `examples` examples (counted per worker: the rows a lost worker used) by `worker`'s run
         `incarnation` (its `join`). The reply carries the parameters to compute the next step with,
         unless the worker goes on with its own (`with_params` False: async fetch_every), and then
-        publishes nothing.
+        publishes nothing. `number`: the push's place in the worker's run, where it may have
+        several in flight (overlap_push): they are taken in that order (runtime/push_order.py).
 
         None is a skipped gradient (its loss was not finite, nan_guard: skip): sync counts the
         worker in its step all the same, with nothing added, so the others do not wait for it.
         """
+        args = (gradients, version_read, worker, bucket, examples, with_params, incarnation)
+        if number is None:
+            return await self._push(*args)
+        key = (worker, incarnation, bucket)
+        await self._order.wait_turn(key, number)
+        try:
+            return await self._push(*args)
+        finally:
+            await self._order.taken(key, number)
+
+    async def _push(
+        self,
+        gradients: list[np.ndarray] | None,
+        version_read: int,
+        worker: int,
+        bucket: int,
+        examples: int,
+        with_params: bool,
+        incarnation: int,
+    ) -> PushReply:
         counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
         if self._done or self._bucket_exhausted(bucket):
             self._counts["after_done"] += counted
@@ -243,6 +268,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         run's own; a replacement's, under its lost one's id, takes the place of the lost one's)."""
         for protocol in self._protocols.values():
             protocol.on_join(worker, incarnation)
+        self._order.forget(worker)
 
     def resize(
         self, total_num_replicas: int, replicas_to_aggregate: int, examples_seen: int, term: int = 0

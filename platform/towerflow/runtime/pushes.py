@@ -43,12 +43,14 @@ class PushPlan:
         pusher: tuple[int, int],
         examples: int,
         with_params: bool = True,
+        number: int | None = None,
     ) -> list[tuple[int, Any]]:
         """Push `bucket` (of a gradient of `examples` examples) to every shard holding some of it;
         returns (shard, reply ref) pairs. None pushes a skipped gradient (nan_guard: skip) in the
         bucket's place. `pusher`: the worker's id and its run's incarnation (the shards' `join`).
         `with_params`: the replies carry the shards' new parameters (False: their versions only; the
-        worker goes on with the parameters it has).
+        worker goes on with the parameters it has). `number`: the push's place in the worker's run,
+        where several may be in flight (overlap_push): the shards take them in that order.
 
         Ray copies the arguments into its object store before `remote` returns, so the gradient
         buffers (which TensorFlow reuses once the hook returns) may change right after.
@@ -65,7 +67,9 @@ class PushPlan:
                     gradients[variable] if whole else gradients[variable][start:stop]
                     for variable, start, stop, whole in mine
                 ]
-            reply = shard.push.remote(rows, versions[s], worker, bucket, examples, with_params, incarnation)
+            reply = shard.push.remote(
+                rows, versions[s], worker, bucket, examples, with_params, incarnation, number
+            )
             sent.append((s, reply))
         return sent
 
@@ -77,6 +81,7 @@ class StepPushes:
     versions: list[int]  # per shard, the version the gradients were computed against
     examples: int = 0  # in the batch the gradients are of
     fetch: bool = True  # the replies are to carry new parameters (async fetch_every: not every step)
+    number: int | None = None  # its place in the worker's run, where pushes overlap (overlap_push)
     sent: list[tuple[int, int, Any]] = field(default_factory=list)  # (shard, bucket, reply ref)
     nonfinite: bool = False  # the loss was NaN or infinite: nothing was pushed
     error: BaseException | None = None  # raised by a hook; re-raised by the worker after the step

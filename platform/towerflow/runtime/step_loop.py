@@ -163,7 +163,12 @@ class StepLoop:
                 t2 = time.perf_counter()
                 # Downpour's n_fetch: new parameters with every fetch_every-th step's replies; the
                 # steps in between compute on these (the shards count their staleness).
-                step = StepPushes(versions, rows, fetch=(computed + 1) % cfg.fetch_every == 0)
+                step = StepPushes(
+                    versions,
+                    rows,
+                    fetch=(computed + 1) % cfg.fetch_every == 0,
+                    number=computed if cfg.overlap_push else None,  # two of its pushes in flight
+                )
                 loss, metrics = self._compute(step, inputs, labels, first=not computed)
                 computed += 1
                 t3 = time.perf_counter()
@@ -225,7 +230,13 @@ class StepLoop:
                 if cfg.skip_nonfinite:  # the shards count this worker in the step, with no gradient
                     for bucket_id in range(len(self._bucket_variables)):
                         sent = self._plan.send(
-                            bucket_id, None, step.versions, self._pusher, step.examples, step.fetch
+                            bucket_id,
+                            None,
+                            step.versions,
+                            self._pusher,
+                            step.examples,
+                            step.fetch,
+                            step.number,
                         )
                         for shard, ref in sent:
                             step.sent.append((shard, bucket_id, ref))
@@ -235,7 +246,7 @@ class StepLoop:
             by_variable = dict(zip(self._bucket_variables[bucket], gradients, strict=True))
             versions = self._faults.versions_pushed(cfg.worker_id, step.versions)
             for shard, ref in self._plan.send(
-                bucket, by_variable, versions, self._pusher, step.examples, step.fetch
+                bucket, by_variable, versions, self._pusher, step.examples, step.fetch, step.number
             ):
                 step.sent.append((shard, bucket, ref))
         except BaseException as exc:  # noqa: BLE001 - handed to the worker's own thread

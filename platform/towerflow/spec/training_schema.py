@@ -153,8 +153,8 @@ class TrainingSpec(StrictModel):
         False,
         description="Async only (Downpour's asynchronous push): a worker computes its next step while "
         "its last push is on its way and reads the push's reply after that step, so the round trip "
-        "no longer stalls it; its gradients are one of its own steps staler (now and then two, where "
-        "a shard starts the later of its two pushes in flight first). Pays where the round "
+        "no longer stalls it; its gradients are one of its own steps staler (the shards take its "
+        "pushes in the order it sent them). Pays where the round "
         "trip is long against the compute (small models, GPU workers); null gain where the CPU is "
         "the bound.",
     )

@@ -1,0 +1,63 @@
+"""A worker's pushes to a shard taken in the order it sent them.
+
+Ray runs an async actor's calls in no set order (a call whose arguments arrive first may start
+first). With `training.overlap_push` a worker has two pushes of one bucket in flight, and a shard
+that took the later first would count one more version of staleness for the earlier one (and
+drop it past `max_staleness`). Such pushes carry their number in the worker's run; a shard takes
+a worker's pushes of a bucket in that order, waiting for the one before up to `WAIT_S` (one lost
+in transit, with its worker: the later goes on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+WAIT_S = 5.0
+
+Key = tuple[int, int, int]  # (worker, its run's incarnation, bucket)
+
+
+class PushOrder:
+    def __init__(self, wait_s: float = WAIT_S) -> None:
+        self._wait_s = wait_s
+        self._next: dict[Key, int] = {}  # the number of the push each worker's bucket takes next
+        self._waiting: dict[Key, set[int]] = {}  # the numbers that arrived before their turn
+        self._changed: asyncio.Condition | None = None  # made in the actor's event loop
+
+    async def wait_turn(self, key: Key, number: int) -> None:
+        """Return once the pushes numbered below `number` have been taken; where some of them have
+        not come within the wait, the first push waiting goes on without them."""
+        if self._next.get(key, 0) >= number:
+            return
+        loop, changed = asyncio.get_running_loop(), self._condition()
+        deadline = loop.time() + self._wait_s
+        waiting = self._waiting.setdefault(key, set())
+        waiting.add(number)
+        try:
+            async with changed:
+                while self._next.get(key, 0) < number:
+                    left = deadline - loop.time()
+                    if left <= 0 and number == min(waiting):
+                        self._next[key] = number  # those before it are not coming
+                        break
+                    with contextlib.suppress(asyncio.TimeoutError):  # another's turn wakes it earlier
+                        await asyncio.wait_for(changed.wait(), left if left > 0 else None)
+        finally:
+            waiting.discard(number)
+
+    async def taken(self, key: Key, number: int) -> None:
+        self._next[key] = max(self._next.get(key, 0), number + 1)
+        changed = self._condition()
+        async with changed:
+            changed.notify_all()
+
+    def forget(self, worker: int) -> None:
+        """A worker's new run (its earlier runs' numbers are done with)."""
+        self._next = {key: n for key, n in self._next.items() if key[0] != worker}
+        self._waiting = {key: w for key, w in self._waiting.items() if key[0] != worker or w}
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
