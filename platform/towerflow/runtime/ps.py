@@ -186,74 +186,60 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         None is a skipped gradient (its loss was not finite, nan_guard: skip): sync counts the
         worker in its step all the same, with nothing added, so the others do not wait for it.
         """
-        args = (gradients, version_read, worker, bucket, examples, with_params, incarnation)
-        if number is None:
-            return await self._push(*args)
-        key = (worker, incarnation, bucket)
-        await self._order.wait_turn(key, number)
-        try:
-            return await self._push(*args)
-        finally:
-            await self._order.taken(key, number)
-
-    async def _push(
-        self,
-        gradients: list[np.ndarray] | None,
-        version_read: int,
-        worker: int,
-        bucket: int,
-        examples: int,
-        with_params: bool,
-        incarnation: int,
-    ) -> PushReply:
-        counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
-        if self._done or self._bucket_exhausted(bucket):
-            self._counts["after_done"] += counted
-            return PushReply(Verdict.DONE, -1, 0, 0.0, self._params_reply())
-        protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
-        decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker, incarnation)
-        if decision.verdict is Verdict.RETIRED:
-            # Its rows went to its replacement, uncounted here: no steps are left for this incarnation.
-            self._counts["retired"] += counted
-            return PushReply(Verdict.RETIRED, -1, 0, 0.0, ParamsReply(self._version, None, True))
-        self._taken[worker] += examples if counted else 0
-        if gradients is None and isinstance(protocol, AsyncProtocol):
-            self._counts["skipped"] += counted
-            return PushReply(Verdict.SKIPPED, -1, 0, 0.0, self._next_params(protocol.lockstep, with_params))
-        verdict, step = decision.verdict, -1
-        if (
-            decision.verdict is Verdict.APPLY
-            and gradients is not None
-            and decision.count == 1
-            and not accumulator.count
-        ):
-            step, verdict = self._apply(bucket, list(gradients), (worker,)), Verdict.APPLIED  # async, or one
-        elif decision.verdict is Verdict.APPLY:
-            if gradients is not None:
-                accumulator.add(gradients, worker)
-            step, verdict = self._apply_held(bucket), Verdict.APPLIED
-        elif decision.verdict is Verdict.HELD:
-            if gradients is not None:
-                accumulator.add(gradients, worker)
-            await self._wait_for(lambda: self._bucket_versions[bucket] > version_read or self._done)
-            applied = self._bucket_versions[bucket] > version_read
-            step, verdict = (version_read + 1, Verdict.APPLIED) if applied else (-1, Verdict.DONE)
-        else:
-            self._counts[decision.verdict] += counted
-        if gradients is None and verdict is Verdict.APPLIED:
-            verdict, self._counts["skipped"] = Verdict.SKIPPED, self._counts["skipped"] + counted
-        next_version = protocol.next_version_to_read(version_read)
-        await self._wait_for(lambda: self._version >= next_version or self._done)
-        # First: a publication here counts in the apply time.
-        params = self._next_params(protocol.lockstep, with_params)
-        return PushReply(
-            verdict,
-            step,
-            decision.staleness,
-            self._last_apply_s,
-            params,
-            workers=self._step_workers.get(step, ()) if bucket == self._last_bucket else (),
-        )
+        async with self._order.turn((worker, incarnation, bucket), number):
+            counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
+            if self._done or self._bucket_exhausted(bucket):
+                self._counts["after_done"] += counted
+                return PushReply(Verdict.DONE, -1, 0, 0.0, self._params_reply())
+            protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
+            decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker, incarnation)
+            if decision.verdict is Verdict.RETIRED:
+                # Its rows went to its replacement, uncounted here: no steps are left for this incarnation.
+                self._counts["retired"] += counted
+                return PushReply(Verdict.RETIRED, -1, 0, 0.0, ParamsReply(self._version, None, True))
+            self._taken[worker] += examples if counted else 0
+            if gradients is None and isinstance(protocol, AsyncProtocol):
+                self._counts["skipped"] += counted
+                return PushReply(
+                    Verdict.SKIPPED, -1, 0, 0.0, self._next_params(protocol.lockstep, with_params)
+                )
+            verdict, step = decision.verdict, -1
+            if (
+                decision.verdict is Verdict.APPLY
+                and gradients is not None
+                and decision.count == 1
+                and not accumulator.count
+            ):
+                step, verdict = (
+                    self._apply(bucket, list(gradients), (worker,)),
+                    Verdict.APPLIED,
+                )  # async, or one
+            elif decision.verdict is Verdict.APPLY:
+                if gradients is not None:
+                    accumulator.add(gradients, worker)
+                step, verdict = self._apply_held(bucket), Verdict.APPLIED
+            elif decision.verdict is Verdict.HELD:
+                if gradients is not None:
+                    accumulator.add(gradients, worker)
+                await self._wait_for(lambda: self._bucket_versions[bucket] > version_read or self._done)
+                applied = self._bucket_versions[bucket] > version_read
+                step, verdict = (version_read + 1, Verdict.APPLIED) if applied else (-1, Verdict.DONE)
+            else:
+                self._counts[decision.verdict] += counted
+            if gradients is None and verdict is Verdict.APPLIED:
+                verdict, self._counts["skipped"] = Verdict.SKIPPED, self._counts["skipped"] + counted
+            next_version = protocol.next_version_to_read(version_read)
+            await self._wait_for(lambda: self._version >= next_version or self._done)
+            # First: a publication here counts in the apply time.
+            params = self._next_params(protocol.lockstep, with_params)
+            return PushReply(
+                verdict,
+                step,
+                decision.staleness,
+                self._last_apply_s,
+                params,
+                workers=self._step_workers.get(step, ()) if bucket == self._last_bucket else (),
+            )
 
     async def retire(self, worker: int, incarnation: int | None = None) -> None:
         """A worker stopped pushing (done, failed or lost); sync aggregation goes on with the others.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 WAIT_S = 5.0
 
@@ -24,6 +25,19 @@ class PushOrder:
         self._next: dict[Key, int] = {}  # the number of the push each worker's bucket takes next
         self._waiting: dict[Key, set[int]] = {}  # the numbers that arrived before their turn
         self._changed: asyncio.Condition | None = None  # made in the actor's event loop
+
+    @contextlib.asynccontextmanager
+    async def turn(self, key: Key, number: int | None) -> AsyncIterator[None]:
+        """Enter in the push's turn; on leaving, the next may go. `number` None: a push that is
+        the only one of its worker in flight, taken as it comes."""
+        if number is None:
+            yield
+            return
+        await self.wait_turn(key, number)
+        try:
+            yield
+        finally:
+            await self.taken(key, number)
 
     async def wait_turn(self, key: Key, number: int) -> None:
         """Return once the pushes numbered below `number` have been taken; where some of them have
