@@ -210,10 +210,8 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
                 and decision.count == 1
                 and not accumulator.count
             ):
-                step, verdict = (
-                    self._apply(bucket, list(gradients), (worker,)),
-                    Verdict.APPLIED,
-                )  # async, or one
+                step = self._apply(bucket, list(gradients), (worker,))  # async, or one
+                verdict = Verdict.APPLIED
             elif decision.verdict is Verdict.APPLY:
                 if gradients is not None:
                     accumulator.add(gradients, worker)
