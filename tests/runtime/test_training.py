@@ -150,7 +150,9 @@ def test_async_shards_that_dropped_different_gradients_end_at_one_step_and_check
     from towerflow.checkpoint.stores import latest_step
     from towerflow.launch import train
 
-    late_at_shard_0 = FaultInjector(pushes_older_at_shard={1: (0, 5)})
+    # Worker 0 slowed, so that worker 1 takes steps however late it starts (a fresh process traces
+    # its step first: worker 0 alone once took all 30 before worker 1's first).
+    late_at_shard_0 = FaultInjector(pushes_older_at_shard={1: (0, 5)}, step_delay_s={0: 0.2})
     result = train(spec, faults=late_at_shard_0)
     stale = [shard["stale"] for shard in result.shards]
     assert stale[0] > stale[1]  # worker 1's pushes were dropped at shard 0
