@@ -20,6 +20,8 @@ Key = tuple[int, int, int]  # (worker, its run's incarnation, bucket)
 
 
 class PushOrder:
+    """One shard's record of where each worker's numbered pushes stand, bucket by bucket."""
+
     def __init__(self, wait_s: float = WAIT_S) -> None:
         self._wait_s = wait_s
         self._next: dict[Key, int] = {}  # the number of the push each worker's bucket takes next
