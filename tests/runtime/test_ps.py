@@ -130,6 +130,18 @@ def test_a_workers_numbered_pushes_are_taken_in_its_order_whatever_order_they_ar
     second = ray.get(second)
     assert (first.verdict, first.step, first.staleness) == ("applied", 1, 0)
     assert (second.verdict, second.step, second.staleness) == ("applied", 2, 0)  # none dropped as stale
+
+    # A push held for its turn (push 3 waits for a push 2 that never comes, lost with its worker)
+    # while the shard is loaded again (a rollback) is turned away, not taken into the new run.
+    held = shard.push.remote(one, 2, 0, 0, 0, True, 7, 3)
+    ready, _ = ray.wait([held], timeout=0.5)
+    assert ready == []
+    started = time.monotonic()
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    ray.get(shard.load.remote(["w0"], [np.zeros(2, np.float32)], sgd, AsyncProtocol(max_staleness=0), None))
+    assert ray.get(held).verdict == "done" and time.monotonic() - started < 3  # not its 5-s wait
+    values = parameter_values([ray.get(shard.pull.remote(0))])
+    np.testing.assert_array_equal(values[0][0], np.zeros(2, np.float32))  # the new run untouched
     ray.kill(shard)
 
 

@@ -136,6 +136,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         self._version = initial_version
         self._done = max_steps is not None and initial_version >= max_steps
         self._changed: asyncio.Condition | None = None
+        self._order.close()
         self._order = PushOrder()
         # applied: updates (versions); gradients: the gradients they averaged
         self._counts = {
@@ -186,7 +187,10 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         None is a skipped gradient (its loss was not finite, nan_guard: skip): sync counts the
         worker in its step all the same, with nothing added, so the others do not wait for it.
         """
-        async with self._order.turn((worker, incarnation, bucket), number):
+        order = self._order
+        async with order.turn((worker, incarnation, bucket), number):
+            if order.closed:  # an earlier run's push, held for its turn while the shard was loaded again
+                return PushReply(Verdict.DONE, -1, 0, 0.0, ParamsReply(self._version, None, True))
             counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
             if self._done or self._bucket_exhausted(bucket):
                 self._counts["after_done"] += counted

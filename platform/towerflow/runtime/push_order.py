@@ -27,6 +27,7 @@ class PushOrder:
         self._next: dict[Key, int] = {}  # the number of the push each worker's bucket takes next
         self._waiting: dict[Key, set[int]] = {}  # the numbers that arrived before their turn
         self._changed: asyncio.Condition | None = None  # made in the actor's event loop
+        self.closed = False  # the shard's run it kept order for is over
 
     @contextlib.asynccontextmanager
     async def turn(self, key: Key, number: int | None) -> AsyncIterator[None]:
@@ -52,7 +53,7 @@ class PushOrder:
         waiting.add(number)
         try:
             async with changed:
-                while self._next.get(key, 0) < number:
+                while not self.closed and self._next.get(key, 0) < number:
                     left = deadline - loop.time()
                     if left <= 0 and number == min(waiting):
                         self._next[key] = number  # those before it are not coming
@@ -64,6 +65,16 @@ class PushOrder:
 
     async def taken(self, key: Key, number: int) -> None:
         self._next[key] = max(self._next.get(key, 0), number + 1)
+        await self._wake()
+
+    def close(self) -> None:
+        """The shard is loaded again (a rollback): pushes still waiting go on at once, to be turned
+        away, not held their wait and then taken into the new run."""
+        self.closed = True
+        if self._changed is not None:
+            asyncio.get_running_loop().create_task(self._wake())
+
+    async def _wake(self) -> None:
         changed = self._condition()
         async with changed:
             changed.notify_all()
