@@ -69,6 +69,13 @@ def test_async_bounded_staleness_rejects_older_gradients():
     assert p.on_push(3, 5, 0, incarnation=0).verdict == "stale"
 
 
+def test_async_drops_a_gradient_read_from_a_version_the_shard_has_not_reached():
+    """Only an earlier run's worker has read a newer version than the shard holds: one whose push
+    arrives after the shards rolled back (a lost worker's, late). Not applied to the new run."""
+    assert AsyncProtocol().on_push(version_read=9, version=5, worker=0, incarnation=0).verdict == "retired"
+    assert AsyncProtocol().on_push(version_read=5, version=5, worker=0, incarnation=0).verdict == "apply"
+
+
 def test_make_protocol():
     assert isinstance(
         make_protocol("sync", replicas_to_aggregate=1, total_num_replicas=1, max_staleness=None), SyncProtocol

@@ -24,7 +24,9 @@ class Verdict(str, enum.Enum):
     APPLIED = "applied"  # the shard's reply: it went into an update
     STALE = "stale"  # computed against an older version than the protocol takes: dropped
     REJECTED = "rejected"  # a second push for one step: a protocol bug, dropped
-    RETIRED = "retired"  # from a worker retired or replaced under its id (a lost one's late push): dropped
+    # from a worker retired or replaced under its id (a lost one's late push), or, async, of a run
+    # before the shard's rollback: dropped
+    RETIRED = "retired"
     SKIPPED = "skipped"  # its loss was not finite (nan_guard: skip): counted, nothing added
     DONE = "done"  # the shard had finished: no more steps
     PARTIAL = "partial"  # the worker's record: the shards answered differently
@@ -127,6 +129,8 @@ class AsyncProtocol:
 
     def on_push(self, version_read: int, version: int, worker: int, incarnation: int) -> Decision:
         staleness = version - version_read
+        if staleness < 0:  # read from a version this shard no longer has: an earlier run's (a rollback since)
+            return Decision(Verdict.RETIRED)
         if self.max_staleness is not None and staleness > self.max_staleness:
             return Decision(Verdict.STALE, staleness=staleness)
         return Decision(Verdict.APPLY, count=1, staleness=staleness)
