@@ -1,6 +1,5 @@
 """A parameter-server shard whose pieces come in gradient buckets, on a real Ray actor."""
 
-import asyncio
 import time
 
 import numpy as np
@@ -11,7 +10,6 @@ from towerflow.errors import FencedOut
 from towerflow.runtime.fencing import fence_taken_actors
 from towerflow.runtime.protocol import AsyncProtocol, SyncProtocol
 from towerflow.runtime.ps import shard_actor
-from towerflow.runtime.push_order import PushOrder
 from towerflow.runtime.shard_replies import parameter_values
 
 
@@ -143,29 +141,6 @@ def test_a_workers_numbered_pushes_are_taken_in_its_order_whatever_order_they_ar
     values = parameter_values([ray.get(shard.pull.remote(0))])
     np.testing.assert_array_equal(values[0][0], np.zeros(2, np.float32))  # the new run untouched
     ray.kill(shard)
-
-
-def test_a_push_whose_predecessor_never_comes_goes_on_after_the_wait():
-    """The earlier push lost in transit (its worker lost with it): the later one is not held for ever."""
-    order = PushOrder(wait_s=0.2)
-
-    async def pushes() -> list[str]:
-        taken: list[str] = []
-
-        async def push(number: int) -> None:
-            await order.wait_turn((0, 7, 0), number)
-            taken.append(f"push {number}")
-            await order.taken((0, 7, 0), number)
-
-        started = time.monotonic()
-        await asyncio.gather(push(2), push(1))  # push 0 never comes
-        taken.append("waited" if time.monotonic() - started >= 0.2 else "did not wait")
-        await push(3)  # its turn at once
-        order.forget(0)  # the worker's next run numbers from 0 again
-        await asyncio.wait_for(push(0), 0.1)
-        return taken
-
-    assert asyncio.run(pushes()) == ["push 1", "push 2", "waited", "push 3", "push 0"]
 
 
 def test_async_shards_that_drifted_apart_settle_at_the_furthest_once_finished(ray_cluster):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 WAIT_S = 5.0
 
 Key = tuple[int, int, int]  # (worker, its run's incarnation, bucket)
+_UNORDERED = contextlib.nullcontext()
 
 
 class PushOrder:
@@ -29,13 +30,13 @@ class PushOrder:
         self._changed: asyncio.Condition | None = None  # made in the actor's event loop
         self.closed = False  # the shard's run it kept order for is over
 
-    @contextlib.asynccontextmanager
-    async def turn(self, key: Key, number: int | None) -> AsyncIterator[None]:
+    def turn(self, key: Key, number: int | None) -> contextlib.AbstractAsyncContextManager[None]:
         """Enter in the push's turn; on leaving, the next may go. `number` None: a push that is
-        the only one of its worker in flight, taken as it comes."""
-        if number is None:
-            yield
-            return
+        the only one of its worker in flight, taken as it comes (nothing to keep)."""
+        return _UNORDERED if number is None else self._in_turn(key, number)
+
+    @contextlib.asynccontextmanager
+    async def _in_turn(self, key: Key, number: int) -> AsyncIterator[None]:
         await self.wait_turn(key, number)
         try:
             yield
