@@ -140,6 +140,16 @@ def test_a_workers_numbered_pushes_are_taken_in_its_order_whatever_order_they_ar
     assert ray.get(held).verdict == "done" and time.monotonic() - started < 3  # not its 5-s wait
     values = parameter_values([ray.get(shard.pull.remote(0))])
     np.testing.assert_array_equal(values[0][0], np.zeros(2, np.float32))  # the new run untouched
+
+    # Likewise when the shard finishes: a held push hears it is done at once, not after its wait.
+    ray.get(shard.join.remote(0, 8))
+    held = shard.push.remote(one, 0, 0, 0, 0, True, 8, 1)  # push 0 never comes
+    ready, _ = ray.wait([held], timeout=0.5)
+    assert ready == []
+    started = time.monotonic()
+    ray.get(shard.finish.remote())
+    assert ray.get(held).verdict == "done" and time.monotonic() - started < 3
+    assert ray.get(shard.stats.remote())["after_done"] == 1  # heard, not taken
     ray.kill(shard)
 
 

@@ -1,10 +1,6 @@
 """Parameter-server shard: a Ray actor that owns some variables, their optimizer slots and a version.
 
-Workers talk to shards directly. A version that several workers read (sync: every worker of the
-step; a pull) is published once into Ray's object store, when the first reply needs it, and they
-share the one copy. An async push's reply carries the version itself: no other worker reads it
-(the next push makes a newer one), so a shared copy would only add a put and Ray's borrowing
-of the reference. A version no reply carries (async with fetch_every) is never sent at all.
+Workers talk to shards directly; what a reply carries is runtime/shard_publishing.py's.
 Pushed gradients go to the update protocol (sync or async), which says whether to hold, apply or
 drop them.
 
@@ -31,13 +27,14 @@ from towerflow.runtime.protocol import AsyncProtocol, UpdateProtocol, Verdict
 from towerflow.runtime.push_order import PushOrder
 from towerflow.runtime.shard_checkpoints import ShardCheckpoints
 from towerflow.runtime.shard_parts import LiveState, OwnCopy, PartSource, ShardSnapshot
+from towerflow.runtime.shard_publishing import ShardPublishing
 from towerflow.runtime.shard_replies import ParamsReply, PushReply
 from towerflow.runtime.tf_setup import TFProcessConfig, configure_tensorflow
 
 _STEP_WORKERS_KEPT = 256  # recent steps whose workers a woken sync push or the driver may still ask for
 
 
-class ParameterShard(ShardCheckpoints, DriverTerm):
+class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
     """One shard. Run as an async Ray actor so that sync pushes can wait for their step cheaply.
 
     It starts in two steps: the actor itself (its process imports TensorFlow, seconds of CPU), which
@@ -151,9 +148,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         self._apply_total_s = 0.0
         self._last_apply_s = 0.0
         self._version_apply_s = 0.0  # apply time of the buckets of the version being built
-        self._params_ref = None
-        self._published_version: int | None = None  # the version `_params_ref` holds
-        self._publications = 0
+        self._reset_publishing()
         self._reset_snapshots(snapshot_every)
         self._taken: collections.Counter[int] = collections.Counter()  # worker id -> examples taken
         self._examples_before = examples_seen  # the data position when `_taken` began
@@ -285,6 +280,7 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         """Stop accepting gradients and release every waiting worker."""
         self._obey(term, "finishing a shard")
         self._done = True
+        self._order.let_go()
         await self._notify()
         return self._version
 
@@ -387,45 +383,11 @@ class ParameterShard(ShardCheckpoints, DriverTerm):
         self._counts["gradients"] += replicas
         if self._max_steps is not None and self._version >= self._max_steps:
             self._done = True
+            self._order.let_go()
         self._snapshot_if_due()
         self._last_apply_s = self._version_apply_s + time.perf_counter() - start
         self._version_apply_s = 0.0
         self._apply_total_s += self._last_apply_s
-
-    def _publish(self) -> None:
-        # One object per version published; the previous one lives on only while some worker still
-        # reads it.
-        start = time.perf_counter()
-        self._params_ref = ray.put(self._views())
-        self._published_version = self._version
-        self._publications += 1
-        spent = time.perf_counter() - start
-        self._last_apply_s += spent  # reported with the update it publishes
-        self._apply_total_s += spent
-
-    def _views(self) -> list[np.ndarray]:
-        """The variables' values as views of their buffers: Ray copies them once, into the object
-        store or into a reply; an update made before then leaves them as they are (TensorFlow
-        copies a variable's buffer before updating it while a view of it lives)."""
-        return [np.asarray(v.value()) for v in self._variables]
-
-    def _next_params(self, lockstep: bool, with_params: bool) -> ParamsReply:
-        """What a push's reply carries: no parameters where the worker goes on with its own
-        (fetch_every), the one shared copy where every worker of the step reads this version
-        (sync), else the version itself (async: only this reply reads it)."""
-        if not with_params:
-            return ParamsReply(self._version, None, self._done)
-        if lockstep:
-            return self._params_reply()
-        self._publications += 1
-        return ParamsReply(self._version, self._views(), self._done)
-
-    def _params_reply(self) -> ParamsReply:
-        """The current version, put in the object store by the first reply that needs it and
-        shared by every reply after it (sync steps, pulls)."""
-        if self._published_version != self._version:
-            self._publish()
-        return ParamsReply(self._version, self._params_ref, self._done)
 
     async def _wait_for(self, predicate) -> None:
         if predicate():

@@ -28,7 +28,8 @@ class PushOrder:
         self._next: dict[Key, int] = {}  # the number of the push each worker's bucket takes next
         self._waiting: dict[Key, set[int]] = {}  # the numbers that arrived before their turn
         self._changed: asyncio.Condition | None = None  # made in the actor's event loop
-        self.closed = False  # the shard's run it kept order for is over
+        self.closed = False  # the shard's run it kept order for is over (loaded again)
+        self._holding = True  # False once the shard takes no more gradients: nothing waits
 
     def turn(self, key: Key, number: int | None) -> contextlib.AbstractAsyncContextManager[None]:
         """Enter in the push's turn; on leaving, the next may go. `number` None: a push that is
@@ -46,7 +47,7 @@ class PushOrder:
     async def wait_turn(self, key: Key, number: int) -> None:
         """Return once the pushes numbered below `number` have been taken; where some of them have
         not come within the wait, the first push waiting goes on without them."""
-        if self._next.get(key, 0) >= number:
+        if not self._holding or self._next.get(key, 0) >= number:
             return
         loop, changed = asyncio.get_running_loop(), self._condition()
         deadline = loop.time() + self._wait_s
@@ -54,7 +55,7 @@ class PushOrder:
         waiting.add(number)
         try:
             async with changed:
-                while not self.closed and self._next.get(key, 0) < number:
+                while self._holding and self._next.get(key, 0) < number:
                     left = deadline - loop.time()
                     if left <= 0 and number == min(waiting):
                         self._next[key] = number  # those before it are not coming
@@ -72,6 +73,13 @@ class PushOrder:
         """The shard is loaded again (a rollback): pushes still waiting go on at once, to be turned
         away, not held their wait and then taken into the new run."""
         self.closed = True
+        self.let_go()
+
+    def let_go(self) -> None:
+        """The shard takes no more gradients (finished, or at max_steps): pushes still waiting, and
+        any after them, go on at once to hear so, rather than wait for a predecessor lost with its
+        worker."""
+        self._holding = False
         if self._changed is not None:
             asyncio.get_running_loop().create_task(self._wake())
 
