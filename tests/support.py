@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")
 
 
 def write_tfrecords(folder: Path, name: str, columns: dict[str, np.ndarray], shards: int) -> list[str]:
@@ -275,3 +278,9 @@ def printed_by_a_fresh_process(code: str, env: dict[str, str] | None = None) -> 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
+
+
+def unstamped(text: str) -> list[str]:
+    """The lines of a command's output, each without the time it starts with where it is read later
+    (towerflow.messages: a pipe, a job's log)."""
+    return [_STAMP.sub("", line) for line in text.splitlines()]

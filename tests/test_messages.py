@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from towerflow.messages import MessageFormatter, read_later, stamp
+from towerflow.messages import MessageFormatter, read_later, say, stamp
 
 TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
 
@@ -126,3 +126,19 @@ def test_a_message_goes_where_stderr_is_at_the_time_so_a_live_bar_prints_it_abov
     )
     assert re.fullmatch(f"{TIME} towerflow: warning: worker 1 lost\n", out.stdout), out
     assert out.stderr == ""
+
+
+def test_a_commands_own_line_is_timed_where_it_is_read_later():
+    """`say`: a job's log tells when its run was named or ended, as its log records do; a terminal
+    shows the line bare."""
+    later = io.StringIO()
+    say("towerflow: run abc finished\nsecond line", stream=later)
+    assert re.fullmatch(rf"{TIME} towerflow: run abc finished\n{TIME} second line\n", later.getvalue())
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    say("towerflow: run abc finished", stream=terminal)
+    assert terminal.getvalue() == "towerflow: run abc finished\n"

@@ -32,6 +32,16 @@ def read_later(stream: TextIO) -> bool:
     return not (isatty is not None and isatty())
 
 
+def say(text: str, *, stream: TextIO | None = None) -> None:
+    """A command's own line (`towerflow: ...`, not a log record) on `stream` (default: stdout as it
+    is now), timed where it is read later as the log's lines are: a job's log then tells when its
+    run was named, ended or failed. Flushed: a job's follower reads it at once."""
+    stream = sys.stdout if stream is None else stream
+    lead = f"{stamp()} " if read_later(stream) else ""
+    stream.write("".join(f"{lead}{line}\n" for line in text.splitlines() or [""]))
+    stream.flush()
+
+
 class MessageFormatter(logging.Formatter):
     """`[time ]towerflow: [warning: |error: ]message`, each line of a multi-line message prefixed
     alike (a traceback logged with it stays as Python prints it)."""

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import REPO
 from mlflow.tracking import MlflowClient
-from support import ONE_OF_EACH, blob_spec, sqlite_store, takes_ctrl_c
+from support import ONE_OF_EACH, blob_spec, sqlite_store, takes_ctrl_c, unstamped
 
 from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
 from towerflow.runtime.cluster import AUTH_MODE, SINGLE_MACHINE_SWITCH, machine_cores
@@ -141,7 +141,7 @@ def test_the_driver_imports_no_tensorflow_for_a_run_that_needs_none_there(cluste
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    (summary,) = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
+    (summary,) = [line for line in unstamped(out.stdout) if line.startswith("towerflow: run ")]
     assert "finished steps=4" in summary, out.stdout
     store = MlflowCheckpointStore(MlflowClient(cluster_env["MLFLOW_TRACKING_URI"]), summary.split()[2])
     assert [step for step, _ in store.list()] == [2, 4]
@@ -199,7 +199,7 @@ def test_ctrl_c_twice_ends_the_run_killed_and_says_how_to_resume(cluster_env, bl
         f"python -m towerflow train {path} --set training.max_steps=999999 --resume {run.info.run_id}"
         in after
     )
-    ours = [line for line in after.splitlines() if line.startswith("towerflow")]  # not Ray's forwarded logs
+    ours = [line for line in unstamped(after) if line.startswith("towerflow")]  # not Ray's forwarded logs
     assert ours[-1] == "towerflow: interrupted", after
     assert "Traceback" not in everything, everything
 
@@ -228,7 +228,7 @@ def test_a_driver_killed_as_its_run_starts_is_started_again_and_starts_the_same_
         printed = []
         for line in cli.stdout:
             printed.append(line)
-            if line.startswith("towerflow: MLflow run "):
+            if unstamped(line)[0].startswith("towerflow: MLflow run "):
                 (driver,) = psutil.Process(cli.pid).children()
                 driver.send_signal(signal.SIGKILL)
                 break
@@ -274,7 +274,7 @@ def test_train_end_to_end_on_an_embedded_ray(blob_data, tmp_path):
     )
     assert out.returncode == 0, out.stderr
 
-    summary = [line for line in out.stdout.splitlines() if line.startswith("towerflow: run ")]
+    summary = [line for line in unstamped(out.stdout) if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0] and "examples/sec=" in summary[0]
     assert "for this process's next run" not in out.stdout + out.stderr  # one run: nothing kept for a next
     run_id = summary[0].split()[2]

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO
 from mlflow.tracking import MlflowClient
 from multinode import RAY_CLI, LocalCluster
-from support import sqlite_store
+from support import sqlite_store, unstamped
 from tracking_server import tracking_server_fixture  # noqa: F401
 
 from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore
@@ -140,7 +140,7 @@ def test_ray_job_submit_trains_on_the_cluster_tracks_to_the_server_and_registers
     logs = out.stdout + out.stderr
     assert out.returncode == 0, logs  # the CLI exits 0 once the job SUCCEEDED
     assert re.search(r"Job '[^']+' succeeded", logs), logs
-    summary = [line for line in logs.splitlines() if line.startswith("towerflow: run ")]
+    summary = [line for line in unstamped(logs) if line.startswith("towerflow: run ")]
     assert len(summary) == 1 and "finished steps=6" in summary[0], logs
     assert "would keep its MLflow runs in" not in logs and "goes through the driver" not in logs, logs
     # The job's log carries every actor's: none has TensorFlow's early C++ lines (tf_import.py),
@@ -278,7 +278,7 @@ def test_ray_job_stop_ends_the_run_killed_with_a_checkpoint_of_its_last_step(ray
     assert [step for step, _ in MlflowCheckpointStore(client, run.info.run_id).list()] == [final_step], text
     assert f"saved a checkpoint of step {final_step} before stopping" in text, text
     assert f"--resume {run.info.run_id}" in text, text
-    ours = [line for line in text.splitlines() if line.startswith("towerflow")]  # not Ray's lines
+    ours = [line for line in unstamped(text) if line.startswith("towerflow")]  # not Ray's lines
     assert ours[-1] == "towerflow: terminated (SIGTERM)", text
     # Ray's own SIGTERM handler exited after a C++ stack dump and left the run FAILED.
     assert "SIGTERM received" not in text and "Traceback" not in text, text

@@ -19,6 +19,7 @@ from support import (
     tabular_header,
     tabular_rows,
     truncate,
+    unstamped,
     write_csv,
     write_examples,
     write_uneven_shards,
@@ -188,10 +189,10 @@ def test_cli_exits_non_zero_with_one_paragraph(ray_cluster, tmp_path):
         timeout=240,
     )
     assert out.returncode == 2, out.stderr
-    ours = [line for line in out.stderr.splitlines() if "pid=" not in line]  # not forwarded actor logs
+    ours = [line for line in unstamped(out.stderr) if "pid=" not in line]  # not forwarded actor logs
     errors = [line for line in ours if line.startswith("towerflow: error:")]
     assert len(errors) == 1 and "train-00000-of-00002: record 99: corrupt TFRecord" in errors[0], out.stderr
-    assert out.stderr.rstrip().splitlines()[-1] == errors[0], (
+    assert unstamped(out.stderr.rstrip())[-1] == errors[0], (
         "the error is the last word, after any actor's log"
     )
     # Ray Data's own coordinator logs its task's traceback; with log_to_driver those lines carry "pid=".

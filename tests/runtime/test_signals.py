@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+from support import unstamped
 
 from towerflow.cli.main import _stopped
 from towerflow.runtime.signals import EXIT_CODE, StopRequested, StopSignals, stopped_by_sigterm
@@ -50,7 +51,7 @@ def test_a_signal_is_noted_then_raised_between_steps_and_named_in_the_exit(signu
     assert signal.getsignal(signum) is before  # the handler in place before the run is back
     assert stopped_by_sigterm() == (signum == signal.SIGTERM)
     assert _stopped() == code
-    assert capsys.readouterr().err.splitlines() == [last_word]
+    assert unstamped(capsys.readouterr().err) == [last_word]
 
 
 def test_a_second_signal_interrupts_at_once():

@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _working_directory_importable()
     except FileNotFoundError:
-        print(
+        messages.say(
             "towerflow: error: the working directory no longer exists (deleted under this process: on a "
             "Ray node, another node's runtime-env agent cleaning a shared --temp-dir does this). Give "
             "each Ray node on a machine its own --temp-dir, and start the command again.",
-            file=sys.stderr,
+            stream=sys.stderr,
         )
         return 2
     keep_embedded_ray_local()  # before any subcommand imports Ray
@@ -60,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except TowerflowError as exc:
         _stop_forwarding_ray_logs()
-        print(f"towerflow: error: {exc}", file=sys.stderr)
+        messages.say(f"towerflow: error: {exc}", stream=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return _stopped()
     except Exception as exc:  # a bug, not a user error: keep the traceback, say what to do
         _stop_forwarding_ray_logs()
         traceback.print_exc()
-        print(
+        messages.say(
             f"towerflow: internal error: {type(exc).__name__}: {exc}\n"
             "This is a bug in towerflow (or an unexpected environment); please report it with the traceback above.",
-            file=sys.stderr,
+            stream=sys.stderr,
         )
         return 1
 
@@ -79,9 +79,9 @@ def _stopped() -> int:
     """The last word and exit code of a command stopped by a signal: as a shell reports a process
     ended by SIGTERM (`ray job stop`, Kubernetes) or by Ctrl-C."""
     if signals.stopped_by_sigterm():
-        print("towerflow: terminated (SIGTERM)", file=sys.stderr)
+        messages.say("towerflow: terminated (SIGTERM)", stream=sys.stderr)
         return signals.EXIT_CODE
-    print("towerflow: interrupted", file=sys.stderr)
+    messages.say("towerflow: interrupted", stream=sys.stderr)
     return 130
 
 
@@ -187,18 +187,18 @@ def _submit(args: argparse.Namespace) -> int:
     from towerflow.submit import follow, submit
 
     job = submit(args.spec, address=args.address, overrides=args.overrides, tracking_uri=args.tracking_uri)
-    print(f"towerflow: submitted job {job.job_id} to {job.address} (its dashboard)", flush=True)
-    print(f"towerflow: follow it with: {job.follow_command()}", flush=True)
-    print(f"towerflow: stop it with:   {job.stop_command()}", flush=True)
+    messages.say(f"towerflow: submitted job {job.job_id} to {job.address} (its dashboard)")
+    messages.say(f"towerflow: follow it with: {job.follow_command()}")
+    messages.say(f"towerflow: stop it with:   {job.stop_command()}")
     if args.no_wait:
-        print("towerflow: its log names the MLflow run once training starts", flush=True)
+        messages.say("towerflow: its log names the MLflow run once training starts")
         return 0
 
     def run_id(found: str) -> None:
-        print(f"towerflow: the job tracks MLflow run {found}", flush=True)
+        messages.say(f"towerflow: the job tracks MLflow run {found}")
 
     final = follow(job, lambda line: print(line, flush=True), run_id)
-    print(f"towerflow: job {job.job_id} {final}", flush=True)
+    messages.say(f"towerflow: job {job.job_id} {final}")
     return 0 if final == "SUCCEEDED" else 1
 
 

@@ -17,6 +17,7 @@ from towerflow.cli.driver_restarts import (
     supervise_driver,
 )
 from towerflow.cli.options import add_overrides_option, runnable
+from towerflow.messages import say
 from towerflow.runtime.hooks import Hook, SessionInfo
 from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
 
@@ -64,15 +65,15 @@ def _train(args: argparse.Namespace) -> int:
         result = train(spec, hooks=hooks, resume=args.resume, if_nothing_to_resume=nothing_to_resume)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run ended KILLED; say how to go on with it
         if run.run_id:
-            print(
+            say(
                 f"towerflow: run {run.run_id} stopped (KILLED in MLflow); to go on from its latest "
                 f"checkpoint: {_resume_command(args, run.run_id)}",
-                file=sys.stderr,
+                stream=sys.stderr,
             )
         raise
-    print(f"towerflow: {result.summary_line()}")
+    say(f"towerflow: {result.summary_line()}")
     if run.run_id:
-        print(f"towerflow: {_where_to_see(run.tags['tracking_uri'], run.tags['experiment_id'], run.run_id)}")
+        say(f"towerflow: {_where_to_see(run.tags['tracking_uri'], run.tags['experiment_id'], run.run_id)}")
     return 0
 
 
@@ -119,7 +120,7 @@ class _RunIdHook(Hook):
             # test that waits for it) is started again on this run, not a new one.
             note_run_id(self.run_id)
             # for `towerflow scale`, and for `towerflow submit` to find in the job's log
-            print(f"towerflow: MLflow run {self.run_id}", flush=True)
+            say(f"towerflow: MLflow run {self.run_id}")
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -132,8 +133,8 @@ def _compare(args: argparse.Namespace) -> int:
     hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
     comparison = compare_modes(args.spec, modes, overrides=args.overrides, hooks=hooks)
     for mode, result in comparison.results.items():
-        print(f"towerflow: {mode}: {result.summary_line()}")
-    print(
+        say(f"towerflow: {mode}: {result.summary_line()}")
+    say(
         f"towerflow: compared in run {comparison.parent_run_id} ({', '.join(comparison.plots)}); "
         + _where_to_see(comparison.tracking_uri, comparison.experiment_id, comparison.parent_run_id)
     )
