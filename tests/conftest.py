@@ -10,8 +10,10 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,20 +139,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 @pytest.fixture(autouse=True)
 def _no_run_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A failed test on a module's own cluster ends what it left running there, so that the
-    module's next test does not fail too for want of the cores that run holds."""
+    """A test on a module's own cluster starts with the cluster whole: a node lost without a test
+    asking is replaced first (its report printed). A failed test ends what it left running there,
+    so that the module's next test does not fail too for want of the cores that run holds."""
+    cluster = _modules_cluster(request)
+    if cluster is not None:
+        for report in cluster.heal():  # a warning: shown in the summary of a run that passes too
+            warnings.warn(
+                f"a node lost without a test asking, replaced before this test:\n{report}", stacklevel=1
+            )
     yield
-    if not _starts_own_cluster(request.node) or not request.node.stash.get(_FAILED, False):
+    if cluster is None or not request.node.stash.get(_FAILED, False):
         return
-    from multinode import LocalCluster
     from multinode_drivers import end_leftover_runs
 
-    cluster = next((v for v in request.node.funcargs.values() if isinstance(v, LocalCluster)), None)
-    if cluster is not None:
-        ended = end_leftover_runs(cluster)
-        print(f"\nended what the failed test left on the cluster: {ended}")
-        for report in cluster.unasked_losses():  # a node lost unasked, the likelier cause
-            print(f"\na node lost without the test asking:\n{report}")
+    ended = end_leftover_runs(cluster)
+    print(f"\nended what the failed test left on the cluster: {ended}")
+    for report in cluster.unasked_losses():  # a node lost unasked, the likelier cause
+        print(f"\na node lost without the test asking:\n{report}")
+
+
+def _modules_cluster(request: pytest.FixtureRequest) -> Any:
+    """The test module's own LocalCluster (tests/multinode.py), if the test uses one."""
+    name = next((n for n in ("multinode_cluster", "gcs_ft_cluster") if n in request.fixturenames), None)
+    return None if name is None else request.getfixturevalue(name)
 
 
 _module_seconds: dict[str, float] = {}

@@ -282,6 +282,10 @@ class LocalCluster:
     def _relaunch(self, node: Node) -> Node:
         """Start `node` again (its `ray start` stopped what it had started before it exited)."""
         _log.warning("%s: `ray start` gave up on its raylet's registration; starting it again", node.name)
+        return self._launch_in_place_of(node)
+
+    def _launch_in_place_of(self, node: Node) -> Node:
+        """A new node like `node` (its CPUs, resources, options), in its place in `nodes`."""
         shutil.rmtree(node.temp_dir, ignore_errors=True)
         return self._launch(
             node.name,
@@ -323,11 +327,26 @@ class LocalCluster:
         """Reports of the nodes lost without a test asking: exited, or declared dead by the GCS (a
         raylet that missed its health checks on the busy cores) while its process ran on. For a
         failed test's output: the module's teardown removes their logs."""
+        return [node.exit_report() for node in self._lost_unasked()]
+
+    def heal(self) -> list[str]:
+        """Put a new node in the place of each extra node lost without a test asking, so that one
+        such loss on the busy cores fails one test, not the module's later ones too (they would
+        find two nodes where they placed on three); return the lost nodes' reports. A lost head
+        is not replaced: without a GCS store the cluster went with it."""
+        lost = [node for node in self._lost_unasked() if node is not self.head]
+        reports = [node.exit_report() for node in lost]
+        for node in lost:
+            _crash(node)  # what is left of it: a raylet the GCS declared dead may run on
+        self._wait_alive([self._launch_in_place_of(node) for node in lost])
+        return reports
+
+    def _lost_unasked(self) -> list[Node]:
         states: dict[str, str] = {}
         with contextlib.suppress(OSError, ValueError):  # the head itself may be gone
             states = self.node_states()
         return [
-            node.exit_report()
+            node
             for node in self.nodes
             if node.exited_unasked or (not node.killed and states.get(node.node_id) == "DEAD")
         ]

@@ -228,6 +228,15 @@ def test_a_killed_node_is_reported_dead_and_a_new_one_joins(multinode_cluster: L
     assert cluster.alive_nodes() == {n.node_id for n in cluster.nodes if not n.killed}
     assert len(cluster.alive_nodes()) == 3
 
+    # Lost unasked again: `heal`, which every test's set-up calls, puts a new node in its place.
+    victim, count = cluster.nodes[1], len(cluster.nodes)
+    raylet_of(victim.process.pid).kill()
+    cluster.wait_for_state(victim, "DEAD", timeout=60)
+    (report,) = cluster.heal()
+    assert report.startswith(victim.name), report
+    assert len(cluster.nodes) == count and victim not in cluster.nodes
+    assert cluster.unasked_losses() == [] and len(cluster.alive_nodes()) == 3
+
 
 def test_a_lost_node_costs_its_worker_which_a_new_node_takes_over(multinode_cluster, blob_data, tmp_path):
     cluster = multinode_cluster
