@@ -153,7 +153,7 @@ def train(
             skipped.ledger = data.ledger
         # A spare's node readies a process for the next pipeline's reads only where reads spread.
         ready = partial(warm_reader_process, data.reader) if data.reads_spread else None
-        return DataFeed(data.splits, data.feature_scales, data.steps, ready)
+        return DataFeed(data.splits, data.feature_scales, data.steps, ready, data.position)
 
     def latest_checkpoint():
         """The run's newest complete checkpoint (a lost shard rolls every shard back to it)."""

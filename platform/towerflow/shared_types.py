@@ -84,6 +84,9 @@ class DataFeed(NamedTuple):
     feature_scales: dict[str, float]
     steps: int | None = None
     ready_node_for_reading: Callable[[str], Any] | None = None
+    # The data position the streams start at, which the run counts on from (None: the one asked
+    # for); below it where a partly read file is read again from its start.
+    position: int | None = None
 
 
 # -- a worker's stream of training data ------------------------------------------------------------

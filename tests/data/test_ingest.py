@@ -233,6 +233,14 @@ def test_epochs_planned_for_max_steps_count_an_async_step_as_one_batch():
     assert planned("sync") == 5
     assert planned("async") == 3
 
+    # Re-planned after a shrink from 4 workers to 1 at 3,200 examples (step 50 of 100): planned
+    # from the run's start for one worker (1,600 examples: 3 epochs), the data would end in epoch 3
+    # at step 75, the run FINISHED short of max_steps; the epochs read already count on top.
+    spec = _spec("x", mode="sync", workers=1)
+    spec = spec.model_copy(update={"training": spec.training.model_copy(update={"max_steps": 100})})
+    assert epochs_for_steps(spec, 1000, 1, _shape(spec)) == 3
+    assert epochs_for_steps(spec, 1000, 1, _shape(spec), examples_seen=3200) == 6  # 4,800 examples, and one
+
 
 def test_file_reads_are_cut_into_runs_that_start_small():
     # One read task a file while there are few; beyond the cap, runs that double from one file up
@@ -298,6 +306,10 @@ def test_resumed_stream_starts_after_the_examples_seen(ray_cluster, tmp_path):
         "epoch 2 of 2, after 1 file(s)" in data.resume_note
         and f"{sum(SIZES) + SIZES[0]} of {seen}" in data.resume_note
     )
+    # The run counts on from where the stream starts, the re-read file's start: counted on from
+    # `seen`, it would be 50 examples ahead of the data, and a re-plan 70 examples on (the
+    # re-read file's 120 not all read) would skip to the next file, its last 50 never trained.
+    assert data.position == sum(SIZES) + SIZES[0]
     per_worker = _consume_all(ray_cluster, data.splits, batch_size=16, drop_last=False)
     read = sorted(i for ids in per_worker for i in ids)
     rest = list(range(SIZES[0], sum(SIZES)))  # every file of epoch 2 but the first, once

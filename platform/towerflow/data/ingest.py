@@ -78,6 +78,9 @@ class TrainingData:
     steps: int | None = None  # the most global steps these streams make (None: counts unknown)
     reader: ShardReader | None = None  # what the read tasks run
     reads_spread: bool = True  # read tasks go over the nodes (else they stay near the driver's)
+    # The data position the streams start at: the examples before the first file they read (a
+    # partly read file is read again from its start, so it can be below the position asked for).
+    position: int = 0
 
 
 @dataclass
@@ -180,15 +183,16 @@ def build_training_data(
 
     counts = examples_per_file(files, split.manifest)
     per_epoch = None if counts is None else sum(counts.values())
-    epochs = data.epochs or epochs_for_steps(spec, per_epoch, num_workers, shape)
+    epochs = data.epochs or epochs_for_steps(spec, per_epoch, num_workers, shape, examples_seen)
     orders = epoch_file_orders(files, epochs, shuffle=data.shuffle_files, seed=data.seed)
-    resume_note = None
+    resume_note, position = None, examples_seen
     if examples_seen and counts is None:
         resume_note = (
             "the data position is unknown (no manifest with per-file example counts): the stream starts over"
         )
     elif examples_seen:
         start = resume_point(orders, counts, examples_seen)
+        position = start.examples  # counted on from here: past it, a re-plan would skip examples
         orders = orders[start.epoch :]
         if orders:
             orders[0] = orders[0][start.files :]
@@ -261,6 +265,7 @@ def build_training_data(
         steps,
         reader,
         reads_spread=not placement,
+        position=position,
     )
 
 
@@ -375,13 +380,18 @@ def _grouped(groups: dict[str, list[str]]) -> set[str]:
     return {m for members in groups.values() for m in members}
 
 
-def epochs_for_steps(spec: Any, per_epoch: int | None, num_workers: int, shape: StepShape) -> int:
+def epochs_for_steps(
+    spec: Any, per_epoch: int | None, num_workers: int, shape: StepShape, examples_seen: int = 0
+) -> int:
     """Enough epochs for `training.max_steps`, and one more. A lockstep step takes a batch from
-    every worker; an async step is one worker's batch. (More epochs than the run can use keep Ray
-    Data's execution, its scheduling loop and read tasks, running for the whole run, where one sized
-    to the run finishes reading once the run's data is read ahead.)"""
+    every worker; an async step is one worker's batch. A re-plan from `examples_seen` on (a resume,
+    a rollback, a resize) counts the epochs read already on top: its steps so far may have taken
+    more examples each (more workers), and those it has left at most `max_steps` at this count.
+    (More epochs than the run can use keep Ray Data's execution, its scheduling loop and read
+    tasks, running for the whole run, where one sized to the run finishes reading once the run's
+    data is read ahead.)"""
     if per_epoch is None or not spec.training.max_steps:
         return UNBOUNDED_EPOCHS
     batches_per_step = num_workers if shape.lockstep else 1
-    needed = spec.training.max_steps * spec.data.batch_size * batches_per_step
+    needed = examples_seen + spec.training.max_steps * spec.data.batch_size * batches_per_step
     return max(1, math.ceil(needed / per_epoch)) + 1

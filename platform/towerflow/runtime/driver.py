@@ -152,6 +152,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
             check_model(self.spec.model)
             count = self._starting_workers()
             feed = self.make_data(count, None, self._step_shape(count))
+            self._count_from(feed)
             self.data_splits, self.feature_scales = dict(enumerate(feed.splits)), feed.feature_scales
             self._ready_node_for_reading = feed.ready_node_for_reading
             self._note_data_end(self.session.start_step, feed)
@@ -368,6 +369,14 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
             self._resize(leaving=leaving, joining=joining, records=status.records)
             return []
         return status.records
+
+    def _count_from(self, feed: DataFeed) -> None:
+        """The run counts its data position on from where `feed`'s streams start: a partly read file
+        is read again from its start, and a position counted on from the one asked for would be
+        ahead of the data by that much, so that the next re-plan (a checkpoint's resume, a rollback,
+        a resize) would skip as many examples."""
+        if feed.position is not None:
+            self.aggregator.examples_seen = feed.position
 
     def _note_data_end(self, from_step: int, feed: DataFeed) -> None:
         """Where the data planned from `from_step` runs out, where the files' counts tell."""

@@ -92,9 +92,7 @@ class FailurePolicy:
         if not status.losses:
             return Decision.CONTINUE
         self.record(status.losses)
-        if self.lost(LossKind.WORKER) > self.max_worker_failures:
-            return Decision.FAIL
-        if self.lost(LossKind.SHARD) > self.max_ps_failures:
+        if self.over_budget():
             return Decision.FAIL
         return Decision.ROLLBACK_SHARDS if status.lost_shards else Decision.REPLACE_WORKERS
 
@@ -110,6 +108,13 @@ class FailurePolicy:
     def record(self, losses: list[ActorLoss]) -> None:
         """Losses the run met that no decision is left to make on (a worker let go at the end)."""
         self.history.extend(losses)
+
+    def over_budget(self) -> bool:
+        """More workers or shards lost than the run allows."""
+        return (
+            self.lost(LossKind.WORKER) > self.max_worker_failures
+            or self.lost(LossKind.SHARD) > self.max_ps_failures
+        )
 
     def lost(self, kind: LossKind) -> int:
         """Actors of `kind` lost so far."""

@@ -100,7 +100,7 @@ class RecoveryActions:
         drained = sorted(self._backlog + records + status.records, key=lambda r: (r.step, r.finished_at))
         self._backlog = []
         self._ready_events += self.aggregator.add(drained) + self.aggregator.flush()
-        lost = [i for i, slot in self.group.slots.items() if slot.lost]
+        lost = [i for i, slot in self.group.slots.items() if slot.lost and i not in leaving]  # leaving anyway
         keep_lost = max(
             0, self.elastic.fewest - (len(self.group.slots) - len(lost) - len(leaving) + len(joining))
         )
@@ -112,8 +112,6 @@ class RecoveryActions:
         members = sorted(self.group.slots)
         version = ray.get(self.shards[0].ping.remote())
         replicas = self.elastic.replicas_to_aggregate(len(members))
-        seen = self.aggregator.examples_seen
-        ray.get([shard.resize.remote(len(members), replicas, seen, term=self.term) for shard in self.shards])
         planned = time.monotonic()
         try:
             feed = self.make_data(len(members), self.aggregator.examples_seen, self._step_shape(len(members)))
@@ -124,6 +122,9 @@ class RecoveryActions:
             self.state = State.RUNNING
             return
         planned_s = time.monotonic() - planned
+        self._count_from(feed)
+        seen = self.aggregator.examples_seen
+        ray.get([shard.resize.remote(len(members), replicas, seen, term=self.term) for shard in self.shards])
         self._note_data_end(version, feed)
         self.data_splits = dict(zip(members, feed.splits))
         self._set_worker_count(len(members))
@@ -251,7 +252,12 @@ class RecoveryActions:
         lost = [loss.index for loss in losses]
         finishing = self.shard_group.finish()  # release every worker waiting on a live shard; each run ends
         self.group.request_stop()  # and every worker waiting for data
-        self.group.wait_ended(timeout_s=60)
+        ended_lost = self.group.wait_ended(timeout_s=60)  # lost meanwhile: replaced with the others
+        if ended_lost:
+            self.failure_policy.record(ended_lost)
+            if self.failure_policy.over_budget():
+                raise TrainingError(self.failure_policy.failure_message())
+            lost_workers = [*lost_workers, *ended_lost]
         # The live shards' answers (a lost one's may not come while the GCS is away): a newer
         # driver's refusal (`FencedOut`) stops this one here, before it picks a rollback point.
         live = [ref for index, ref in enumerate(finishing) if index not in lost]
@@ -259,7 +265,6 @@ class RecoveryActions:
         state, source = self._rollback_point(lost)
         version = state.global_step if state is not None else 0
         by_spare = self.shard_group.replace(lost)
-        self._load_shards(state, version, rollback=True)
         seen = state.examples_seen if state is not None else 0
         members = sorted(self.group.slots)
         feed = self.make_data(len(members), seen, self._step_shape(len(members)))
@@ -268,6 +273,9 @@ class RecoveryActions:
         self.aggregator = StepAggregator(
             replicas_per_step=self.aggregator.replicas_per_step, first_step=version + 1, examples_seen=seen
         )
+        self._count_from(feed)
+        self._backlog = []  # records of the steps rolled back, heard while a hook waited: redone
+        self._load_shards(state, version, rollback=True)  # from the data position the feed starts at
         self.aggregator.start()
         model_state = state.model_state if state is not None else {}
         # Those lost before, whose replacements wait for Ray, are replaced with them.
@@ -285,6 +293,7 @@ class RecoveryActions:
                 actor=spares.get(worker_id),
             )
         redo = max(0, heard - version)
+        self.group.global_step = version  # the furthest step heard is the rolled-back timeline's no more
         self._rollbacks += 1
         self._steps_redone += redo
         metrics = {

@@ -165,7 +165,7 @@ class RunActors:
             workers=workers,
             replicas=self.elastic.replicas_to_aggregate(workers),
             rollback=rollback,
-            examples_seen=state.examples_seen if state is not None else 0,
+            examples_seen=self.aggregator.examples_seen,  # where the data starts (`_count_from`)
         )
 
     def _stored_start(self) -> Any:

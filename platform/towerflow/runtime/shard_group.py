@@ -16,6 +16,7 @@ import ray
 
 from towerflow.checkpoint.files import PartLayout, shard_part_name
 from towerflow.checkpoint.stores import StoredCheckpoint
+from towerflow.errors import ClusterError
 from towerflow.runtime.actor_pool import KEPT_ANSWER_S
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.failure import ActorLoss, LossKind
@@ -342,12 +343,24 @@ class ShardGroup:
         return by_spare
 
     def _died_starting(self, indices: list[int], *, last_attempt: bool) -> list[int]:
-        """Of the new shards `indices`, those that died as they started (raised on the last attempt)."""
+        """Of the new shards `indices`, those that died as they started (raised on the last attempt).
+        One that no node has room for (its bundle not placed again) fails the run after
+        `training.failure.start_timeout_s`, as a worker's replacement counts as lost then, rather
+        than hold the driver for ever."""
+        timeout_s = self.spec.training.failure.start_timeout_s
+        deadline = time.monotonic() + timeout_s
         started = [self.actors[index].__ray_ready__.remote() for index in indices]
         died = []
         for index, ref in zip(indices, started):
             try:
-                ray.get(ref)
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise ClusterError(
+                    f"shard {index}'s replacement did not start within {timeout_s:g} s "
+                    "(training.failure.start_timeout_s): no node has room for it "
+                    f"({self.spec.cluster.cpus_per_ps:g} CPU, cluster.cpus_per_ps); the run goes on "
+                    "from its newest checkpoint with --resume once the cluster has room"
+                ) from None
             except ACTOR_GONE as exc:
                 if last_attempt:
                     raise

@@ -234,16 +234,22 @@ class WorkerGroup(WorkerWatchdogs):
                 slot.replaced_at = None
         return status
 
-    def wait_ended(self, timeout_s: float) -> None:
-        """Wait until every worker's run has ended (the shards were finished), dropping what they
-        report; one still running after `timeout_s` is killed, to be replaced."""
+    def wait_ended(self, timeout_s: float) -> list[ActorLoss]:
+        """Wait until every worker's run has ended (the shards were finished), dropping the steps
+        they report; one still running after `timeout_s` is killed, to be replaced. Returns the
+        workers lost meanwhile (a shard's node lost with more than one worker: the poll that found
+        the shard's loss may not have found them all) and those killed, to be counted and told."""
         deadline = time.monotonic() + timeout_s
+        lost = ClusterStatus()
         while self.running and time.monotonic() < deadline:
-            self.poll(0.2)
+            lost.losses += [loss for loss in self.poll(0.2).losses if loss.kind is LossKind.WORKER]
         for worker_id in self.running:
             slot = self.slots[worker_id]
             kill_quietly(slot.actor)
-            slot.lost = True
+            self._lose(
+                slot, lost, f"its run did not end within {timeout_s:g} s of the rollback: killed", hung=True
+            )
+        return lost.losses
 
     def rerun(self, worker_id: int, *run_args: Any, actor: Any = None) -> None:
         """Run worker `worker_id` again from a fresh data split (a rollback); a lost one is replaced

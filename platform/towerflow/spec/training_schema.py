@@ -95,7 +95,8 @@ class FailureSpec(StrictModel):
         600.0,
         gt=0,
         description="A replacement worker that has not started by then (no node with room for it) "
-        "counts as one more worker lost; a run whose workers all wait this long for a batch fails.",
+        "counts as one more worker lost; a replacement shard not started by then fails the run "
+        "(resume it once the cluster has room); a run whose workers all wait this long for a batch fails.",
     )
     memory_checkpoint_every_s: float | None = Field(
         30.0,
