@@ -252,3 +252,16 @@ def test_a_shard_fenced_by_a_newer_driver_refuses_the_older_ones_orders(ray_clus
     ray.get(shard.reset.remote(0))  # a kept shard's next run (actor_pool.py) starts at term 0
     assert ray.get(shard.term.remote()) == 0
     ray.kill(shard)
+
+
+def test_two_callers_waiting_for_one_version_both_get_its_snapshot(ray_cluster):
+    """A memory checkpoint and a stored one may ask for the same next version: the first answered
+    took the capture away, and the second waited for that version again, for the rest of the run."""
+    shard = _two_zeros_shard(0, AsyncProtocol(max_staleness=0))
+    memory, stored = shard.snapshot.remote(1), shard.snapshot.remote(1)
+    time.sleep(0.5)  # both wait at the shard (were the push first, both would find version 1 at once)
+    ray.get(shard.push.remote([np.ones(2, np.float32)], 0, 0))
+    done, _ = ray.wait([memory, stored], num_returns=2, timeout=10)
+    assert len(done) == 2, "the second caller was left waiting"
+    assert [s.version for s in ray.get([memory, stored])] == [1, 1]
+    ray.kill(shard)

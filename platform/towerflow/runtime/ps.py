@@ -189,6 +189,9 @@ class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
             counted = bucket == self._last_bucket  # one count per gradient, however many buckets it came in
             if self._done or self._bucket_exhausted(bucket):
                 self._counts["after_done"] += counted
+                # The last version's other buckets may still be applying: the reply names the
+                # run done, not version max_steps - 1 to compute a step more on.
+                await self._wait_for(lambda: self._version > version_read or self._done)
                 return PushReply(Verdict.DONE, -1, 0, 0.0, self._params_reply())
             protocol, accumulator = self._protocols[bucket], self._accumulators[bucket]
             decision = protocol.on_push(version_read, self._bucket_versions[bucket], worker, incarnation)

@@ -5,6 +5,7 @@ writes from its own node. The shard provides its variables, slots, optimizer and
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ class ShardCheckpoints(HeldCopies):
         self._snapshot_at: set[int] = set()
         self._snapshot_every = snapshot_every  # capture every N versions by itself: exact checkpoint steps
         self._snapshots: dict[int, ShardSnapshot] = {}
+        self._snapshot_waiting: collections.Counter[int] = collections.Counter()  # version -> callers waiting
 
     def _starting_state(
         self,
@@ -83,13 +85,22 @@ class ShardCheckpoints(HeldCopies):
         version gives a consistent cut without pausing training. A shard that ends before it gets
         there (end of data, stop) answers with its final state; the caller checks the versions.
         """
+        waiting = self._snapshot_waiting
         if self._version < version and not self._done:
             self._snapshot_at.add(version)
-            await self._wait_for(lambda: version in self._snapshots or self._done)
-        kept = self._snapshots.pop(version, None)
-        if kept is not None:
-            return kept
-        return self._capture()
+            waiting[version] += 1
+            try:
+                await self._wait_for(lambda: self._version >= version or self._done)
+            finally:
+                waiting[version] -= 1
+        # The last of those that waited for it takes it away (a memory checkpoint and a stored one
+        # may ask for the same next version); one asking after that gets the state it finds.
+        if waiting[version] > 0:
+            kept = self._snapshots.get(version)
+        else:
+            kept = self._snapshots.pop(version, None)
+            waiting.pop(version, None)
+        return kept if kept is not None else self._capture()
 
     async def write_checkpoint(self, version: int, writer: Any, part: str, term: int = 0) -> PartReport:
         """Write this shard's state at `version` (as `snapshot` finds it) as part `part` of the
