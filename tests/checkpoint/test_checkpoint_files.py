@@ -320,3 +320,9 @@ def test_retention_keeps_newest_and_one_every_n_hours():
     # Newest 3 stay (8, 9, 10); of the older ones, step 4 (2 h after the start) is kept for good.
     assert checkpoints_to_delete(checkpoints, 3, 2.0, started_at=0.0) == [1, 2, 3, 5, 6, 7]
     assert checkpoints_to_delete(checkpoints[:3], 5, None, started_at=0.0) == []
+    # Resumed 5 h in: the first driver left 4 (kept for good) and its window 8, 9, 10; the new one
+    # saves 11 and 12. Judged from the new driver's start, step 4 would go too; given as kept for
+    # good, it stays, and the window's older steps go as a new tf.train.Saver's would.
+    resumed = [c for c in checkpoints if c[0] in (4, 8, 9, 10)] + [(11, 5.5 * hour), (12, 6.0 * hour)]
+    assert checkpoints_to_delete(resumed, 3, 2.0, started_at=5.0 * hour) == [4, 8, 9]
+    assert checkpoints_to_delete(resumed, 3, 2.0, started_at=5.0 * hour, kept_for_good={4}) == [8, 9]

@@ -51,10 +51,24 @@ class CheckpointSaverHook(Hook):
     def begin(self, session: SessionInfo) -> None:
         factory = self._store_or_factory
         self.store = factory(session) if callable(factory) else factory
+        self._kept_for_good = self._kept_by_earlier_drivers()
         self._last_step = session.start_step
         self._last_time = time.monotonic()
         self._started_at = time.time()
         session.snapshot_every = self.every_steps  # the shards keep exactly those steps for us
+
+    def _kept_by_earlier_drivers(self) -> frozenset[int]:
+        """A resumed run's checkpoints older than its newest `max_to_keep`: with
+        `keep_checkpoint_every_n_hours`, those its earlier drivers kept for good (the rest they
+        deleted)."""
+        if self.keep_every_n_hours is None:
+            return frozenset()
+        try:
+            steps = sorted(step for step, _ in self.store.list())
+        except Exception as exc:  # the store away: judged as this driver's own, as before
+            log.warning("could not list the run's checkpoints (%s): those kept for good may be pruned", exc)
+            return frozenset()
+        return frozenset(steps[: -self.max_to_keep] if self.max_to_keep else steps)
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
         if event.nonfinite:
@@ -105,7 +119,11 @@ class CheckpointSaverHook(Hook):
         self.saved.append(saved.step)
         try:
             for step in checkpoints_to_delete(
-                self.store.list(), self.max_to_keep, self.keep_every_n_hours, started_at=self._started_at
+                self.store.list(),
+                self.max_to_keep,
+                self.keep_every_n_hours,
+                started_at=self._started_at,
+                kept_for_good=self._kept_for_good,
             ):
                 self.store.delete(step)
             if unfinished := self.store.prune_unfinished(before=saved.step):
