@@ -136,6 +136,14 @@ def test_decode_raw_bytes_and_wrong_size(tmp_path):
     np.testing.assert_array_equal(columns["image"][1], np.arange(6, 12).reshape(2, 3))
     assert bad.skipped == 1
 
+    # No decoded_shape, or one with a -1: each record's length decides (it failed as "[-1, -1]").
+    path = write_examples(tmp_path / "b", [{"image": [p], "label": [i]} for i, p in enumerate(pixels[:2])])
+    for shape, expected in ((None, (2, 6)), ([-1, 3], (2, 2, 3))):
+        spec = {"dtype": "bytes", "decode": "uint8", **({"decoded_shape": shape} if shape else {})}
+        columns, _ = _read(path, normalize({"image": spec, "label": {"dtype": "int64"}}, origin="test"))
+        assert columns["image"].shape == expected
+        np.testing.assert_array_equal(columns["image"].reshape(2, 6)[1], np.arange(6, 12))
+
 
 def test_varlen_padded_or_per_record(tmp_path):
     path = write_examples(tmp_path / "a", [{"ids": list(range(n)), "label": [n]} for n in (1, 3, 0, 5)])
@@ -194,6 +202,15 @@ def test_csv_bad_row_names_file_and_line(tmp_path, broken, message):
     columns, bad = _read_csv(path, mode="skip")
     assert bad.skipped == 1 and "line 5" in bad.first_reason
     assert sorted(columns["example_id"].tolist()) == [i for i in range(20) if i != 3]
+
+
+def test_csv_unparseable_cell_is_named_by_the_files_column_whatever_the_specs_order(tmp_path):
+    rows = tabular_rows(20)
+    rows[3] = [*rows[3][:2], "abc", *rows[3][3:]]  # f1, the file's third column
+    path = write_csv(tmp_path / "a.csv", tabular_header(), rows)
+    features = dict(reversed(CSV_FEATURES.items()))  # label, f2, f1, f0, example_id
+    with pytest.raises(DataError, match=r"a\.csv: line 5: column 'f1': 'abc' is not float32"):
+        _read_csv(path, features=features)
 
 
 def test_csv_skip_counts_every_kind_once(tmp_path):

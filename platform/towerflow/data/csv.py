@@ -68,7 +68,7 @@ def read_csv_file(
         if invalid.first and not skip:
             raise DataError(f"{path}: {invalid.first}") from None
         if not skip:
-            raise DataError(f"{path}: {_conversion_message(exc, features, layout)}") from None
+            raise DataError(f"{path}: {_conversion_message(exc, path, features, layout)}") from None
         invalid = _InvalidRows(skip=True)  # the string read below sees every invalid row again
         yield from _untyped_rest(path, layout, features, bad, invalid, consumed)
     if invalid.lines:
@@ -191,13 +191,16 @@ _CONVERSION = re.compile(
 )
 
 
-def _conversion_message(exc: Exception, features, layout: CsvLayout) -> str:
+def _conversion_message(exc: Exception, path: str, features, layout: CsvLayout) -> str:
     text = str(exc).strip().splitlines()[0]
     found = _CONVERSION.search(text)
     if not found:
         return f"cannot parse ({text[:300]})"
     index, line, _, value = found.groups()
-    names = list(features)
+    try:  # Arrow numbers the file's columns, not the feature spec's
+        names = header_columns(path, layout)
+    except Exception:
+        names = []
     name = names[int(index)] if int(index) < len(names) else f"#{index}"
     return f"line {line}: column {name!r}: {value!r} is not {features.get(name, {}).get('dtype', 'valid')}"
 

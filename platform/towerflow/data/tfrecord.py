@@ -132,7 +132,9 @@ def _decode(tf, path, name, column, spec, first) -> np.ndarray:
             )
     try:
         decoded = tf.io.decode_raw(column, out_dtype)
-        return tf.reshape(decoded, [-1, *shape]).numpy()
+        # The batch's size given, not -1: a decoded_shape left out, or with a -1 of its own, may
+        # hold one -1 (its record's length decides it), and reshape takes one at most.
+        return tf.reshape(decoded, [tf.shape(decoded)[0], *shape]).numpy()
     except tf.errors.InvalidArgumentError as exc:
         raise DataError(
             f"{path}: records {first}+: feature {name!r} does not decode as {spec['decode']} of shape "
