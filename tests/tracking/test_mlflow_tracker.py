@@ -176,3 +176,23 @@ def test_a_lost_drivers_past_steps_are_logged_after_what_it_logged_at_the_runs_c
     assert past[15] == 0.5 and 15 not in {
         m.step for m in taker.client.get_metric_history(lost.run_id, "elapsed_s")
     }
+
+
+def test_a_run_whose_begin_fails_once_it_is_open_ends_failed_not_running(blob_data, tmp_path):
+    """The artifact store refuses the spec artifact after the run was created: the driver ends only
+    the hooks that began, so the tracker ends its run itself, FAILED with the error."""
+    from mlflow.tracking import MlflowClient
+
+    from towerflow.runtime.hooks import SessionInfo
+    from towerflow.tracking import MLflowTracker
+
+    uri = sqlite_store(tmp_path)
+    not_a_folder = tmp_path / "artifacts"
+    not_a_folder.write_text("a file where the artifacts would go")
+    MlflowClient(uri).create_experiment("refused", artifact_location=not_a_folder.as_uri())
+    spec = validate_spec(blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "refused"}))
+    tracker = MLflowTracker(spec)
+    with pytest.raises(OSError):  # the artifact store cannot make its folder
+        tracker.begin(SessionInfo(spec=spec, num_workers=1, num_shards=1))
+    run = MlflowClient(uri).get_run(tracker.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["towerflow.error"]

@@ -9,6 +9,7 @@ nothing: the run's end waits for it (END_WAIT_S at most).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -86,6 +87,26 @@ class MLflowTracker(Hook):
         return latest_checkpoint(store, f"run {run.info.run_id}")
 
     def begin(self, session: SessionInfo) -> None:
+        try:
+            self._open(session)
+        except BaseException as exc:
+            self._end_opened_run(exc)
+            raise
+
+    def _end_opened_run(self, exc: BaseException) -> None:
+        """A begin that failed once the run was open (its spec artifact refused by the artifact
+        store, say): the driver ends only the hooks that began, so the run is ended here, FAILED
+        (KILLED by a stop) with the error, not left RUNNING."""
+        if self.run_id is None:
+            return
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        with contextlib.suppress(Exception):  # the server that failed the begin may refuse this too
+            self.client.set_tag(
+                self.run_id, "towerflow.error", (str(exc).strip() or type(exc).__name__)[:5000]
+            )
+            self.client.set_terminated(self.run_id, status=status)
+
+    def _open(self, session: SessionInfo) -> None:
         import mlflow
 
         if self.resume_run_id:
