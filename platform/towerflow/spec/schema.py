@@ -85,7 +85,13 @@ class DataSpec(StrictModel):
     batch_size: int = Field(128, gt=0, description="Examples per worker per step, split across its towers.")
     epochs: int | None = Field(1, gt=0, description="null: repeat until training.max_steps.")
     shuffle_files: bool = True
-    shuffle_buffer: int = Field(0, ge=0, description="Per-worker local shuffle buffer, in examples; 0 = off.")
+    shuffle_buffer: int = Field(
+        0,
+        ge=0,
+        description="Per-worker local shuffle buffer, in examples; 0 = off. Above 0 the rows a worker used "
+        "are no longer the first of its blocks: a lost worker's hand-over and a re-plan's position may "
+        "skip or repeat up to that many examples per loss (shuffle_files keeps them exact).",
+    )
     drop_remainder: bool = Field(True, description="Drop a worker's last partial batch of the run.")
     seed: int = 0
     on_bad_record: Literal["error", "skip"] = Field(
