@@ -213,6 +213,20 @@ def test_csv_unparseable_cell_is_named_by_the_files_column_whatever_the_specs_or
         _read_csv(path, features=features)
 
 
+def test_csv_text_cell_not_in_utf8_is_a_bad_row_named_by_line(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_bytes(b"example_id,name,label\n0,abc,1\n1,\xff\xfe,0\n2,ok,1\n")
+    features = normalize(
+        {"example_id": {"dtype": "int64"}, "name": {"dtype": "bytes"}, "label": {"dtype": "int64"}},
+        origin="test",
+    )
+    with pytest.raises(DataError, match=r"a\.csv: line 3: column 'name' is not UTF-8 text"):
+        _read_csv(path, features=features)
+    columns, bad = _read_csv(path, mode="skip", features=features)  # it raised Arrow's own error
+    assert bad.skipped == 1 and bad.first_reason == "line 3: column 'name' is not UTF-8 text"
+    assert columns["example_id"].tolist() == [0, 2] and columns["name"].tolist() == ["abc", "ok"]
+
+
 def test_csv_skip_counts_every_kind_once(tmp_path):
     rows = tabular_rows(50)
     rows[1] = rows[1][:-1]

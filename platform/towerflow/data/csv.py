@@ -86,8 +86,9 @@ def _open(path: str, raw, layout: CsvLayout, features, invalid: _InvalidRows, *,
         column_names=None if layout.header else (names or list(features)),
     )
     parse = pacsv.ParseOptions(delimiter=layout.delimiter, invalid_row_handler=invalid)
+    # Untyped (skip mode's second read): bytes, so that a cell not in UTF-8 is one bad row, not the file's end
     types = {
-        n: (getattr(pa, _ARROW_TYPES[f["dtype"]])() if typed else pa.string()) for n, f in features.items()
+        n: (getattr(pa, _ARROW_TYPES[f["dtype"]])() if typed else pa.binary()) for n, f in features.items()
     }
     convert = pacsv.ConvertOptions(
         column_types=types,
@@ -146,7 +147,7 @@ def _untyped_rest(path, layout, features, bad: BadRecords, invalid, start: int):
     keep = np.ones(table.num_rows, dtype=bool)
     typed = {}
     for name, spec in features.items():
-        column = table.column(name)
+        column = _as_text(path, name, table.column(name), keep, start, layout, invalid, bad)
         if spec["dtype"] == "bytes":
             typed[name] = column.fill_null("")
             continue
@@ -177,6 +178,28 @@ def _untyped_rest(path, layout, features, bad: BadRecords, invalid, start: int):
             yield columns
 
 
+def _as_text(path, name, column, keep, start, layout, invalid, bad: BadRecords):
+    """A column read as bytes, as text; a cell not in UTF-8 makes its row a bad one (and null)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        return pc.cast(column, pa.string())
+    except pa.ArrowInvalid:
+        pass
+    cells = []
+    for i, value in enumerate(column.to_pylist()):  # error path only: find which cells are not text
+        try:
+            cells.append(None if value is None else value.decode("utf-8"))
+        except UnicodeDecodeError:
+            cells.append(None)
+            if keep[i]:
+                line = _line_of(start + i, layout, invalid.lines)
+                bad.bad(path, f"line {line}", f"column {name!r} is not UTF-8 text")
+            keep[i] = False
+    return pa.chunked_array([pa.array(cells, type=pa.string())])
+
+
 def _line_of(row: int, layout: CsvLayout, skipped_lines: list[int]) -> int:
     """The 1-based line of the file's `row`-th kept data row (no quoted line breaks assumed)."""
     line = row + 1 + (1 if layout.header else 0)
@@ -187,7 +210,7 @@ def _line_of(row: int, layout: CsvLayout, skipped_lines: list[int]) -> int:
 
 
 _CONVERSION = re.compile(
-    r"In CSV column #(\d+): Row #(\d+): CSV conversion error to (\w+): invalid value '(.*)'"
+    r"In CSV column #(\d+): Row #(\d+): CSV conversion error to (\w+): invalid (?:value '(.*)'|(UTF8) data)"
 )
 
 
@@ -196,12 +219,14 @@ def _conversion_message(exc: Exception, path: str, features, layout: CsvLayout) 
     found = _CONVERSION.search(text)
     if not found:
         return f"cannot parse ({text[:300]})"
-    index, line, _, value = found.groups()
+    index, line, _, value, not_text = found.groups()
     try:  # Arrow numbers the file's columns, not the feature spec's
         names = header_columns(path, layout)
     except Exception:
         names = []
     name = names[int(index)] if int(index) < len(names) else f"#{index}"
+    if not_text:
+        return f"line {line}: column {name!r} is not UTF-8 text"
     return f"line {line}: column {name!r}: {value!r} is not {features.get(name, {}).get('dtype', 'valid')}"
 
 
