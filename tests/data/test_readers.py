@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from support import (
@@ -225,6 +227,38 @@ def test_csv_text_cell_not_in_utf8_is_a_bad_row_named_by_line(tmp_path):
     columns, bad = _read_csv(path, mode="skip", features=features)  # it raised Arrow's own error
     assert bad.skipped == 1 and bad.first_reason == "line 3: column 'name' is not UTF-8 text"
     assert columns["example_id"].tolist() == [0, 2] and columns["name"].tolist() == ["abc", "ok"]
+
+
+def test_the_evaluations_reads_skip_bad_records_as_data_on_bad_record_says(tmp_path, caplog):
+    """`data.on_bad_record: skip` held for the training data only: a bad record in data.eval failed
+    the evaluation, and with it the run."""
+    from support import blob_spec
+
+    from towerflow.data.eval_reader import eval_source, iter_eval_batches
+    from towerflow.spec import validate_spec
+
+    path = write_examples(tmp_path / "eval-0", [_good(i) for i in range(20)])
+    flip_byte(path, 12 * _record_size(tmp_path) + 20)  # inside record 12's data
+
+    def batches(on_bad_record: str) -> list[int]:
+        features = {
+            "x": {"dtype": "float32", "shape": [2]},
+            "label": {"dtype": "int64"},
+            "example_id": {"dtype": "int64"},
+        }
+        evaluation = {
+            "paths": str(tmp_path / "eval-*"),
+            "features": features,
+        }  # not inferred from the bad file
+        data = {"eval": evaluation, "on_bad_record": on_bad_record}
+        source = eval_source(validate_spec(blob_spec(tmp_path, data=data)))
+        return [i for b in iter_eval_batches(source.files, source.reader, 8) for i in b["example_id"]]
+
+    with pytest.raises(DataError, match=r"eval-0: record 12: corrupt TFRecord"):
+        batches("error")
+    with caplog.at_level(logging.WARNING, logger="towerflow"):
+        assert batches("skip") == [i for i in range(20) if i != 12]
+    assert "eval-0: 1 bad record(s) skipped (record 12: corrupt TFRecord" in caplog.text
 
 
 def test_csv_skip_counts_every_kind_once(tmp_path):

@@ -8,10 +8,13 @@ driver reads it through `SkippedRecordsHook` (supervision/skipped_records.py), w
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from towerflow.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,9 +34,14 @@ class BadRecords:
         self.first_reason = self.first_reason or f"{where}: {reason}"
 
     def report(self, path: str) -> None:
-        """Send this file's count to the ledger (once, when the file is done)."""
-        if self.skipped and self.ledger is not None:
+        """Send this file's count to the ledger (once, when the file is done); with no ledger (the
+        evaluation's reads), log it."""
+        if not self.skipped:
+            return
+        if self.ledger is not None:
             self.ledger.add.remote(path, self.skipped, self.first_reason or "")
+        else:
+            log.warning("%s: %d bad record(s) skipped (%s)", path, self.skipped, self.first_reason)
 
 
 class SkippedRecordsLedger:

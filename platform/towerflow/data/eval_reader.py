@@ -25,9 +25,10 @@ class EvalSource:
 
 
 def eval_source(spec: Any) -> EvalSource:
-    """The spec's `data.eval`, resolved the way training data is (errors name `data.eval...`)."""
+    """The spec's `data.eval`, resolved the way training data is (errors name `data.eval...`), its
+    bad records handled as `data.on_bad_record` says (skipped ones are logged per file)."""
     source = spec.data.eval
-    split = prepare_split(source, "data.eval")
+    split = prepare_split(source, "data.eval", spec.data.on_bad_record)
     return EvalSource(split.files, split.reader, split.varlen, list(source.tower_preprocess))
 
 
