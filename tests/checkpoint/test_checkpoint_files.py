@@ -134,6 +134,16 @@ def test_files_round_trip_and_are_tensorflow_checkpoints(tmp_path):
     ]
 
 
+def test_a_step_saved_again_replaces_the_first_whole_and_leaves_nothing_aside(tmp_path):
+    def state(value: float) -> TrainingState:
+        return TrainingState(5, "sgd", ["w"], {"w": np.full(3, value, np.float32)}, {}, {})
+
+    write_checkpoint(state(1.0), tmp_path)
+    directory = write_checkpoint(state(2.0), tmp_path)  # the old one moved aside, then removed
+    np.testing.assert_array_equal(read_checkpoint(directory).variables["w"], np.full(3, 2.0, np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [directory.name]
+
+
 def _write_in_parts(store, infos, values, num_shards, step=7, model_state=None):
     """A checkpoint written as the shards write it: one part each, through the store's writer,
     then meta.json. Returns the writer (committed)."""

@@ -167,8 +167,13 @@ def publish(staging: Path, meta: dict[str, Any]) -> Path:
     """Write `meta.json` into a complete staging directory and rename it into place."""
     final = staging.parent / checkpoint_name(int(meta["global_step"]))
     write_meta_durably(staging / META, meta)
-    if final.exists():  # the same step saved twice (e.g. periodic and final): replace it whole
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved twice (e.g. periodic and final): replace it whole,
+        # the old one moved aside first: a crash meanwhile leaves no half-deleted checkpoint to resume from
+        replaced = final.with_name(f".replaced-{final.name}-{os.getpid()}")
+        os.replace(final, replaced)
+        os.replace(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        return final
     os.replace(staging, final)
     return final
 
