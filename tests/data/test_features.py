@@ -6,7 +6,7 @@ import fsspec
 import numpy as np
 import pytest
 import tensorflow as tf
-from support import example_bytes, tabular_header, tabular_rows, write_csv, write_examples
+from support import example_bytes, flip_byte, tabular_header, tabular_rows, write_csv, write_examples
 
 from towerflow.data.csv import CsvLayout, read_csv_file
 from towerflow.data.features import ColumnPlan, expand_groups, normalize
@@ -72,6 +72,21 @@ def test_infer_tfrecord_shapes_dtypes_and_varlen(tmp_path):
         "raw": {"dtype": "bytes", "shape": []},
         "x": {"dtype": "float32", "shape": [2]},
     }
+
+
+def test_infer_tfrecord_goes_by_the_records_before_a_corrupt_one(tmp_path):
+    """The reads judge a corrupt record as data.on_bad_record says: inference failed on it, also
+    where the run would have skipped it; with no record before it there is nothing to infer from."""
+    path = write_examples(tmp_path / "a", [{"x": [0.5, 1.5], "label": [i % 2]} for i in range(10)])
+    size = path.stat().st_size // 10
+    flip_byte(path, 6 * size + 20)  # inside record 6's data
+    assert infer_tfrecord(str(path)) == {
+        "label": {"dtype": "int64", "shape": []},
+        "x": {"dtype": "float32", "shape": [2]},
+    }
+    flip_byte(path, 20)  # record 0's too
+    with pytest.raises(DataError, match=r"/a: record 0: corrupt TFRecord"):
+        infer_tfrecord(str(path))
 
 
 def test_infer_csv_types(tmp_path):
