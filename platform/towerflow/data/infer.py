@@ -46,7 +46,9 @@ def infer_tfrecord(path: str, sample: int = SAMPLE_RECORDS) -> dict[str, dict[st
                 seen += 1
         except tf.errors.DataLossError as exc:
             if not seen:  # nothing to infer from
-                raise DataError(f"{path}: record {seen}: corrupt TFRecord ({str(exc).splitlines()[0]})") from None
+                raise DataError(
+                    f"{path}: record {seen}: corrupt TFRecord ({str(exc).splitlines()[0]})"
+                ) from None
             # The records before it tell the features; the reads judge this one as data.on_bad_record says.
         except Exception as exc:
             if isinstance(exc, DataError):
