@@ -208,3 +208,14 @@ def test_s3_paths_reach_an_s3_filesystem():
 
     fs, path = _filesystem("s3://my-bucket/mnist/train-*")
     assert "s3" in fs.protocol and path == "my-bucket/mnist/train-*"
+
+
+def test_a_manifest_counts_the_files_of_its_own_folder_only():
+    """Read beside the first file, it named a file of another folder by its name alone: two
+    folders of shards named alike took the first's counts, and a resume's position went wrong."""
+    from towerflow.data.sources import examples_per_file
+
+    manifest = {"splits": {"train": {"files": ["train-0", "train-1"], "per_file": [10, 20]}}}
+    same = ["/d/a/train-0", "/d/a/train-1"]
+    assert examples_per_file(same, manifest) == {"/d/a/train-0": 10, "/d/a/train-1": 20}
+    assert examples_per_file(["/d/a/train-0", "/d/b/train-1"], manifest) is None  # counts unknown

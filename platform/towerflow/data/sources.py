@@ -111,9 +111,7 @@ def local_copy(path: str) -> Iterator[str]:
 
 def read_manifest(files: list[str]) -> dict[str, Any] | None:
     """The manifest beside the first file, if there is one."""
-    first = files[0]
-    parent = first.rsplit("/", 1)[0] if "/" in first else "."
-    path = f"{parent}/{MANIFEST}"
+    path = f"{_folder(files[0])}/{MANIFEST}"
     fs, stripped = _filesystem(path)
     if not fs.isfile(stripped):
         return None
@@ -124,9 +122,14 @@ def read_manifest(files: list[str]) -> dict[str, Any] | None:
         raise DataError(f"{path}: not valid JSON ({exc})") from None
 
 
+def _folder(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else "."
+
+
 def examples_per_file(files: list[str], manifest: dict[str, Any] | None) -> dict[str, int] | None:
-    """Examples in each file, from the manifest, when it covers all of them."""
-    if not manifest:
+    """Examples in each file, from the manifest, when it covers all of them: those of its folder
+    (the first file's), named there; a file of another folder may share a name and not a count."""
+    if not manifest or any(_folder(f) != _folder(files[0]) for f in files):
         return None
     per_file: dict[str, int] = {}
     for split in manifest.get("splits", {}).values():
