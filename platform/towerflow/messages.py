@@ -37,9 +37,13 @@ def say(text: str, *, stream: TextIO | None = None) -> None:
     is now), timed where it is read later as the log's lines are: a job's log then tells when its
     run was named, ended or failed. Flushed: a job's follower reads it at once."""
     stream = sys.stdout if stream is None else stream
-    lead = f"{stamp()} " if read_later(stream) else ""
-    stream.write("".join(f"{lead}{line}\n" for line in text.splitlines() or [""]))
+    stream.write(_each_line(f"{stamp()} " if read_later(stream) else "", text) + "\n")
     stream.flush()
+
+
+def _each_line(lead: str, text: str) -> str:
+    """`text` with `lead` before each of its lines."""
+    return "\n".join(f"{lead}{line}" for line in text.splitlines() or [""])
 
 
 class MessageFormatter(logging.Formatter):
@@ -53,8 +57,7 @@ class MessageFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         word = next((w for level, w in _LEVEL_WORDS if record.levelno >= level), "")
         lead = f"{stamp(record.created)} {PREFIX}{word}" if self.timestamps else f"{PREFIX}{word}"
-        lines = record.getMessage().splitlines() or [""]
-        text = "\n".join(f"{lead}{line}" for line in lines)
+        text = _each_line(lead, record.getMessage())
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:

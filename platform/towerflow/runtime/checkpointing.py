@@ -178,7 +178,7 @@ class CheckpointActions:
     def _ended_apart(self, versions: set[int]) -> bool:
         """True where the workers are gone and the shards ended at different `versions`, now
         settled at the furthest (`_settle_ended_shards`): cut again. Raises where they cannot be."""
-        if len(versions) < 2 or self.group.running or self._pending_replacements:
+        if len(versions) < 2 or not self._no_worker_to_come():
             return False
         if not self._settle_ended_shards(ray.get(self.shard_group.finish())):  # settling needs them finished
             raise TrainingError(f"shards ended at different versions {sorted(versions)}: no consistent cut")
@@ -216,9 +216,8 @@ class CheckpointActions:
                 # Keep hearing of the workers meanwhile: a sync step waits for a lost one until the
                 # shards retire it, and the records drained here are reported after this hook.
                 self._backlog.extend(self._turn())
-            if not self.group.running and not self._pending_replacements:
-                # The workers are gone (end of data, stop), and no replacement is on its way:
-                # nothing will reach the target; end the shards.
+            if self._no_worker_to_come():
+                # The workers are gone (end of data, stop): nothing will reach the target; end the shards.
                 ray.get(self.shard_group.finish())
         try:
             return ray.get(refs) if self._rollbacks == rollbacks else None

@@ -284,12 +284,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
                 self._confirm_the_run_is_ours()
                 ray.get(self.shard_group.finish())
                 released = True
-            if (
-                not running
-                and not self._pending_replacements
-                and not self._backlog
-                and not self._ready_events
-            ):
+            if self._no_worker_to_come() and not self._backlog and not self._ready_events:
                 # (steps a hook's wait drained at the very end are reported by one more turn first)
                 self.state = State.FINISHING
         self._confirm_the_run_is_ours()
@@ -369,6 +364,10 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
             self._resize(leaving=leaving, joining=joining, records=status.records)
             return []
         return status.records
+
+    def _no_worker_to_come(self) -> bool:
+        """No worker runs, and no replacement is on its way: no step will be taken."""
+        return not self.group.running and not self._pending_replacements
 
     def _count_from(self, feed: DataFeed) -> None:
         """The run counts its data position on from where `feed`'s streams start: a partly read file

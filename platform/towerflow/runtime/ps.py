@@ -282,8 +282,7 @@ class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
     async def finish(self, term: int = 0) -> int:
         """Stop accepting gradients and release every waiting worker."""
         self._obey(term, "finishing a shard")
-        self._done = True
-        self._order.let_go()
+        self._take_no_more()
         await self._notify()
         return self._version
 
@@ -333,6 +332,11 @@ class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
         return os.getpid()
 
     # -- internals -------------------------------------------------------------------------------
+    def _take_no_more(self) -> None:
+        """Done: no gradient is taken from now on, and no numbered push waits for its turn."""
+        self._done = True
+        self._order.let_go()
+
     def _bucket_exhausted(self, bucket: int) -> bool:
         return self._max_steps is not None and self._bucket_versions[bucket] >= self._max_steps
 
@@ -385,8 +389,7 @@ class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
         self._counts["applied"] += 1
         self._counts["gradients"] += replicas
         if self._max_steps is not None and self._version >= self._max_steps:
-            self._done = True
-            self._order.let_go()
+            self._take_no_more()
         self._snapshot_if_due()
         self._last_apply_s = self._version_apply_s + time.perf_counter() - start
         self._version_apply_s = 0.0

@@ -101,9 +101,7 @@ class MLflowTracker(Hook):
             return
         status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
         with contextlib.suppress(Exception):  # the server that failed the begin may refuse this too
-            self.client.set_tag(
-                self.run_id, "towerflow.error", (str(exc).strip() or type(exc).__name__)[:5000]
-            )
+            self._tag_error(exc)
             self.client.set_terminated(self.run_id, status=status)
 
     def _open(self, session: SessionInfo) -> None:
@@ -272,9 +270,13 @@ class MLflowTracker(Hook):
                 status, error = "FAILED", exc
                 self.end_error = exc
         if error is not None:
-            message = str(error).strip() or type(error).__name__
-            self._client.set_tag(self.run_id, "towerflow.error", message[:5000])
+            self._tag_error(error)
         self._client.set_terminated(self.run_id, status=status)
+
+    def _tag_error(self, error: BaseException) -> None:
+        """The run's error tag: the error's message (its type where it has none), cut to MLflow's size."""
+        message = str(error).strip() or type(error).__name__
+        self.client.set_tag(self.run_id, "towerflow.error", message[:5000])
 
     def _export(self, result: Any) -> None:
         from towerflow.tracking.export import ExportError, export_model
