@@ -25,6 +25,13 @@ class RunTakenOver(ClusterError):
     run to the other."""
 
 
+class RunEndedWhileAway(RunTakenOver):
+    """The run's control point ended while this driver did not renew its lease (paused, or cut off
+    from the cluster, for longer than training.failure.driver_grace_s): its shards were ended, or
+    another driver ended the run. The driver stops; its MLflow run ends FAILED where no other
+    driver has reopened it (tracking/mlflow_tracker.py), so that it is not left RUNNING."""
+
+
 class FencedOut(RunTakenOver):
     """A call of this driver's refused by an actor of its run, which a newer driver has fenced
     (runtime/fencing.py); the driver stops with a RunTakenOver that names the run. `term`: the

@@ -1,8 +1,8 @@
 """A driver lost on the multi-node test cluster, run as users run it (`python -m towerflow train`
 with RAY_ADDRESS): SIGKILLed with the run's control point, `--resume auto` continues its run with
 the same shard and worker processes; under `driver_restarts` the command starts its killed driver
-again, which takes the run over; with no driver, the kept shards end after the grace period; a
-driver stopped (SIGSTOP) past its lease and taken over leaves the run to the new one when it wakes.
+again, which takes the run over; with no driver, the kept shards end after the grace period (and
+the driver, woken, ends its MLflow run FAILED); a driver stopped (SIGSTOP) past its lease and taken over leaves the run to the new one when it wakes.
 And the head lost and started again with a worker's node, the driver on a node of its own: the run
 trains on through the head's absence, and replaces the worker once the head is back; with the
 shard's node instead, it rolls back once the head is back.
@@ -196,21 +196,37 @@ def test_a_driver_killed_under_driver_restarts_is_started_again_by_its_command_a
     _logged_once_without_a_gap_and_ended(cluster, client, run_id, "driver-restart")
 
 
-def test_a_lost_drivers_shards_end_after_the_grace_period(gcs_ft_cluster, blob_data, tmp_path):
+def test_a_paused_drivers_shards_end_after_the_grace_period_and_woken_it_ends_its_run_failed(
+    gcs_ft_cluster, blob_data, tmp_path
+):
+    """A driver that does not renew its lease for driver_grace_s (stopped here, as a lost one does)
+    has its run's shards and placement groups ended, and the control point with them. Woken, it
+    stops and ends its MLflow run FAILED with why and how to resume: not RUNNING for ever."""
     cluster = gcs_ft_cluster
     spec, uri = spec_file(tmp_path, blob_data, "orphans", max_steps=10_000, failure={"driver_grace_s": 5})
     driver = start_driver(cluster, spec)
-    wait_for_step(uri, "orphans", 5, driver)
-    os.killpg(driver.pid, signal.SIGKILL)
-    driver.wait()
-    assert alive_actors(cluster, "ParameterShard") and placement_groups(cluster, "orphans")
-    deadline = time.monotonic() + 90  # 5 s of grace, then Ray removes the groups and their actors
-    while (alive_actors(cluster, "ParameterShard") or placement_groups(cluster, "orphans")) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(1)
-    assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
-    assert not placement_groups(cluster, "orphans")
+    run_id = wait_for_step(uri, "orphans", 5, driver)
+    # The command and its driver, a child in a session of its own (`driver_restarts`).
+    stopped = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
+    for process in stopped:
+        process.suspend()  # SIGSTOP
+    try:
+        assert alive_actors(cluster, "ParameterShard") and placement_groups(cluster, "orphans")
+        deadline = time.monotonic() + 90  # 5 s of grace, then Ray removes the groups and their actors
+        while (alive_actors(cluster, "ParameterShard") or placement_groups(cluster, "orphans")) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(1)
+        assert not alive_actors(cluster, "ParameterShard") and not alive_actors(cluster, "RunControl")
+        assert not placement_groups(cluster, "orphans")
+    finally:
+        for process in stopped:
+            process.resume()  # SIGCONT
+    woken, _ = driver.communicate(timeout=120)
+    assert driver.returncode != 0, woken[-3000:]
+    assert f"run {run_id}'s control point has ended" in woken and f"--resume {run_id}" in woken, woken[-3000:]
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FAILED" and "control point has ended" in run.data.tags["towerflow.error"]
 
 
 def test_a_driver_paused_past_its_lease_wakes_to_find_its_run_taken_over_and_leaves_it(

@@ -196,3 +196,39 @@ def test_a_run_whose_begin_fails_once_it_is_open_ends_failed_not_running(blob_da
         tracker.begin(SessionInfo(spec=spec, num_workers=1, num_shards=1))
     run = MlflowClient(uri).get_run(tracker.run_id)
     assert run.info.status == "FAILED" and run.data.tags["towerflow.error"]
+
+
+def test_a_driver_woken_after_its_run_ended_without_it_ends_the_run_failed_unless_another_has_it(
+    blob_data, tmp_path
+):
+    """A driver paused past driver_grace_s wakes to find its run's control point ended
+    (RunEndedWhileAway): with no other driver on the run, it ends the MLflow run FAILED with why,
+    not RUNNING for ever; where another driver has reopened the run since, it leaves it. A driver
+    taken over (RunTakenOver) leaves the run in either case."""
+    from towerflow.errors import RunEndedWhileAway, RunTakenOver
+    from towerflow.runtime.hooks import RunContext, RunOutcome, SessionInfo, StepEvent
+    from towerflow.tracking import MLflowTracker
+
+    uri = sqlite_store(tmp_path)
+    spec = validate_spec(blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "away"}))
+    away = RunEndedWhileAway("run r's control point has ended")
+
+    def paused_driver() -> tuple[MLflowTracker, SessionInfo]:
+        tracker, session = MLflowTracker(spec), SessionInfo(spec=spec, num_workers=1, num_shards=1)
+        tracker.begin(session)
+        tracker.after_run(RunContext(session), StepEvent(1, 0.5, {}, 32, 32, 1.0, 100.0, {}, [0]))
+        return tracker, session
+
+    alone, session = paused_driver()
+    alone.end(session, RunOutcome("TAKEN_OVER", 1, away))
+    run = alone.client.get_run(alone.run_id)
+    assert run.info.status == "FAILED" and "control point has ended" in run.data.tags["towerflow.error"]
+    assert [m.step for m in alone.client.get_metric_history(alone.run_id, "loss")] == [1]
+
+    for error in (RunTakenOver("taken over"), away):
+        left, session = paused_driver()
+        resumed = MLflowTracker(spec, resume_run_id=left.run_id)
+        resumed.begin(SessionInfo(spec=spec, num_workers=1, num_shards=1, resumed_from="a checkpoint"))
+        left.end(session, RunOutcome("TAKEN_OVER", 1, error))
+        run = left.client.get_run(left.run_id)
+        assert run.info.status == "RUNNING" and "towerflow.error" not in run.data.tags, error

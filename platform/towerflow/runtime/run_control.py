@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 
-from towerflow.errors import ClusterError, RunTakenOver
+from towerflow.errors import ClusterError, RunEndedWhileAway, RunTakenOver
 from towerflow.runtime.actors import kill_quietly
 
 log = logging.getLogger(__name__)
@@ -261,10 +261,11 @@ class ControlPoint:
             except ray.exceptions.RayError as exc:
                 if ended_for_good(exc):
                     why = _cause(exc)
-                    raise RunTakenOver(
+                    raise RunEndedWhileAway(
                         f"run {self._run_id}'s control point has ended (its shards were ended after "
                         "training.failure.driver_grace_s without this driver, or another driver ended "
-                        f"the run; Ray says: {why}): this driver stops and leaves the run"
+                        f"the run; Ray says: {why}): this driver stops. Resume the run from its last "
+                        f"checkpoint with `towerflow train <spec> --resume {self._run_id}`"
                     ) from exc
                 # restarting, or slow: the next turn asks again
                 log.debug("run %s's control point did not answer within %.0f s", self._run_id, ASK_WAIT_S)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
-from towerflow.errors import TrainingError
+from towerflow.errors import RunEndedWhileAway, TrainingError
 from towerflow.runtime.hooks import FaultEvent, Hook, RunContext, RunOutcome, SessionInfo, StepEvent
 from towerflow.runtime.protocol import protocol_for
 from towerflow.spec import flatten_spec
@@ -25,6 +26,9 @@ from towerflow.tracking.store import ensure_experiment, run_store_uri
 log = logging.getLogger(__name__)
 
 SPEC_ARTIFACT = "spec.yaml"
+# The driver that has the run now (a new mark per driver): a driver woken after its run ended
+# without it ends the MLflow run only where no other driver has marked it since.
+DRIVER_TAG = "towerflow.driver"
 END_WAIT_S = 600.0  # how long a run's end waits for a tracking server that does not answer
 
 
@@ -64,6 +68,8 @@ class MLflowTracker(Hook):
         self._system = None  # towerflow.tracking.system_metrics.ClusterSystemMetrics while running
         self._faults = 0  # fault tags written
         self._shipper = None  # towerflow.tracking.shipper.MetricShipper, once the run is open
+        # This driver's mark on the run (DRIVER_TAG): a driver that resumes the run sets its own.
+        self._driver = uuid.uuid4().hex
 
     @property
     def client(self):
@@ -116,6 +122,7 @@ class MLflowTracker(Hook):
         tags = {
             **run_tags(spec.training.mode),
             "towerflow.job": spec.name,
+            DRIVER_TAG: self._driver,
             "mlflow.runName": spec.tracking.run_name or f"{spec.name}-{spec.training.mode}",
         }
         if self.parent_run_id:
@@ -155,6 +162,7 @@ class MLflowTracker(Hook):
         run = self._resumable_run()
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         self.client.update_run(self.run_id, status="RUNNING")
+        self.client.set_tag(self.run_id, DRIVER_TAG, self._driver)
         self.client.set_tag(self.run_id, "towerflow.resumed_from_step", str(session.start_step))
         if session.resumed_from:
             self.client.set_tag(self.run_id, "towerflow.resumed_from", session.resumed_from)
@@ -247,8 +255,8 @@ class MLflowTracker(Hook):
         if self._system is not None:
             self._buffer.extend(self._system.stop())
             self._system = None
-        if outcome.taken_over:  # the run is another driver's, which logs its steps and ends it
-            self._buffer = []
+        if outcome.taken_over and not self._left_to_this_driver(outcome):
+            self._buffer = []  # the run is another driver's, which logs its steps and ends it
             return
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:
@@ -259,7 +267,7 @@ class MLflowTracker(Hook):
             self.on_metrics({"global_step": outcome.global_step}, outcome.global_step)
         self._hand_over()
         refusal = self._wait_for_the_server()
-        status, error = outcome.status, outcome.error
+        status, error = ("FAILED" if outcome.taken_over else outcome.status), outcome.error
         if refusal is not None and error is None:
             status, error = "FAILED", refusal
             self.end_error = refusal
@@ -272,6 +280,20 @@ class MLflowTracker(Hook):
         if error is not None:
             self._tag_error(error)
         self._client.set_terminated(self.run_id, status=status)
+
+    def _left_to_this_driver(self, outcome: RunOutcome) -> bool:
+        """Whether a run this driver stopped on as not its own (`outcome.taken_over`) is its to end
+        all the same: the run's control point ended while the driver was away (RunEndedWhileAway),
+        and no driver has reopened the MLflow run since, which is still RUNNING with this one's
+        mark. Else the run is left as it is (another driver's, or ended by one)."""
+        if not isinstance(outcome.error, RunEndedWhileAway):
+            return False
+        try:
+            run = self.client.get_run(self.run_id)
+        except Exception as exc:  # unanswered: left as it is, as a taken-over run is
+            log.warning("run %s: could not read whether another driver has it: %s", self.run_id, exc)
+            return False
+        return run.info.status == "RUNNING" and run.data.tags.get(DRIVER_TAG) == self._driver
 
     def _tag_error(self, error: BaseException) -> None:
         """The run's error tag: the error's message (its type where it has none), cut to MLflow's size."""
