@@ -123,6 +123,8 @@ def test_user_hook_from_import_string_sees_the_lifecycle(first_run):
 
 def test_resume_onto_more_shards_restores_exactly(first_run, blob_data):
     spec, uri, result, _ = first_run
+    store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
+    written = dict(store.list())
     resumed = train(
         spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"ps": 3})}), resume=result.run_id
     )
@@ -130,10 +132,12 @@ def test_resume_onto_more_shards_restores_exactly(first_run, blob_data):
     assert {s["loaded_from"] for s in resumed.shards} == {"values from the driver"}  # re-cut: 2 parts onto 3
     for before, after in zip(result.parameters, resumed.parameters):
         np.testing.assert_array_equal(before, after)
-    store = MlflowCheckpointStore(MlflowClient(uri), result.run_id)
-    again = store.load(8)  # saved anew by the resumed run, from 3 shards
-    original = first_run[2]
-    for name, value in zip(again.names, original.parameters):
+    # Resumed at its last step, the run saved nothing over the checkpoint it resumed from (a
+    # failure while rewriting it in place would have lost the newest good one).
+    after = MlflowCheckpointStore(MlflowClient(uri), result.run_id)  # a store reads each meta once
+    assert dict(after.list()) == written
+    again = after.load(8)
+    for name, value in zip(again.names, result.parameters):
         np.testing.assert_array_equal(again.variables[name], value)
 
 

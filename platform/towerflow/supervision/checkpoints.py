@@ -51,22 +51,30 @@ class CheckpointSaverHook(Hook):
     def begin(self, session: SessionInfo) -> None:
         factory = self._store_or_factory
         self.store = factory(session) if callable(factory) else factory
-        self._kept_for_good = self._kept_by_earlier_drivers()
+        steps = self._steps_stored() if session.start_step or self.keep_every_n_hours is not None else []
+        self._kept_for_good = self._kept_by_earlier_drivers(steps)
+        if session.start_step in steps:
+            # A resume at a stored step (a run whose end failed after its last checkpoint, say):
+            # that checkpoint stays as written, not saved over by this driver's end.
+            self.saved.append(session.start_step)
         self._last_step = session.start_step
         self._last_time = time.monotonic()
         self._started_at = time.time()
         session.snapshot_every = self.every_steps  # the shards keep exactly those steps for us
 
-    def _kept_by_earlier_drivers(self) -> frozenset[int]:
+    def _steps_stored(self) -> list[int]:
+        """The run's complete checkpoints' steps, oldest first; none where the store is away."""
+        try:
+            return sorted(step for step, _ in self.store.list())
+        except Exception as exc:  # the store away: judged as this driver's own, as before
+            log.warning("could not list the run's checkpoints (%s): this driver judges them all its own", exc)
+            return []
+
+    def _kept_by_earlier_drivers(self, steps: list[int]) -> frozenset[int]:
         """A resumed run's checkpoints older than its newest `max_to_keep`: with
         `keep_checkpoint_every_n_hours`, those its earlier drivers kept for good (the rest they
         deleted)."""
         if self.keep_every_n_hours is None:
-            return frozenset()
-        try:
-            steps = sorted(step for step, _ in self.store.list())
-        except Exception as exc:  # the store away: judged as this driver's own, as before
-            log.warning("could not list the run's checkpoints (%s): those kept for good may be pruned", exc)
             return frozenset()
         return frozenset(steps[: -self.max_to_keep] if self.max_to_keep else steps)
 
