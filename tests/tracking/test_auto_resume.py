@@ -21,8 +21,8 @@ def _job(tmp_path, blob_data):
     return spec, uri, client, experiment
 
 
-def _run(client, experiment, job: str, status: str | None = None) -> str:
-    run = client.create_run(experiment, tags={"towerflow.job": job})
+def _run(client, experiment, job: str, status: str | None = None, **tags: str) -> str:
+    run = client.create_run(experiment, tags={"towerflow.job": job, **tags})
     if status is not None:
         client.set_terminated(run.info.run_id, status)
     return run.info.run_id
@@ -36,6 +36,19 @@ def test_the_newest_unfinished_run_with_a_checkpoint_goes_on(tmp_path, blob_data
     MlflowCheckpointStore(client, killed).save(state)
     _run(client, experiment, "another-job")  # another job's run is never taken
     assert resumable_run(spec, uri) == killed
+
+
+def test_a_comparisons_runs_are_never_taken(tmp_path, blob_data):
+    """`towerflow compare` stopped in its async child: that child (another mode, under its parent)
+    and the parent are the job's newest runs, but the job's own run goes on."""
+    spec, uri, client, experiment = _job(tmp_path, blob_data)
+    state = TrainingState(7, "sgd", ["w"], {"w": np.ones(3, np.float32)}, {}, {"examples_seen": 70})
+    own = _run(client, experiment, spec.name, "KILLED", mode="sync")
+    MlflowCheckpointStore(client, own).save(state)
+    parent = _run(client, experiment, spec.name, "KILLED", mode="compare")
+    child = _run(client, experiment, spec.name, "KILLED", mode="async", **{"mlflow.parentRunId": parent})
+    MlflowCheckpointStore(client, child).save(state)
+    assert resumable_run(spec, uri) == own
 
 
 def test_a_finished_newest_run_means_a_new_run(tmp_path, blob_data):

@@ -16,6 +16,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 UNFINISHED = ("RUNNING", "FAILED", "KILLED")
+LOOKED_AT = 100  # the newest runs of the job looked through for one that is not a comparison's
 ORPHAN_NOTE = "--resume auto: its driver was lost before its first checkpoint; a new run started over"
 
 
@@ -39,12 +40,14 @@ def resumable_run(
         [experiment.experiment_id],
         filter_string=f"tags.`towerflow.job` = '{spec.name}'",
         order_by=["attributes.start_time DESC"],
-        max_results=1,
+        max_results=LOOKED_AT,
     )
-    if not runs:
+    # `towerflow compare`'s runs (a parent and its child per mode) are the job's too, but not the
+    # run a plain command goes on with (a child is of another mode, perhaps, and under its parent).
+    run = next((run for run in runs if not _of_a_comparison(run)), None)
+    if run is None:
         log.info("--resume auto: no run of job %s yet: starting one", spec.name)
         return None
-    run = runs[0]
     run_id, status = run.info.run_id, run.info.status
     if status not in UNFINISHED:
         log.info(
@@ -67,3 +70,8 @@ def resumable_run(
     # From its live shards where they are still there (said next), else from this checkpoint.
     log.info("--resume auto: continuing run %s (%s; its newest checkpoint: step %d)", run_id, status, step)
     return run_id
+
+
+def _of_a_comparison(run: Any) -> bool:
+    tags = run.data.tags
+    return tags.get("mode") == "compare" or "mlflow.parentRunId" in tags
