@@ -71,3 +71,31 @@ def test_a_running_run_with_no_checkpoint_but_live_shards_goes_on(tmp_path, blob
     lost = _run(client, experiment, spec.name)  # RUNNING: its driver lost, its shards kept alive
     assert resumable_run(spec, uri, has_live_shards=lambda run_id: run_id == lost) == lost
     assert client.get_run(lost).info.status == "RUNNING"
+
+
+def test_a_store_that_does_not_answer_is_said_so_not_taken_for_no_run(tmp_path, blob_data, monkeypatch):
+    """A tracking server away (or refusing the credentials) as a command starts: a ClusterError
+    that names the store without its credentials, for `--resume auto` and `--resume RUN_ID`
+    alike; not a traceback, nor "no such run"."""
+    import socket
+
+    import pytest
+
+    from towerflow.errors import ClusterError
+    from towerflow.runtime.hooks import SessionInfo
+    from towerflow.tracking import MLflowTracker
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    uri = f"http://alice:secret@127.0.0.1:{port}"
+    spec = validate_spec(blob_spec(blob_data, tracking={"tracking_uri": uri, "experiment": "away"}))
+    with pytest.raises(
+        ClusterError, match=rf"MLflow store http://127\.0\.0\.1:{port} could not be read"
+    ) as auto:
+        resumable_run(spec, uri)
+    tracker = MLflowTracker(spec, resume_run_id="0" * 32)
+    with pytest.raises(ClusterError, match=f"--resume {'0' * 32}: the MLflow store") as given:
+        tracker.begin(SessionInfo(spec=spec, num_workers=1, num_shards=1))
+    assert "secret" not in str(auto.value) + str(given.value)

@@ -80,6 +80,19 @@ def test_a_refused_batch_is_dropped_and_its_error_handed_over_once():
     shipper.close()
 
 
+def test_a_local_stores_refusal_is_no_outage(tmp_path):
+    """The SQLite store refuses a deleted run's metrics itself (an MlflowException, INVALID_PARAMETER_VALUE):
+    handed over as a refusal, not sent again for ever as if a server were away."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("gone")).info.run_id
+    client.delete_run(run_id)  # in the UI, while the run trains
+    shipper = MetricShipper(lambda metrics, tags: client.log_batch(run_id, metrics, tags=tags), **FAST)
+    shipper.put(_metrics("loss", 2))
+    assert shipper.drain(10) and shipper.failing_since is None
+    assert "deleted" in str(shipper.take_refusal())
+    shipper.close()
+
+
 def test_while_the_server_is_away_the_oldest_metrics_make_room_and_tags_stay():
     server = Server()
     server.away.set()

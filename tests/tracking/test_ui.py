@@ -24,6 +24,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from support import free_ports, takes_ctrl_c
 
+from towerflow.tracking.store import without_credentials
 from towerflow.tracking.system_metrics import node_labels
 from towerflow.tracking.ui import run_page_url
 
@@ -197,3 +198,6 @@ def test_a_tracking_server_store_is_sent_to_its_own_ui():
 def test_a_run_page_address_keeps_no_credentials():
     page = run_page_url("http://bob:pw@10.0.0.5:5000/?x=1", "7", "abc")
     assert page == "http://10.0.0.5:5000/#/experiments/7/runs/abc"
+    # what goes into a run's error tag and the logs
+    said = without_credentials("postgresql://u:s3cret@db:5432/mlflow refused; https://a:b@h/x too")
+    assert said == "postgresql://db:5432/mlflow refused; https://h/x too"

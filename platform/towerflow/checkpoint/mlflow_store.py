@@ -74,7 +74,7 @@ class MlflowCheckpointWriter:
     @contextlib.contextmanager
     def _unavailable_as_such(self, what: str) -> Iterator[None]:
         """A server that is away or busy raises StoreUnavailable; its refusals stay what they are."""
-        from towerflow.tracking.store import server_unavailable
+        from towerflow.tracking.store import server_unavailable, shown_address, without_credentials
 
         try:
             yield
@@ -83,7 +83,7 @@ class MlflowCheckpointWriter:
                 raise
             raise StoreUnavailable(
                 f"checkpoint of step {self.step}: {what} was not written to run {self.run_id}'s "
-                f"artifacts at {self.tracking_uri}: {str(exc).strip()[:500]}"
+                f"artifacts at {shown_address(self.tracking_uri)}: {without_credentials(str(exc).strip())[:500]}"
             ) from exc
 
     def abort(self) -> None:

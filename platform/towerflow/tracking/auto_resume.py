@@ -25,7 +25,20 @@ def resumable_run(
 ) -> str | None:
     """The id of the newest run of `spec`'s job when it is unfinished and has a checkpoint, or is
     RUNNING with live shards on this cluster (`has_live_shards`: its driver was lost before its
-    first checkpoint, runtime/run_keeper.py); else None."""
+    first checkpoint, runtime/run_keeper.py); else None. A store that cannot be read (a server
+    away, credentials refused) is a ClusterError that says so."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    from towerflow.tracking.store import store_unreadable
+
+    try:
+        return _newest_unfinished(spec, tracking_uri, has_live_shards)
+    except (MlflowException, requests.RequestException) as exc:
+        raise store_unreadable(exc, tracking_uri, f"--resume auto (job {spec.name})") from exc
+
+
+def _newest_unfinished(spec: Any, tracking_uri: str, has_live_shards: Callable[[str], bool]) -> str | None:
     from mlflow.tracking import MlflowClient
 
     from towerflow.checkpoint.mlflow_store import MlflowCheckpointStore

@@ -54,24 +54,28 @@ def load_run_spec(run_id: str, tracking_uri: str | None = None) -> Any:
     import mlflow
     import yaml
 
+    from towerflow.errors import SpecError
     from towerflow.spec import validate_spec
     from towerflow.tracking.mlflow_tracker import SPEC_ARTIFACT
-    from towerflow.tracking.store import default_tracking_uri
+    from towerflow.tracking.store import default_tracking_uri, run_unreadable, shown_address
 
     uri = default_tracking_uri(tracking_uri)
     try:
         mlflow.MlflowClient(uri).get_run(run_id)
-    except mlflow.exceptions.MlflowException:
-        raise TowerflowError(
-            f"run {run_id}: no such run in the MLflow store {uri} (--store or MLFLOW_TRACKING_URI names another)"
-        ) from None
+    except mlflow.exceptions.MlflowException as exc:
+        error = run_unreadable(exc, uri, f"run {run_id}")
+        if isinstance(error, SpecError):
+            raise TowerflowError(f"{error} (--store or MLFLOW_TRACKING_URI names another)") from None
+        raise error from None
     try:
         local = mlflow.artifacts.download_artifacts(
             run_id=run_id, artifact_path=SPEC_ARTIFACT, tracking_uri=uri
         )
         text = Path(local).read_text()
     except Exception as exc:
-        raise ExportError(f"run {run_id} in {uri} has no readable {SPEC_ARTIFACT}: {exc}") from exc
+        raise ExportError(
+            f"run {run_id} in {shown_address(uri)} has no readable {SPEC_ARTIFACT}: {exc}"
+        ) from exc
     return validate_spec(yaml.safe_load(text), source=f"run {run_id}: {SPEC_ARTIFACT}")
 
 
@@ -172,7 +176,7 @@ def export_model(
     import mlflow
 
     from towerflow.tf_import import import_tensorflow
-    from towerflow.tracking.store import default_tracking_uri
+    from towerflow.tracking.store import default_tracking_uri, shown_address, without_credentials
 
     tf = import_tensorflow(gpus=False)  # a driver's first: lean, and off the GPUs the workers use
 
@@ -210,7 +214,10 @@ def export_model(
                 registered_model_name=register_as,
             )
         except Exception as exc:
-            raise ExportError(f"logging the SavedModel to run {run_id} at {uri} failed: {exc}") from exc
+            raise ExportError(
+                f"logging the SavedModel to run {run_id} at {shown_address(uri)} failed: "
+                f"{without_credentials(str(exc))}"
+            ) from exc
         exported = ExportedModel(model_uri=f"models:/{info.model_id}", model_id=info.model_id)
         if register_as:
             version = str(info.registered_model_version)

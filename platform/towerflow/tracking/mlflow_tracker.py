@@ -21,7 +21,13 @@ from towerflow.runtime.protocol import protocol_for
 from towerflow.spec import flatten_spec
 from towerflow.tracking.run_metadata import run_params, run_tags
 from towerflow.tracking.step_metrics import StepWindow
-from towerflow.tracking.store import ensure_experiment, run_store_uri
+from towerflow.tracking.store import (
+    ensure_experiment,
+    run_store_uri,
+    run_unreadable,
+    shown_address,
+    without_credentials,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +152,8 @@ class MLflowTracker(Hook):
 
         try:
             run = self.client.get_run(self.resume_run_id)
-        except MlflowException:
-            raise SpecError(
-                f"--resume {self.resume_run_id}: no such run in the MLflow store {self.tracking_uri}"
-            ) from None
+        except MlflowException as exc:
+            raise run_unreadable(exc, self.tracking_uri, f"--resume {self.resume_run_id}") from None
         job = run.data.tags.get("towerflow.job")
         if job != self.spec.name:
             raise SpecError(
@@ -297,7 +301,7 @@ class MLflowTracker(Hook):
 
     def _tag_error(self, error: BaseException) -> None:
         """The run's error tag: the error's message (its type where it has none), cut to MLflow's size."""
-        message = str(error).strip() or type(error).__name__
+        message = without_credentials(str(error).strip()) or type(error).__name__
         self.client.set_tag(self.run_id, "towerflow.error", message[:5000])
 
     def _export(self, result: Any) -> None:
@@ -366,12 +370,12 @@ class MLflowTracker(Hook):
                 log.warning(
                     "waiting up to %.0f s for the tracking server at %s to take the run's last %s metrics",
                     END_WAIT_S,
-                    self.tracking_uri,
+                    shown_address(self.tracking_uri),
                     f"{shipper.pending:,}",
                 )
             if not shipper.drain(END_WAIT_S):
                 raise TrainingError(
-                    f"the tracking server at {self.tracking_uri} did not answer for {END_WAIT_S:.0f} s at "
+                    f"the tracking server at {shown_address(self.tracking_uri)} did not answer for {END_WAIT_S:.0f} s at "
                     f"the end of run {self.run_id} ({shipper.last_error}): its last {shipper.pending:,} "
                     "metrics and its status were not written. Its checkpoints written before are in the "
                     f"run: `--resume {self.run_id}` continues it"

@@ -9,7 +9,11 @@ import functools
 import json
 import logging
 import os
+import re
+import urllib.parse
 from pathlib import Path
+
+from towerflow.errors import ClusterError, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +102,50 @@ TRANSIENT_CODES = frozenset(
 
 def server_unavailable(exc: BaseException) -> bool:
     """Whether a failed write means the tracking server is away or busy (worth trying again), not
-    that it refused the write: an API error by its code, an artifact upload's by its HTTP status."""
+    that it refused the write: an MLflow error by its code (a server's answer, or a local store's
+    own refusal: a deleted run's INVALID_PARAMETER_VALUE is no outage), an artifact upload's by its HTTP
+    status. MLflow's "no answer" errors carry INTERNAL_ERROR, a transient code."""
     import requests
-    from mlflow.exceptions import RestException
+    from mlflow.exceptions import MlflowException
 
-    if isinstance(exc, RestException):
+    if isinstance(exc, MlflowException):
         return exc.error_code in TRANSIENT_CODES
     if isinstance(exc, requests.HTTPError) and exc.response is not None:
         return exc.response.status_code >= 500 or exc.response.status_code == 429
     return True
+
+
+_CREDENTIALS = re.compile(r"//[^/@\s]+@")
+
+
+def shown_address(url: str) -> str:
+    """`url` fit to print: without any user:password it holds, query or fragment."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(
+        parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
+    ).rstrip("/")
+
+
+def without_credentials(text: str) -> str:
+    """`text` with the user:password of any address in it taken out (`postgresql://u:secret@db`,
+    `https://u:secret@host`): what goes into a run's tags and the logs."""
+    return _CREDENTIALS.sub("//", text)
+
+
+def run_unreadable(exc: BaseException, uri: str, what: str) -> ClusterError | SpecError:
+    """The error for a run that could not be read from the store at `uri`, `what` naming the run:
+    no such run (SpecError), or a store that did not answer or refused (ClusterError), which is no
+    reason to say the run does not exist."""
+    if getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
+        return SpecError(f"{what}: no such run in the MLflow store {shown_address(uri)}")
+    return store_unreadable(exc, uri, what)
+
+
+def store_unreadable(exc: BaseException, uri: str, what: str) -> ClusterError:
+    """The error for a store that could not be read (away, refusing these credentials, broken)."""
+    detail = without_credentials(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    return ClusterError(
+        f"{what}: the MLflow store {shown_address(uri)} could not be read ({detail[:500]}): check that "
+        "the tracking server is up and reachable from here, and MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD where it asks for them"
+    )

@@ -16,7 +16,7 @@ import urllib.request
 from typing import BinaryIO
 
 from towerflow.errors import TowerflowError
-from towerflow.tracking.store import default_tracking_uri
+from towerflow.tracking.store import default_tracking_uri, shown_address
 
 DEFAULT_HOST = "127.0.0.1"  # every local server of towerflow binds to loopback unless told otherwise
 DEFAULT_PORT = 5000
@@ -44,14 +44,6 @@ def is_tracking_server(uri: str) -> bool:
     """Whether `uri` is a tracking server's address (its own UI lives there), not a store on disk
     or in a database."""
     return urllib.parse.urlsplit(uri).scheme in ("http", "https")
-
-
-def shown_address(url: str) -> str:
-    """`url` fit to print: without any user:password it holds, query or fragment."""
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit(
-        parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
-    ).rstrip("/")
 
 
 def run_page_url(ui_url: str, experiment_id: str, run_id: str) -> str:
