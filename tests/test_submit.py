@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from towerflow.errors import ClusterError
+from towerflow.errors import ClusterError, SpecError
 from towerflow.submit import entrypoint, job_server_address, runtime_env
 
 
@@ -46,3 +46,10 @@ def test_the_entrypoint_trains_with_resume_auto_and_quotes_each_override():
         "python", "-m", "towerflow", "train", "pipelines/mnist_sync.yaml", "--resume", "auto",
         "--set", "training.max_steps=5", "--set", "tracking.experiment=a b",
     ]  # fmt: skip
+
+
+def test_a_runtime_env_file_that_is_not_yaml_is_named(tmp_path):
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "runtime_env.yaml").write_text("env_vars: [unclosed\n")
+    with pytest.raises(SpecError, match=r"cluster/runtime_env\.yaml: not a readable YAML file"):
+        runtime_env(tmp_path)

@@ -58,7 +58,10 @@ def runtime_env(root: Path, tracking_uri: str | None = None) -> dict[str, Any]:
     path = root / RUNTIME_ENV_FILE
     env: dict[str, Any] = {}
     if path.exists():
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise SpecError(f"{path}: not a readable YAML file: {exc}") from None
         if not isinstance(loaded, dict):
             raise SpecError(f"{path}: a runtime environment is a mapping (working_dir, env_vars, ...)")
         env = loaded
@@ -89,6 +92,7 @@ def submit(
     root: Path | None = None,
 ) -> Submitted:
     """Check the spec here, then submit its training job; returns the job's id and server."""
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     from towerflow.spec import load_spec
@@ -106,6 +110,12 @@ def submit(
         job_id = client.submit_job(
             entrypoint=entrypoint(relative, overrides), runtime_env=runtime_env(root, tracking_uri)
         )
+    except AuthenticationError:
+        raise ClusterError(
+            f"the job server at {server} refused this shell's Ray token: set RAY_AUTH_MODE=token and "
+            "RAY_AUTH_TOKEN to the cluster's token (for `towerflow cluster up`'s, source its env.sh; "
+            "on Kubernetes, the Secret the RayCluster's authOptions name)"
+        ) from None
     except (
         ConnectionError,
         RuntimeError,
@@ -132,5 +142,11 @@ def follow(submitted: Submitted, on_line: Callable[[str], None], on_run_id: Call
                     seen_run = True
                     on_run_id(found.group(1))
 
-    asyncio.run(tail())
-    return client.get_job_status(submitted.job_id).value
+    try:
+        asyncio.run(tail())
+        return client.get_job_status(submitted.job_id).value
+    except (ConnectionError, RuntimeError) as exc:  # the job server restarted, or the network dropped
+        raise ClusterError(
+            f"lost job {submitted.job_id}'s log ({exc}); the job goes on: follow it again with "
+            f"`{submitted.follow_command()}`, stop it with `{submitted.stop_command()}`"
+        ) from None

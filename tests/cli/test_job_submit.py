@@ -303,3 +303,21 @@ def test_towerflow_submit_refuses_a_bad_spec_before_sending_anything(ray_head):
     )
     assert out.returncode == 2, out.stdout + out.stderr
     assert "training.mode" in out.stderr and "submitted job" not in out.stdout
+
+
+def test_towerflow_submit_with_a_wrong_ray_token_is_told_so(ray_head):
+    """The job server refuses a shell without the cluster's token: one paragraph that says which
+    variables to set, exit 2; not a traceback."""
+    address, env = ray_head
+    wrong = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    out = subprocess.run(
+        [sys.executable, "-m", "towerflow", "submit", "pipelines/tabular_csv.yaml", "--address", address],
+        cwd=REPO,
+        env=wrong,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "refused this shell's Ray token" in out.stderr and "RAY_AUTH_TOKEN" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "submitted job" not in out.stdout

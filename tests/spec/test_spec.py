@@ -1,5 +1,6 @@
 import pytest
 import yaml
+from conftest import REPO
 
 from towerflow.errors import SpecError
 from towerflow.spec import apply_override, flatten_spec, load_spec, validate_spec
@@ -157,6 +158,17 @@ def test_overrides_parse_yaml_values(tmp_path):
     assert spec.cluster.towers == 2 and spec.model.params["dropout"] == 0.5
 
 
+def test_an_error_under_a_key_the_user_named_names_that_key():
+    """Pydantic puts union member names ("LearningRateSchedule", "float") into its locations; a
+    key of the user's own with a capital letter (a feature group `Wide`) is no such name."""
+    with pytest.raises(SpecError, match=r"- data\.train\.groups\.Wide: Input should be a valid list"):
+        load_spec(REPO / "pipelines" / "tabular_csv.yaml", ["data.train.groups.Wide=5"])
+    with pytest.raises(
+        SpecError, match=r"- training\.optimizer\.learning_rate: Input should be greater than 0"
+    ):
+        load_spec(REPO / "pipelines" / "tabular_csv.yaml", ["training.optimizer.learning_rate=-1"])
+
+
 def test_override_errors():
     raw = _raw()
     with pytest.raises(SpecError, match="KEY=VALUE"):
@@ -168,6 +180,11 @@ def test_override_errors():
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(SpecError, match="no such spec file"):
         load_spec(tmp_path / "nope.yaml")
+    with pytest.raises(SpecError, match="a folder, not a spec file"):
+        load_spec(tmp_path)
+    (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(SpecError, match=r"latin1\.yaml: cannot read the spec file"):
+        load_spec(tmp_path / "latin1.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed")
     with pytest.raises(SpecError, match="not valid YAML"):

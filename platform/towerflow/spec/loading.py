@@ -20,6 +20,10 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise SpecError(f"{path}: no such spec file") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: a folder, not a spec file (pipelines/*.yaml are specs)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read the spec file: {exc}") from None
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
@@ -35,7 +39,7 @@ def validate_spec(raw: Mapping[str, Any], source: str = "spec") -> JobSpec:
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError(f"{source}: invalid job spec:\n" + format_validation_error(exc)) from None
+        raise SpecError(f"{source}: invalid job spec:\n" + format_validation_error(exc, raw)) from None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -58,10 +62,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError, raw: Any = None) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+        loc = _location(err["loc"], raw)
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key (check its spelling and section)"
@@ -86,6 +90,28 @@ def flatten_spec(spec: JobSpec) -> dict[str, str]:
 
     walk("", spec.model_dump(mode="json"))
     return flat
+
+
+def _location(loc: tuple[Any, ...], raw: Any) -> str:
+    """A pydantic error's location as the spec's keys: the keys and indexes found in the raw spec
+    (a feature named `Age` among them), without the union member tags pydantic puts between
+    them, which no spec holds."""
+    parts, node = [], raw
+    for part in loc:
+        if (
+            isinstance(node, Mapping)
+            and part in node
+            or isinstance(node, list)
+            and isinstance(part, int)
+            and 0 <= part < len(node)
+        ):
+            node = node[part]
+        elif _is_union_tag(part):
+            continue
+        else:  # a key the spec lacks (a missing field), or below a value
+            node = None
+        parts.append(str(part))
+    return ".".join(parts)
 
 
 def _is_union_tag(part: Any) -> bool:
