@@ -292,16 +292,7 @@ def _global_step_of_the_only_run(client: MlflowClient, experiment: str) -> float
 
 def test_towerflow_submit_refuses_a_bad_spec_before_sending_anything(ray_head):
     address, env = ray_head
-    out = subprocess.run(
-        [sys.executable, "-m", "towerflow", "submit", "pipelines/tabular_csv.yaml", "--address", address]
-        + ["--set", "training.mode=hogwild"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stdout + out.stderr
+    out = _refused_submit(address, env, "--set", "training.mode=hogwild")
     assert "training.mode" in out.stderr and "submitted job" not in out.stdout
 
 
@@ -309,15 +300,29 @@ def test_towerflow_submit_with_a_wrong_ray_token_is_told_so(ray_head):
     """The job server refuses a shell without the cluster's token: one paragraph that says which
     variables to set, exit 2; not a traceback."""
     address, env = ray_head
-    wrong = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    out = _refused_submit(address, {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
+    assert "refused this shell's Ray token" in out.stderr and "RAY_AUTH_TOKEN" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "submitted job" not in out.stdout
+
+
+def _refused_submit(address: str, env: dict, *args: str) -> subprocess.CompletedProcess:
+    """`towerflow submit` of the tabular job, which must exit 2 (a user's error)."""
     out = subprocess.run(
-        [sys.executable, "-m", "towerflow", "submit", "pipelines/tabular_csv.yaml", "--address", address],
+        [
+            sys.executable,
+            "-m",
+            "towerflow",
+            "submit",
+            "pipelines/tabular_csv.yaml",
+            "--address",
+            address,
+            *args,
+        ],
         cwd=REPO,
-        env=wrong,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "refused this shell's Ray token" in out.stderr and "RAY_AUTH_TOKEN" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr and "submitted job" not in out.stdout
+    return out
