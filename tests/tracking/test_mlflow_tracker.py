@@ -232,3 +232,26 @@ def test_a_driver_woken_after_its_run_ended_without_it_ends_the_run_failed_unles
         left.end(session, RunOutcome("TAKEN_OVER", 1, error))
         run = left.client.get_run(left.run_id)
         assert run.info.status == "RUNNING" and "towerflow.error" not in run.data.tags, error
+
+
+def test_a_run_stopped_again_while_it_ends_ends_killed_not_running(blob_data, tmp_path):
+    """Ctrl-C while the tracker ends the run (here in the export's model build, seconds long): the
+    run ends KILLED at once, not RUNNING for ever; the interrupt goes on to the CLI."""
+    import types
+
+    from towerflow.runtime.hooks import RunOutcome, SessionInfo
+    from towerflow.tracking import MLflowTracker
+
+    uri = sqlite_store(tmp_path)
+    raw = blob_spec(
+        blob_data, tracking={"tracking_uri": uri, "experiment": "again"}, export={"saved_model": True}
+    )
+    raw["model"]["ref"] = "tests.runtime.model_fns:stopped_while_built"
+    spec = validate_spec(raw)
+    tracker, session = MLflowTracker(spec), SessionInfo(spec=spec, num_workers=1, num_shards=1)
+    tracker.begin(session)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.end(
+            session, RunOutcome("FINISHED", 10, result=types.SimpleNamespace(parameters=[], model_state=None))
+        )
+    assert tracker.client.get_run(tracker.run_id).info.status == "KILLED"

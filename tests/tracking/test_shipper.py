@@ -236,3 +236,27 @@ def _wait_for_step(
             return runs[0].info.run_id
         time.sleep(0.3)
     raise TimeoutError(f"no step {step} within {timeout:.0f} s")
+
+
+def test_a_discarding_close_sends_nothing_more():
+    """A driver whose run another driver took over drops what it still holds: sent later (a
+    server back while a batch was in flight), it would land among the new driver's metrics and
+    tags. A plain close sends the rest; a discarding one nothing after the batch in flight."""
+    for discard in (False, True):
+        sending, release, taken = threading.Event(), threading.Event(), []
+
+        def send(metrics, tags, sending=sending, release=release, taken=taken) -> None:
+            sending.set()
+            release.wait(10)  # the first batch in flight until released
+            taken.append(metrics[0].key)
+
+        shipper = MetricShipper(send, **FAST)
+        shipper.put(_metrics("in-flight", 1))
+        assert sending.wait(10)
+        shipper.put(_metrics("held", 10), [RunTag("towerflow.fault.004", "the head went silent")])
+        closing = threading.Thread(target=shipper.close, kwargs={"discard": discard})
+        closing.start()
+        time.sleep(0.1)
+        release.set()
+        closing.join(10)
+        assert taken == (["in-flight"] if discard else ["in-flight", "held"]), discard

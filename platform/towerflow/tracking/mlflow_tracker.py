@@ -256,11 +256,26 @@ class MLflowTracker(Hook):
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._client is None or self.run_id is None:
             return
+        try:
+            self._end(session, outcome)
+        except KeyboardInterrupt:
+            # Stopped again while the run ended (its metrics drained, its model exported): the
+            # run ends KILLED at once, not RUNNING for ever.
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(self.run_id, status="KILLED")
+            raise
+
+    def _end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if self._system is not None:
             self._buffer.extend(self._system.stop())
             self._system = None
         if outcome.taken_over and not self._left_to_this_driver(outcome):
-            self._buffer = []  # the run is another driver's, which logs its steps and ends it
+            # The run is another driver's, which logs its steps and ends it: nothing of this
+            # driver's is sent from now on (a backlog held while it was cut off, say).
+            self._buffer = []
+            if self._shipper is not None:
+                self._shipper.close(discard=True)
+                self._shipper = None
             return
         last = session.runtime.last_event() if session.runtime is not None else None
         if last is not None and last.global_step > self._last_logged_step:

@@ -84,9 +84,14 @@ class MetricShipper:
                 self._cond.wait(min(left, 1.0))
         return True
 
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> None:
+        """Stop once what was put is sent (no batch is sent again after a failure from now on);
+        `discard`: send nothing more (the run is another driver's now)."""
         with self._cond:
             self._closed = True
+            if discard:
+                self._queue.clear()
+                self._pending = 0
             self._cond.notify_all()
         self._thread.join(timeout=5.0)
 
@@ -142,8 +147,9 @@ class MetricShipper:
 
     def _done(self, item: _Item) -> None:
         with self._cond:
-            self._queue.popleft()  # `item`: the first in line stays there while it is sent
-            self._pending -= len(item.metrics)
+            if self._queue and self._queue[0] is item:  # the first in line stays there while it is
+                self._queue.popleft()  # sent (unless a discard emptied the queue meanwhile)
+                self._pending -= len(item.metrics)
             self._busy = False
             self._cond.notify_all()
 
