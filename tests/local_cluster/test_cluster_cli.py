@@ -3,6 +3,7 @@ and an authenticated MLflow server, and nothing of them left after `down`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -37,7 +38,7 @@ def _user_env() -> dict[str, str]:
 
 
 def test_up_status_down(tmp_path):
-    state_dir = tmp_path / "cluster"
+    state_dir = tmp_path / "my cluster"  # a space in its path: env.sh quotes the secrets' files
     try:
         up = _cluster("up", state_dir, "--num-cpus", "2", "--worker-ports", WORKER_PORTS)
         assert up.returncode == 0, up.stderr
@@ -49,7 +50,7 @@ def test_up_status_down(tmp_path):
 
         # What a user is told to source: addresses, and secrets read from their 0600 files.
         env_sh = (state_dir / "env.sh").read_text()
-        assert f"source {state_dir / 'env.sh'}" in up.stdout
+        assert f"source {shlex.quote(str(state_dir / 'env.sh'))}" in up.stdout
         assert f"export RAY_ADDRESS={state['ray_address']}" in env_sh
         assert f"export MLFLOW_TRACKING_URI={state['tracking_uri']}" in env_sh
         assert token not in env_sh + up.stdout + up.stderr and password not in env_sh + up.stdout
@@ -70,7 +71,7 @@ def test_up_status_down(tmp_path):
         # hands its jobs the server's address and credentials.
         ray = Path(sys.executable).parent / "ray"
         job = "import mlflow; print('runs seen:', len(mlflow.MlflowClient().search_runs(['0'])))"
-        shell = f"source {state_dir / 'env.sh'} && {ray} job submit -- python -c {shlex.quote(job)}"
+        shell = f"source {shlex.quote(str(state_dir / 'env.sh'))} && {ray} job submit -- python -c {shlex.quote(job)}"
         submitted = subprocess.run(
             ["bash", "-c", shell], env=_user_env(), capture_output=True, text=True, timeout=180
         )
@@ -104,3 +105,38 @@ def test_a_short_mlflow_password_is_refused_before_anything_starts(tmp_path):
     assert up.returncode == 2
     assert "MLFLOW_TRACKING_PASSWORD is shorter than 12 characters" in up.stderr
     assert not (tmp_path / "cluster" / "cluster.json").exists()
+
+
+def test_an_up_killed_while_it_waits_for_the_tracking_server_leaves_nothing_down_cannot_stop(tmp_path):
+    """`up` SIGKILLed (a CI timeout, a closed terminal's SIGHUP alike) once the tracking server
+    started and before it answered: cluster.json names the server already, so `down` stops it
+    with the head and PostgreSQL, and its port is free for the next `up`."""
+    import signal
+    import time
+
+    state_dir = tmp_path / "cluster"
+    command = [TOWERFLOW, "cluster", "up", "--state-dir", str(state_dir), "--num-cpus", "1"]
+    up = subprocess.Popen(
+        [*command, "--worker-ports", WORKER_PORTS],
+        env=_user_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        state: dict = {}
+        while not state.get("mlflow_process") and up.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            with contextlib.suppress(OSError, ValueError):  # not written yet, or half written
+                state = json.loads((state_dir / "cluster.json").read_text())
+        assert state.get("mlflow_process") and state.get("tracking_uri") is None, state
+        up.send_signal(signal.SIGKILL)
+        up.wait()
+        processes = [p for key in ("mlflow_process", "ray_process") for p in process_tree(state[key]["pid"])]
+        down = _cluster("down", state_dir)
+        assert down.returncode == 0 and "mlflow" in down.stdout, down.stdout + down.stderr
+        assert not still_running(processes)
+    finally:
+        up.kill()
+        _cluster("down", state_dir)
+        shutil.rmtree(data_dir_for(state_dir), ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 
@@ -61,7 +62,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
     state = cluster_up(args.state_dir, num_cpus=args.num_cpus, worker_ports=args.worker_ports)
     _print_cluster(state)
-    print(f"towerflow: use it from a shell with: source {state.env_file}")
+    print(f"towerflow: use it from a shell with: source {shlex.quote(str(state.env_file))}")
     print(state.env_file.read_text().rstrip())
     print(
         f"towerflow: the MLflow UI is {state.tracking_uri} (user {state.mlflow_username}, the password "

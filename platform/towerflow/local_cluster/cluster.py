@@ -146,7 +146,12 @@ def cluster_up(
         head, head_process = launch()
         _log.info("starting the MLflow tracking server (basic-auth, artifacts proxied)")
         mlflow = start_tracking_server(
-            postgres, state_dir, username=username, password=password.value, port=mlflow_port
+            postgres,
+            state_dir,
+            username=username,
+            password=password.value,
+            port=mlflow_port,
+            on_started=partial(_record_tracking_server, state),
         )
         state.tracking_uri, state.mlflow_process = mlflow.url, mlflow.process
         state.artifacts_dir = mlflow.artifacts_dir
@@ -166,6 +171,13 @@ def _launch_and_record_head(state: ClusterState, **options) -> tuple[RayHead, su
     state.ray_temp_dir, state.ray_process = head.temp_dir, head.process
     state.save()
     return head, process
+
+
+def _record_tracking_server(state: ClusterState, process: ProcessRef) -> None:
+    """The tracking server in cluster.json as soon as it starts: `up` killed while it waits for
+    the server to answer (SIGTERM, a closed terminal) leaves it for `down` to stop."""
+    state.mlflow_process = process
+    state.save()
 
 
 def cluster_down(state_dir: Path | None = None) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class Secret:
         """A shell line that sets `variable` without spelling out the value."""
         if self.file is None:
             return f"# {self.variable}: keep the value this cluster was started with (from your environment)"
-        return f'export {self.variable}="$(cat {self.file})"'
+        return f'export {self.variable}="$(cat {shlex.quote(str(self.file))})"'
 
 
 def ray_token(state_dir: Path) -> Secret:

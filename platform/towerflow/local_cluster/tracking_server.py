@@ -14,6 +14,7 @@ import base64
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +58,12 @@ def start_tracking_server(
     host: str = "127.0.0.1",
     port: int | None = None,
     timeout_s: float = 180.0,
+    on_started: Callable[[ProcessRef], None] | None = None,
 ) -> TrackingServer:
     """Start `mlflow server --app-name basic-auth` over `database` on `postgres` (created if absent),
     artifacts under state_dir/artifacts, admin `username`/`password`. Returns once it answers and
-    the admin's credentials are accepted."""
+    the admin's credentials are accepted. `on_started`: told the server's process as soon as it is
+    started (a caller killed while it waits can then still stop it)."""
     state_dir = Path(state_dir).absolute()
     postgres.create_database(database)
     artifacts = state_dir / "artifacts"
@@ -86,6 +89,8 @@ def start_tracking_server(
     process = start_detached(command, log_path=log, env=env, cwd=state_dir)
     server = TrackingServer(f"http://{host}:{port}", artifacts, log, ProcessRef.of(process.pid))
     try:
+        if on_started is not None:
+            on_started(server.process)
         wait_until(
             lambda: http_ok(f"{server.url}/health"),
             process=process,
@@ -98,10 +103,18 @@ def start_tracking_server(
             f"{server.url}/api/2.0/mlflow/experiments/get?experiment_id=0", auth_header(username, password)
         )
         if checked in (401, 403):
+            afresh = sorted({str(state_dir), str(postgres.data_dir)})  # the database may lie elsewhere
             raise ServerError(
                 f"the MLflow server at {server.url} refuses the credentials of {username!r}. Its admin "
                 "account was made on its first start, with the password of that time: use that password "
-                f"(MLFLOW_TRACKING_PASSWORD), or remove {state_dir} to start afresh"
+                f"(MLFLOW_TRACKING_PASSWORD), or stop the cluster and remove {' and '.join(afresh)} "
+                "to start afresh (its runs go with them)"
+            )
+        if checked != 200:  # no answer, or a server that cannot serve (its database, its user store)
+            said = "no answer within 30 s" if checked is None else f"HTTP {checked}"
+            raise ServerError(
+                f"the MLflow server at {server.url} answers its health check but not an authenticated "
+                f"request ({said}); its log: {log}"
             )
     except BaseException:
         server.stop()
