@@ -86,3 +86,33 @@ def test_root_runs_binaries_kept_in_a_private_folder_from_a_copy_the_server_acco
     finally:
         assert server.stop()
         shutil.rmtree(Path(executable).parents[3])  # this test's copy (named after its tmp_path)
+
+
+def test_an_initdb_cut_short_by_ctrl_c_is_made_again_on_the_next_start(data_dir):
+    """Ctrl-C during the first start's initdb (seconds on a small machine) kills initdb, which
+    writes PG_VERSION first: the next start makes the database afresh instead of taking the cut
+    one for made and failing on it for good."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    making = data_dir.with_name(data_dir.name + ".initdb")
+    starting = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from towerflow.local_cluster import start_postgres; start_postgres({str(data_dir)!r}, password='pw-1234567890')",
+        ]
+    )
+    deadline = time.monotonic() + 60
+    while not (making / "PG_VERSION").exists() and starting.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    starting.send_signal(signal.SIGINT)  # a terminal's Ctrl-C
+    assert starting.wait(30) != 0 and not (data_dir / "PG_VERSION").exists()
+    server = start_postgres(data_dir, password="pw-1234567890")
+    try:
+        server.create_database("made")
+        assert not making.exists()
+    finally:
+        server.stop()

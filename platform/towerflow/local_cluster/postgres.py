@@ -22,6 +22,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,10 +234,15 @@ def _runnable_bin_dir(runner: pwd.struct_passwd | None) -> Path:
 def _initdb(
     bin_dir: Path, data_dir: Path, user: str, password: str, runner: pwd.struct_passwd | None
 ) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
+    """Make the database cluster in a folder beside `data_dir`, renamed to it once initdb has
+    ended well: initdb writes PG_VERSION (what marks a made cluster) first, so one cut short (Ctrl-C
+    kills it) would otherwise leave a folder every later start took for a database."""
+    making = data_dir.with_name(data_dir.name + ".initdb")
+    _remove(making)  # an earlier initdb's, cut short
+    making.mkdir(parents=True)
     if runner is not None:
-        _chown_private(data_dir.parent, data_dir, runner)
-    data_dir.chmod(0o700)
+        _chown_private(making.parent, making, runner)
+    making.chmod(0o700)
     # The password reaches initdb in a file only its user can read, removed at once.
     fd, pwfile = tempfile.mkstemp(prefix=".pw-", dir=data_dir.parent)
     try:
@@ -244,11 +250,27 @@ def _initdb(
             handle.write(password + "\n")
         if runner is not None:
             os.chown(pwfile, runner.pw_uid, runner.pw_gid)
-        command = [str(bin_dir / "initdb"), "-D", str(data_dir), "-U", user, f"--pwfile={pwfile}"]
+        command = [str(bin_dir / "initdb"), "-D", str(making), "-U", user, f"--pwfile={pwfile}"]
         command += ["--auth=scram-sha-256", "--encoding=UTF8", "--locale=C", "--no-instructions"]
-        _run(command, runner, data_dir, f"initdb failed on {data_dir}")
+        _run(command, runner, making, f"initdb failed on {data_dir}")
     finally:
         os.unlink(pwfile)
+    making.rename(data_dir)
+
+
+def _remove(folder: Path, within_s: float = 15.0) -> None:
+    """Remove `folder`, written to still by the bootstrap server of an initdb just killed (it ends
+    once it reads the end of initdb's pipe)."""
+    deadline = time.monotonic() + within_s
+    while folder.exists():
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _chown_private(parent: Path, data_dir: Path, runner: pwd.struct_passwd) -> None:
