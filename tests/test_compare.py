@@ -111,7 +111,9 @@ def test_a_compare_job_on_the_default_store_is_warned_that_it_loses_its_runs(ray
         "PYTHONPATH": str(repo),  # models/, as the job's working directory would hold it
     }
     done = subprocess.run(
-        [sys.executable, "-m", "towerflow", "compare", str(spec), "--no-progress"],
+        # an async-only setting, which the comparison keeps for its async run alone
+        [sys.executable, "-m", "towerflow", "compare", str(spec), "--no-progress"]
+        + ["--set", "training.max_staleness=4"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

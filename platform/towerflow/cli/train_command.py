@@ -125,11 +125,11 @@ class _RunIdHook(Hook):
 
 def _compare(args: argparse.Namespace) -> int:
     from towerflow.cli.progress import ProgressHook
-    from towerflow.compare import compare_modes, parse_modes
-    from towerflow.spec import load_spec
+    from towerflow.compare import compare_modes, parse_modes, spec_for_mode
 
     modes = parse_modes(args.modes)
-    spec = load_spec(args.spec, args.overrides)
+    # as the comparison's first run has it: an async-only setting is no error for a sync spec here
+    spec = spec_for_mode(args.spec, modes[0], args.overrides)
     hooks = [] if args.no_progress else [ProgressHook(spec.training.max_steps)]
     comparison = compare_modes(args.spec, modes, overrides=args.overrides, hooks=hooks)
     for mode, result in comparison.results.items():
