@@ -119,17 +119,42 @@ def test_towerflow_ui_serves_the_run_page_on_loopback_until_ctrl_c(exported_run,
         assert set(_listening(port)) == {"127.0.0.1"}
         _shows_the_run(browser, f"http://127.0.0.1:{port}", uri, result.run_id)
     finally:
-        cli.send_signal(signal.SIGINT)
-        try:
-            cli.wait(30)
-        except subprocess.TimeoutExpired:
-            cli.kill()
-            raise
+        _stop(cli, signal.SIGINT)
     assert cli.returncode == 130
     deadline = time.monotonic() + 10  # Ctrl-C stops the server too
     while _listening(port) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _listening(port) == []
+
+
+def test_a_sigterm_stops_the_ui_and_its_server_which_has_no_store_on_its_command_line(tmp_path):
+    """`kill` (or a supervisor's stop) ends `towerflow ui` as Ctrl-C does, its server with it (it
+    kept the port before); the store's address, a database's password perhaps, is not on any
+    process's command line, where `ps` shows it to every user."""
+    port = free_ports()[0]
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    command = [sys.executable, "-m", "towerflow", "ui", "--port", str(port), "--store", store]
+    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = cli.stdout.readline()  # printed once the server answers
+        assert f"at http://127.0.0.1:{port}" in line, line
+        servers = psutil.Process(cli.pid).children(recursive=True)
+        assert servers and not any(store in " ".join(p.cmdline()) for p in servers)
+    finally:
+        _stop(cli, signal.SIGTERM)
+    assert cli.returncode == 143
+    _, alive = psutil.wait_procs(servers, timeout=10)
+    assert alive == [] and _listening(port) == []
+
+
+def _stop(cli: subprocess.Popen, signum: int) -> None:
+    """Send `signum` to the command and wait for it to exit (killed, and failing, after 30 s)."""
+    cli.send_signal(signum)
+    try:
+        cli.wait(30)
+    except subprocess.TimeoutExpired:
+        cli.kill()
+        raise
 
 
 def _shows_the_run(browser, base_url: str, uri: str, run_id: str) -> None:

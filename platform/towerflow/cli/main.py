@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -213,18 +214,25 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from towerflow.tracking.store import default_tracking_uri
+    from towerflow.tracking.store import default_tracking_uri, shown_address
     from towerflow.tracking.ui import start_ui, stop_ui
 
     store = default_tracking_uri(args.store)
+    # SIGTERM (kill, a supervisor's stop) ends this command as Ctrl-C does: the server with it.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     process = start_ui(store, host=args.host, port=args.port)
     print(
-        f"towerflow: MLflow UI for {store} at http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True
+        f"towerflow: MLflow UI for {shown_address(store)} at http://{args.host}:{args.port}  (Ctrl-C stops it)",
+        flush=True,
     )
     try:
         return process.wait()
     finally:
         stop_ui(process)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ It binds to 127.0.0.1 unless told otherwise, like every local server of towerflo
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -51,24 +52,15 @@ def run_page_url(ui_url: str, experiment_id: str, run_id: str) -> str:
     return f"{shown_address(ui_url)}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def ui_command(
-    store_uri: str | None = None, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
-) -> list[str]:
-    """The `mlflow server` command line for `store_uri` (default: default_tracking_uri())."""
-    return [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        default_tracking_uri(store_uri),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
+def ui_command(*, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> list[str]:
+    """The `mlflow server` command line; the store goes in its environment (`ui_env`)."""
+    return [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1"]
+
+
+def ui_env(store_uri: str | None = None) -> dict[str, str]:
+    """The server's environment, with `store_uri` (default: default_tracking_uri()) as its backend
+    store: there, not on the command line, where `ps` shows a database's password to every user."""
+    return {**os.environ, "MLFLOW_BACKEND_STORE_URI": default_tracking_uri(store_uri)}
 
 
 def start_ui(
@@ -90,22 +82,31 @@ def start_ui(
         )
     _check_port_free(host, port)
     log = log or tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
-    process = subprocess.Popen(ui_command(store, host=host, port=port), stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://{host}:{port}/health"
+    process = subprocess.Popen(
+        ui_command(host=host, port=port), env=ui_env(store), stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        _wait_until_it_answers(process, log, f"http://{host}:{port}/health", timeout_s)
+    except BaseException:  # a Ctrl-C or SIGTERM while it starts stops it too
+        stop_ui(process)
+        raise
+    return process
+
+
+def _wait_until_it_answers(process: subprocess.Popen, log: BinaryIO, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             log.seek(0)
             output = log.read().decode(errors="replace")[-3000:]
-            raise UIError(f"the MLflow UI exited with code {process.returncode} on port {port}:\n{output}")
+            raise UIError(f"the MLflow UI exited with code {process.returncode} ({url}):\n{output}")
         try:
             with urllib.request.urlopen(url, timeout=2) as reply:
                 if reply.status == 200:
-                    return process
+                    return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.5)
-    stop_ui(process)
     raise UIError(f"the MLflow UI did not answer on {url} within {timeout_s:.0f} s")
 
 
