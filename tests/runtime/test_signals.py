@@ -80,3 +80,28 @@ def test_sigterm_twice_at_once_is_one_request_and_later_it_interrupts():
         time.sleep(REPEAT_WINDOW_S + 0.1)
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"):  # asked again: at once
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_once_ray_has_started_interrupts_as_ctrl_c_does_not_as_rays_exit():
+    """`ray.init` sets a SIGTERM handler that exits with code 15 (SystemExit): a command stopped
+    between its runs or as a run starts would end that run FAILED, or not at all. Once towerflow has
+    started (or joined) Ray, SIGTERM raises KeyboardInterrupt, named SIGTERM for the exit (143)."""
+    import subprocess
+    import sys
+
+    script = """
+import os, signal
+from towerflow.runtime.cluster import ResourceBudget, ensure_ray, keep_embedded_ray_local
+from towerflow.runtime.signals import stopped_by_sigterm
+keep_embedded_ray_local()
+ensure_ray(ResourceBudget(worker_cpus=1, ps_cpus=0, data_cpus=0, gpus=0))
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pause()
+except KeyboardInterrupt as exc:
+    print("interrupted by", exc, "sigterm:", stopped_by_sigterm())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "interrupted by SIGTERM sigterm: True" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -19,6 +19,7 @@ from towerflow.cli.driver_restarts import (
 from towerflow.cli.options import add_overrides_option, runnable
 from towerflow.messages import say
 from towerflow.runtime.hooks import Hook, SessionInfo
+from towerflow.runtime.signals import interrupt_on_sigterm
 from towerflow.tracking.ui import DEFAULT_HOST, DEFAULT_PORT, is_tracking_server, run_page_url
 
 
@@ -53,6 +54,7 @@ def _train(args: argparse.Namespace) -> int:
     from towerflow.spec import load_spec
 
     KEPT_ACTORS.keeping = False  # one run, then the process ends: its actors end with the run
+    interrupt_on_sigterm()  # stopped as its run starts, the run ends KILLED (the driver's run: noted)
     spec = load_spec(args.spec, args.overrides)
     restarts = restarts_wanted(spec.training.failure.driver_restarts)
     if restarts and not is_supervised_child():
@@ -127,6 +129,7 @@ def _compare(args: argparse.Namespace) -> int:
     from towerflow.cli.progress import ProgressHook
     from towerflow.compare import compare_modes, parse_modes, spec_for_mode
 
+    interrupt_on_sigterm()  # stopped between its modes, the comparison ends KILLED
     modes = parse_modes(args.modes)
     # as the comparison's first run has it: an async-only setting is no error for a sync spec here
     spec = spec_for_mode(args.spec, modes[0], args.overrides)

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from towerflow.errors import ClusterError
+from towerflow.runtime.signals import take_sigterm_back_from_ray
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def ensure_ray(budget: ResourceBudget, needed: ResourceBudget | None = None) -> 
             _system_config=RAY_NODE_CONFIG,
         )
         how = "embedded"
+        take_sigterm_back_from_ray()
         _started_here.add(ray.get_runtime_context().gcs_address)
         host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
         if host not in _LOOPBACK:
@@ -144,6 +146,7 @@ def join_cluster() -> None:
             f"cannot connect to the Ray cluster at RAY_ADDRESS={address}: {exc}. "
             "Check the address and, with token authentication, RAY_AUTH_MODE=token and the token."
         ) from None
+    take_sigterm_back_from_ray()
 
 
 def connect_existing() -> None:

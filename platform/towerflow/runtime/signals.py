@@ -75,6 +75,29 @@ class StopSignals:
             raise StopRequested(self.name)
 
 
+def interrupt_on_sigterm() -> None:
+    """From now on SIGTERM interrupts as Ctrl-C does (KeyboardInterrupt, named SIGTERM for the
+    exit), outside a run's `StopSignals` too: a command stopped between its runs (`towerflow
+    compare`'s modes) or as its run starts ends that run KILLED with exit 143, not as Ray's own
+    handler, set by `ray.init`, left it (SystemExit 15: a run FAILED, or never ended). Main thread
+    only, as Python's signal handlers."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def take_sigterm_back_from_ray() -> None:
+    """After `ray.init`: `interrupt_on_sigterm` where Ray's handler replaced whatever was there."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if getattr(handler, "__module__", "").startswith("ray."):
+        interrupt_on_sigterm()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    global _last
+    _last = signum
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def stopped_by_sigterm() -> bool:
     """Whether the last run in this process was stopped by SIGTERM (else by Ctrl-C, or not at all).
     The exception cannot always tell: a second signal interrupts wherever the driver is, and Ray
