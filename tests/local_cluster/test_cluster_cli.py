@@ -39,9 +39,16 @@ def _user_env() -> dict[str, str]:
 
 def test_up_status_down(tmp_path):
     state_dir = tmp_path / "my cluster"  # a space in its path: env.sh quotes the secrets' files
+    # What a crashed head leaves: its record, nothing running, its session's folder
+    crashed = tmp_path / "tfcluster-crashed"
+    crashed.mkdir()
+    state_dir.mkdir()
+    record = {"state_dir": str(state_dir), "postgres_data_dir": str(data_dir_for(state_dir))}
+    (state_dir / "cluster.json").write_text(json.dumps({**record, "ray_temp_dir": str(crashed)}))
     try:
         up = _cluster("up", state_dir, "--num-cpus", "2", "--worker-ports", WORKER_PORTS)
         assert up.returncode == 0, up.stderr
+        assert not crashed.exists()
         state = json.loads((state_dir / "cluster.json").read_text())
         servers = ("ray_process", "mlflow_process", "postgres_process")
         processes = [p for key in servers for p in process_tree(state[key]["pid"])]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
@@ -112,6 +113,9 @@ def cluster_up(
             f"a local cluster already runs from {state_dir} (towerflow cluster status); "
             "stop it with `towerflow cluster down` first"
         )
+    if previous is not None and previous.ray_temp_dir is not None:
+        # A head that crashed (or a machine that rebooted) left its session's files: nothing runs there.
+        shutil.rmtree(previous.ray_temp_dir, ignore_errors=True)
     state_dir.mkdir(parents=True, exist_ok=True)
     state_dir.chmod(0o700)
     token = credentials.ray_token(state_dir)
