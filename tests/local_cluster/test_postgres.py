@@ -116,3 +116,24 @@ def test_an_initdb_cut_short_by_ctrl_c_is_made_again_on_the_next_start(data_dir)
         assert not making.exists()
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root keeps the server's files in a shared folder")
+def test_root_refuses_a_shared_folder_another_user_made_first(tmp_path, monkeypatch):
+    """/var/tmp/towerflow-postgres made by another user (or a link) before root's first start:
+    its owner could plant binaries there for root to run, so nothing starts from it."""
+    from towerflow.local_cluster import postgres
+
+    planted = tmp_path / "towerflow-postgres"
+    planted.mkdir()
+    nobody = postgres._server_account()
+    os.chown(planted, nobody.pw_uid, nobody.pw_gid)
+    monkeypatch.setattr(postgres, "_shared_root", lambda: planted)
+    with pytest.raises(
+        ServerError, match=rf"{planted} is not this account's own \(owned by uid {nobody.pw_uid}\)"
+    ):
+        start_postgres(planted / "data", password="pw-1234567890")
+    planted.rmdir()
+    planted.symlink_to(tmp_path)
+    with pytest.raises(ServerError, match="is not this account's own \\(a link\\)"):
+        start_postgres(planted / "data", password="pw-1234567890")

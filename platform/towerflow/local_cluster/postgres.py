@@ -98,6 +98,8 @@ def start_postgres(
             f"a PostgreSQL server already runs on {data_dir}; stop it first (towerflow cluster down)"
         )
     runner = _server_account()
+    if runner is not None and data_dir.is_relative_to(_shared_root()):
+        _open_shared_root()  # the data's folder is this account's own, or nothing starts
     bin_dir = _runnable_bin_dir(runner)
     if runner is not None:
         _check_reachable(runner, [bin_dir / "postgres", data_dir.parent])
@@ -175,11 +177,19 @@ def _shared_root() -> Path:
 
 def _open_shared_root() -> None:
     """Make the shared root (if need be) such that the server's account may traverse it; nobody
-    else lists it."""
+    else lists it. One found there that is not this account's own (another user made it first,
+    or a link) is refused: whoever owns it could put binaries there for root to run as the
+    server's account, or swap a data folder."""
     root = _shared_root()
     root.mkdir(parents=True, exist_ok=True)
-    if root.stat().st_uid == os.geteuid():
-        root.chmod(0o711)
+    found = root.lstat()
+    if stat.S_ISLNK(found.st_mode) or found.st_uid != os.geteuid():
+        owner = "a link" if stat.S_ISLNK(found.st_mode) else f"owned by uid {found.st_uid}"
+        raise ServerError(
+            f"{root} is not this account's own ({owner}): the embedded PostgreSQL will not run from "
+            "it. Remove it (it holds only towerflow's PostgreSQL data and binaries) and start again"
+        )
+    root.chmod(0o711)
 
 
 def postgres_bin_dir() -> Path:
@@ -214,8 +224,8 @@ def _runnable_bin_dir(runner: pwd.struct_passwd | None) -> Path:
     digest = hashlib.sha256(f"{install}:{built.st_size}:{built.st_mtime_ns}".encode()).hexdigest()[:12]
     root = _shared_root()
     copy = root / f"pginstall-{digest}"
+    _open_shared_root()  # first: a copy found there is run only from a root of this account's own
     if not (copy / package.name / install.name / "bin" / "pg_ctl").exists():
-        _open_shared_root()
         staging = Path(tempfile.mkdtemp(prefix=".pginstall-", dir=root))
         try:
             made = staging / "copy"
