@@ -260,3 +260,19 @@ def test_a_discarding_close_sends_nothing_more():
         release.set()
         closing.join(10)
         assert taken == (["in-flight"] if discard else ["in-flight", "held"]), discard
+
+
+def test_a_first_checkpoint_due_while_the_server_is_away_is_skipped_not_a_crash(tmp_path, monkeypatch):
+    """The run's artifact location is asked of the server at the first checkpoint: away then, the
+    checkpoint is skipped (StoreUnavailable), as a part's upload would be, not the run failed."""
+    import socket
+
+    from towerflow.checkpoint.stores import StoreUnavailable
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        away = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    store = MlflowCheckpointStore(MlflowClient(away), "0" * 32)
+    with pytest.raises(StoreUnavailable, match=f"checkpoint of step 10: .* was not read from {away}"):
+        store.writer(10)

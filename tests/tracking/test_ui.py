@@ -23,6 +23,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from support import free_ports, takes_ctrl_c
+from tracking_server import still_running
 
 from towerflow.tracking.store import without_credentials
 from towerflow.tracking.system_metrics import node_labels
@@ -143,8 +144,10 @@ def test_a_sigterm_stops_the_ui_and_its_server_which_has_no_store_on_its_command
     finally:
         _stop(cli, signal.SIGTERM)
     assert cli.returncode == 143
-    _, alive = psutil.wait_procs(servers, timeout=10)
-    assert alive == [] and _listening(port) == []
+    deadline = time.monotonic() + 10  # its processes end with it (zombies are ended)
+    while (still_running(servers) or _listening(port)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert still_running(servers) == [] and _listening(port) == []
 
 
 def _stop(cli: subprocess.Popen, signum: int) -> None:

@@ -138,10 +138,19 @@ class MlflowCheckpointStore:
         return writer.path
 
     def writer(self, step: int) -> MlflowCheckpointWriter:
+        from towerflow.tracking.store import server_unavailable, shown_address, without_credentials
+
         self._meta_by_path.pop(f"{ARTIFACT_DIR}/{checkpoint_name(step)}", None)
-        return MlflowCheckpointWriter(
-            self.client.tracking_uri, self.run_id, step, self.artifact_uri, host_name()
-        )
+        try:
+            artifact_uri = self.artifact_uri  # asked of the server at the first checkpoint
+        except Exception as exc:
+            if not server_unavailable(exc):
+                raise
+            raise StoreUnavailable(
+                f"checkpoint of step {step}: run {self.run_id}'s artifact location was not read from "
+                f"{shown_address(self.client.tracking_uri)}: {without_credentials(str(exc).strip())[:500]}"
+            ) from exc
+        return MlflowCheckpointWriter(self.client.tracking_uri, self.run_id, step, artifact_uri, host_name())
 
     @property
     def artifact_uri(self) -> str:
