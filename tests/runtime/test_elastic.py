@@ -191,6 +191,8 @@ def test_the_elastic_rule_keeps_the_backup_workers_and_starts_within_the_range()
     assert policy.shrinks_on_loss(2) and not policy.shrinks_on_loss(1)
     policy.scale_to(1)
     assert (policy.fewest, policy.target) == (1, 1)
+    policy.scale_to(4)  # back above the spec's min: a loss down to 1 is replaced again, not shrunk to
+    assert (policy.fewest, policy.target) == (2, 4) and not policy.shrinks_on_loss(1)
     # 8 CPUs less the shard's 0.5 and Ray Data's 1.0 hold 6 workers of 1 CPU.
     assert workers_that_fit(spec.cluster, {"CPU": 8.0}) == 6
 

@@ -100,6 +100,7 @@ def test_scaling_a_kept_run_whose_driver_is_gone_is_refused(ray_cluster):
         time.sleep(11)  # no renewal for longer than a live driver leaves between two
         with pytest.raises(ClusterError, match=f"no running towerflow job with run id {run_id}"):
             request_scale(run_id, 2)
+        assert ray.get(keeper.wanted_workers.remote()) is None  # not left for a later driver to apply
     finally:
         ray.kill(keeper)
 

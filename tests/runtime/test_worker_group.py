@@ -37,6 +37,9 @@ class _Worker(DriverTerm):
     def request_stop(self, run_number: int) -> None:
         self._stop.set()
 
+    def devices_used(self) -> list:
+        return []
+
 
 class _StarvedWorker(_Worker):
     """A worker whose next batch never comes (or, `fed`, one that keeps computing)."""
@@ -225,3 +228,16 @@ def test_the_drivers_own_pause_is_not_taken_for_its_workers_silence(ray_cluster,
     told = [r.getMessage() for r in caplog.records if "did not poll its workers" in r.getMessage()]
     assert told and "their silence meanwhile is not counted" in told[0], told
     group.kill()
+
+
+def test_withdrawing_no_spares_withdraws_none(ray_cluster):
+    """The elastic loop withdraws `-wanted` spares each turn: where it wants more (a negative
+    count) none go; before, the slice withdrew all but that many, spares the run waited for."""
+    worker = ray_cluster.remote(num_cpus=0)(_Worker)
+    group = WorkerGroup(lambda _id, spare=False: worker.remote(), timeout_s=60)
+    spares = [group.request_spare() for _ in range(3)]
+    group.drop_spares(-1)
+    assert sorted(group.spares) == spares
+    group.drop_spares(2)  # the newest two go
+    assert sorted(group.spares) == spares[:1]
+    group.drop_spares(1)

@@ -21,9 +21,14 @@ from typing import Any
 
 @dataclass
 class ElasticPolicy:
-    fewest: int  # min workers
+    fewest: int  # min workers (lower while a `towerflow scale` target is below the spec's)
     most: int  # max workers (the target until a `towerflow scale`)
     backups: int = 0  # sync backup workers, kept at every size
+    spec_fewest: int | None = None  # the spec's min, which a later, larger target restores
+
+    def __post_init__(self) -> None:
+        if self.spec_fewest is None:
+            self.spec_fewest = self.fewest
 
     @classmethod
     def for_spec(cls, spec: Any) -> ElasticPolicy:
@@ -41,7 +46,7 @@ class ElasticPolicy:
     def scale_to(self, workers: int) -> None:
         """A new target (towerflow scale): the run grows to it as room appears, or shrinks to it now."""
         self.most = workers
-        self.fewest = min(self.fewest, workers)
+        self.fewest = min(self.spec_fewest, workers)  # a target under the spec's min, for as long as it holds
 
     def start_count(self, room: int) -> int:
         """Workers to start with, where the cluster has `room` for that many now."""

@@ -107,9 +107,12 @@ class RunControl:
             threading.Thread(target=self._write_notes, name="towerflow-record", daemon=True).start()
 
     def scale(self, workers: int) -> bool:
-        """Leave a worker count; False where the run has no driver to pick it up."""
+        """Leave a worker count; False (and nothing left) where the run has no driver to pick it
+        up: a count the user was told failed is not applied by a later driver."""
+        if self._keeping and self.driver_seen_s_ago() >= LEASE_FRESH_S:
+            return False
         self._workers = workers
-        return not self._keeping or self.driver_seen_s_ago() < LEASE_FRESH_S
+        return True
 
     def wanted_workers(self) -> int | None:
         return self._workers

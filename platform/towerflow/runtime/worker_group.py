@@ -116,8 +116,9 @@ class WorkerGroup(WorkerWatchdogs):
         return ready
 
     def drop_spares(self, count: int) -> None:
-        """Withdraw the newest `count` spare requests."""
-        for worker_id in sorted(self.spares)[::-1][:count]:
+        """Withdraw the newest `count` spare requests (none for a count of 0 or less: a negative
+        slice would withdraw all but that many, spares the run still wants among them)."""
+        for worker_id in sorted(self.spares)[::-1][: max(count, 0)]:
             actor, _ = self.spares.pop(worker_id)
             kill_quietly(actor)
 
