@@ -265,3 +265,19 @@ def test_two_callers_waiting_for_one_version_both_get_its_snapshot(ray_cluster):
     assert len(done) == 2, "the second caller was left waiting"
     assert [s.version for s in ray.get([memory, stored])] == [1, 1]
     ray.kill(shard)
+
+
+def test_a_shard_not_loaded_for_this_run_has_no_position_to_take_over(ray_cluster):
+    """A driver lost as its run started leaves shards made (or a kept run's, reset) but not loaded:
+    a take-over must not go on from them (before, a fresh one's answer was an AttributeError, and a
+    reset kept shard's the last run's version and data position)."""
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    shard = shard_actor(0.1).remote(0)
+    assert ray.get(shard.live_position.remote()) is None
+    ray.get(
+        shard.load.remote(["w"], [np.zeros(4, np.float32)], sgd, AsyncProtocol(), None, initial_version=7)
+    )
+    assert ray.get(shard.live_position.remote()) == (7, 0, 0)
+    ray.get(shard.reset.remote(0))  # the next run of a kept shard, before its load
+    assert ray.get(shard.live_position.remote()) is None
+    ray.kill(shard)

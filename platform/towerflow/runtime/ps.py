@@ -59,12 +59,14 @@ class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
         # (shard id, version) -> another shard's state, held for it: its part of a memory checkpoint
         self._peer_copies: dict[tuple[int, int], ShardSnapshot] = {}
         self._order = PushOrder()  # a new one with each `load`
+        self._loaded = False  # by a `load` of this run (a kept shard's last run's state is no load)
 
     def reset(self, shard_id: int) -> None:
         """A kept shard's next run (runtime/actor_pool.py), as shard `shard_id`: the last run's
         copies go; `load` gives it the rest."""
         self.shard_id = shard_id
         self._written, self._peer_copies = {}, {}
+        self._loaded = False
         self._forget_term()
 
     def load(
@@ -154,6 +156,7 @@ class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
         self._examples_before = examples_seen  # the data position when `_taken` began
         self._loading = loading
         self._step_workers: dict[int, tuple[int, ...]] = {}  # the last bucket's versions
+        self._loaded = True
         return True
 
     # -- the protocol's verbs ------------------------------------------------------------------
@@ -272,11 +275,14 @@ class ParameterShard(ShardCheckpoints, ShardPublishing, DriverTerm):
         since it was loaded or resized: the rows a lost worker used, counted where they arrived."""
         return dict(self._taken)
 
-    def live_position(self) -> tuple[int, int, int]:
+    def live_position(self) -> tuple[int, int, int] | None:
         """This shard's version, the run's data position as the gradients it took tell, and the
         number of the load it was last given: what a driver taking the shards over goes on from,
         if they were all loaded together (runtime/run_keeper.py). Examples of gradients taken
-        but not yet applied count: their rows were read."""
+        but not yet applied count: their rows were read. None before this run's first load (its
+        driver was lost as the run started): nothing to go on from."""
+        if not self._loaded:
+            return None
         return self._version, self._examples_before + sum(self._taken.values()), self._loading
 
     async def finish(self, term: int = 0) -> int:

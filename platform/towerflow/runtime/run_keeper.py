@@ -239,8 +239,10 @@ def _where_they_stand(handover: Handover, spec: Any) -> tuple[list[tuple[int, in
     run cannot go on from them, or None where it can."""
     try:
         positions = ray.get([shard.live_position.remote() for shard in handover.shards], timeout=30)
-    except (ray.exceptions.GetTimeoutError, *ACTOR_GONE) as exc:
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, *ACTOR_GONE) as exc:
         return [], f"did not all answer ({first_line(exc)})"
+    if any(position is None for position in positions):
+        return [], "were not loaded yet (their driver was lost as the run started)"
     if len({loading for *_, loading in positions}) > 1:
         return positions, "were not all given the same load (their driver was lost while it loaded them)"
     versions = sorted({version for version, *_ in positions})
