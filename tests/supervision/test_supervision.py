@@ -208,6 +208,15 @@ def test_nan_guard_fails_the_run_and_keeps_the_last_good_checkpoint(ray_cluster,
     assert store.load(4).all_finite()
 
 
+def test_nan_guard_catches_nan_gradients_of_a_finite_loss(ray_cluster, blob_data, tmp_path):
+    """The loss is finite and the gradients are NaN (sqrt(0) in the model): nothing is pushed,
+    and the run fails naming the gradients, its parameters as they were."""
+    spec = _spec(blob_data, None, cluster=ONE_OF_EACH, training={"max_steps": 5})
+    spec.model.ref = "tests.runtime.model_fns:nan_gradients"
+    with pytest.raises(TrainingError, match=r"the gradients hold NaN/inf \(loss [0-9.]+\) at global step 1"):
+        train(spec, track=False, output_dir=tmp_path)
+
+
 def test_nan_guard_stop_ends_the_run_cleanly(ray_cluster, blob_data, tmp_path):
     spec = _spec(
         blob_data, None, cluster=ONE_OF_EACH, training={"max_steps": 30}, supervision={"nan_guard": "stop"}

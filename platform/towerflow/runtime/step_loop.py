@@ -218,17 +218,22 @@ class StepLoop:
     def _push_bucket(self, bucket: int, loss: np.ndarray, *gradients: np.ndarray) -> np.int64:
         """Push hook, called by the tower graph (on one of TensorFlow's threads) for each bucket.
 
-        It never pushes a gradient whose loss is not finite (the NaN guard), and it never raises
-        into TensorFlow: an error is kept for the worker to raise once the step returns.
+        It never pushes a gradient whose loss is not finite, nor one that holds a NaN/inf itself
+        (a finite loss can have such gradients: sqrt(0), an overflow that clipping spreads to every
+        gradient): the NaN guard. Buckets come in order, so a bad one stops the step's pushes from
+        there on. It never raises into TensorFlow: an error is kept for the worker to raise once
+        the step returns.
         """
         step, cfg = self._step, self.config
         if step is None or step.nonfinite or step.error is not None:
             return np.int64(0)
         try:
-            if cfg.nan_guard and not np.isfinite(self._injected_loss(step, float(loss))):
+            if cfg.nan_guard and not (
+                np.isfinite(self._injected_loss(step, float(loss))) and _all_finite(gradients)
+            ):
                 step.nonfinite = True
                 if cfg.skip_nonfinite:  # the shards count this worker in the step, with no gradient
-                    for bucket_id in range(len(self._bucket_variables)):
+                    for bucket_id in range(bucket, len(self._bucket_variables)):
                         sent = self._plan.send(
                             bucket_id,
                             None,
@@ -323,3 +328,9 @@ class _Computed:
     def trained_examples(self) -> int:
         """The batch's examples, unless its loss was not finite (skipped: nothing trained on)."""
         return 0 if self.step.nonfinite else self.step.examples
+
+
+def _all_finite(arrays: tuple[np.ndarray, ...]) -> bool:
+    """Whether every value is finite: a sum is NaN/inf where one is (one pass, no mask array;
+    only gradients near float32's limit could overflow it, and they are as good as infinite)."""
+    return all(np.isfinite(np.sum(array)) for array in arrays)

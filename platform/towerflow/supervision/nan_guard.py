@@ -1,4 +1,4 @@
-"""NaN guard: a worker whose loss is NaN/inf pushes no gradient; this hook fails or stops the job,
+"""NaN guard: a worker whose loss or gradients hold a NaN/inf pushes no gradient; this hook fails or stops the job,
 or (skip) counts the dropped gradients and lets training go on.
 
 Workers never push a non-finite gradient while the guard is on, so the shards (and so the last
@@ -25,7 +25,7 @@ class NanGuardHook(Hook):
         self.skipped = 0  # gradients dropped under skip
 
     def after_run(self, context: RunContext, event: StepEvent) -> None:
-        if math.isfinite(event.loss):
+        if math.isfinite(event.loss) and not event.nonfinite:
             return
         if self.action == "skip" and event.nonfinite:
             self.skipped += 1
@@ -33,8 +33,13 @@ class NanGuardHook(Hook):
             return
         self.tripped_at = event.global_step
         where = f"worker {event.workers[0]}" if event.nonfinite and event.workers else "the step"
+        what = (
+            f"loss is {event.loss}"
+            if not math.isfinite(event.loss)
+            else f"the gradients hold NaN/inf (loss {event.loss:g})"
+        )
         message = (
-            f"loss is {event.loss} at global step {event.global_step} ({where}); nothing from that step "
+            f"{what} at global step {event.global_step} ({where}); nothing from that step "
             "was applied and the last good checkpoint is kept. Lower the learning rate, clip gradients "
             "(training.optimizer.clip_global_norm) or check the input data."
         )
