@@ -36,6 +36,24 @@ def test_tower_average_equals_whole_batch_gradient(batch):
     assert 0.0 <= float(metrics["accuracy"]) <= 1.0
 
 
+def test_accuracy_reads_class_ids_of_any_shape_and_one_hot_labels_of_any_dtype():
+    """Labels as features give them: int64 ids shaped [batch] or [batch, 1], or float32 one-hot
+    rows (categorical_crossentropy). The same predictions score the same in each."""
+    model = mlp.build(input_dim=6, num_classes=3, hidden=[8], seed=3)
+    x = np.random.default_rng(1).normal(size=(12, 6)).astype(np.float32)
+    ids = np.argmax(model(x).numpy(), axis=-1)
+    ids[:3] = (ids[:3] + 1) % 3  # 9 of 12 right
+    sparse = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    dense = keras.losses.CategoricalCrossentropy(from_logits=True)
+    for labels, loss_fn in (
+        (ids.astype(np.int64), sparse),
+        (ids.astype(np.int64).reshape(-1, 1), sparse),
+        (np.eye(3, dtype=np.float32)[ids], dense),
+    ):
+        _, metrics, _ = TowerStep(model, loss_fn, ["/CPU:0"], metrics=["accuracy"])(x, labels)
+        assert float(metrics["accuracy"]) == pytest.approx(0.75), labels.shape
+
+
 def test_gradient_clipping_by_global_norm():
     model = mlp.build(input_dim=4, hidden=[4], seed=0)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

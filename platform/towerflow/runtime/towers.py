@@ -152,9 +152,16 @@ class TowerStep:
                     threshold = 0.0 if self._from_logits else 0.5
                     predicted = tf.cast(tf.squeeze(outputs, -1) > threshold, labels.dtype)
                 else:
-                    predicted = tf.argmax(outputs, axis=-1, output_type=labels.dtype)
-                    if labels.shape.rank == outputs.shape.rank:  # one-hot labels
-                        labels = tf.argmax(labels, axis=-1, output_type=predicted.dtype)
+                    predicted = tf.argmax(outputs, axis=-1, output_type=tf.int64)
+                    one_hot = (
+                        labels.shape.rank == outputs.shape.rank and labels.shape[-1] == outputs.shape[-1]
+                    )
+                    # one-hot labels (float32 ones among them); else class ids, shaped [batch] or [batch, 1]
+                    labels = (
+                        tf.argmax(labels, axis=-1, output_type=tf.int64)
+                        if one_hot
+                        else tf.cast(labels, tf.int64)
+                    )
                 found[name] = tf.reduce_mean(
                     tf.cast(tf.equal(predicted, tf.reshape(labels, tf.shape(predicted))), tf.float32)
                 )
