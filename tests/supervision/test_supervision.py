@@ -417,3 +417,36 @@ def test_a_user_hook_with_a_misspelt_parameter_is_named_with_those_it_takes():
         SpecError, match=r"supervision.hooks\[1\]: got an unexpected keyword argument 'stp'.*takes: step"
     ):
         load_user_hooks(["sample_hooks:RecordingHook", entry])
+
+
+def test_an_evaluation_due_while_one_runs_is_left_out_and_the_next_waits_its_turn(blob_data):
+    """Evaluations every 10 steps, one taking longer than 10: the one due meanwhile is left out,
+    and the next starts at its own due step, not at once when the slow one returns (before, the
+    evaluator ran back to back for the rest of the run)."""
+    from concurrent.futures import Future
+
+    from towerflow.runtime.hooks import RunContext, SessionInfo, StepEvent
+    from towerflow.supervision.evaluation import EvalHook
+
+    class Evaluations:  # the runtime's side: each evaluation a Future this test ends
+        def __init__(self) -> None:
+            self.started_at: list[int] = []
+            self.step = 0
+
+        def evaluate(self, *args) -> Future:
+            self.started_at.append(self.step)
+            return Future()
+
+    runtime = Evaluations()
+    spec = _spec(blob_data, None, cluster=ONE_OF_EACH, training={"max_steps": 100})
+    session = SessionInfo(spec=spec, num_workers=1, num_shards=1, runtime=runtime)
+    hook = EvalHook(10, ["loss"], batch_size=32)
+    hook.begin(session)
+    for step in range(1, 36):
+        runtime.step = step
+        hook.after_run(
+            RunContext(session), StepEvent(step, 0.5, {}, 32, 32 * step, float(step), 100.0, {}, [0])
+        )
+        if step == 23:  # the evaluation of step 10 returns
+            hook._in_flight.set_result((10, {"loss": 0.5}))
+    assert runtime.started_at == [10, 30]

@@ -46,9 +46,10 @@ class EvalHook(Hook):
         final = context.session.final_step
         if self.at_end and final is not None and event.global_step >= final:
             return  # due at the last step: the end's evaluation takes it, once the workers are idle
-        if event.global_step - self._last_step >= self.every_steps and self._in_flight is None:
-            self._last_step = event.global_step
-            self._in_flight = self._start(context.session)
+        if event.global_step - self._last_step >= self.every_steps:
+            self._last_step = event.global_step  # one still running: this one is left out
+            if self._in_flight is None:
+                self._in_flight = self._start(context.session)
 
     def end(self, session: SessionInfo, outcome: RunOutcome) -> None:
         if session.runtime is None or outcome.status != "FINISHED":
