@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support import takes_ctrl_c
 from tracking_server import process_tree, still_running
 
 from towerflow.local_cluster import ServerError, data_dir_for, start_postgres, stop_postgres
@@ -103,7 +104,8 @@ def test_an_initdb_cut_short_by_ctrl_c_is_made_again_on_the_next_start(data_dir)
             sys.executable,
             "-c",
             f"from towerflow.local_cluster import start_postgres; start_postgres({str(data_dir)!r}, password='pw-1234567890')",
-        ]
+        ],
+        preexec_fn=takes_ctrl_c,  # a suite started in the background would have it ignore SIGINT
     )
     deadline = time.monotonic() + 60
     while not (making / "PG_VERSION").exists() and starting.poll() is None and time.monotonic() < deadline:

@@ -21,6 +21,7 @@ from support import blob_spec
 from towerflow.errors import ClusterError, RunTakenOver
 from towerflow.runtime.run_control import (
     ASK_AFTER_S,
+    LEASE_FRESH_S,
     ControlPoint,
     RunControl,
     Takeover,
@@ -244,3 +245,35 @@ def test_a_resume_whose_run_another_driver_took_while_it_waited_is_refused_namin
     finally:
         pool.shutdown(wait=False)
         ray.kill(keeper)
+
+
+def test_a_taken_over_run_keeps_its_lease_from_the_take_over_on(ray_cluster, tmp_path):
+    """Fencing, the workers' rest and the new driver's start take longer than a lease: the taker
+    renews it from the take-over on, not from its driver's control point on, so that no second
+    resume takes the run from it meanwhile (before, the lease lapsed after 10 s)."""
+    import numpy as np
+
+    from towerflow.runtime.protocol import AsyncProtocol
+    from towerflow.runtime.ps import shard_actor
+    from towerflow.runtime.run_keeper import Handover, compatibility
+
+    run_id = uuid.uuid4().hex
+    spec = validate_spec(blob_spec(tmp_path, training={"mode": "async", "failure": {"driver_grace_s": 60}}))
+    keeper = _keeper(run_id, 60.0)
+    shards = [shard_actor(0.1).remote(0)]
+    live = None
+    try:
+        sgd = {"name": "sgd", "learning_rate": 1.0}
+        ray.get(shards[0].load.remote(["w"], [np.zeros(2, np.float32)], sgd, AsyncProtocol(), None))
+        handover = Handover(placement=None, shards=shards, shard_bundles=[0], compatible=compatibility(spec))
+        ray.get(keeper.keep.remote("the lost driver's job"))
+        ray.get(keeper.remember.remote(handover, "the lost driver's job"))
+        live = take_over_live_run(run_id, spec, None)
+        assert live is not None and live.global_step == 0
+        time.sleep(LEASE_FRESH_S + 1)  # the new driver still starting: no control point of its own yet
+        assert ray.get(keeper.driver_seen_s_ago.remote()) < LEASE_FRESH_S
+    finally:
+        if live is not None:
+            live.control.let_go()
+        for actor in (keeper, *shards):
+            ray.kill(actor)

@@ -59,3 +59,14 @@ def test_sync_shards_more_than_a_step_apart_are_not_taken_over(ray_cluster):
     finally:
         for shard in shards:
             ray.kill(shard)
+
+
+def test_shards_not_loaded_for_their_run_are_not_taken_over(ray_cluster):
+    """Made for a run whose driver was lost before it loaded them (a fresh shard's answer crashed
+    every resume before)."""
+    shards = [shard_actor(0.1).remote(i) for i in range(2)]
+    try:
+        assert "were not loaded yet" in _standing(shards, "sync")
+    finally:
+        for shard in shards:
+            ray.kill(shard)

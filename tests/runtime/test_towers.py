@@ -54,6 +54,30 @@ def test_accuracy_reads_class_ids_of_any_shape_and_one_hot_labels_of_any_dtype()
         assert float(metrics["accuracy"]) == pytest.approx(0.75), labels.shape
 
 
+def test_batch_norm_statistics_move_once_per_step_by_the_towers_mean():
+    """Two towers on slices of 8 and 7 rows: the moving mean moves once, by the whole batch's
+    mean (the slices' means weighted by their sizes), as one tower over the whole batch moves it;
+    before, each tower moved it in turn (momentum m^2, the last slice weighing most)."""
+
+    def model() -> keras.Model:
+        inputs = keras.Input((3,))
+        hidden = keras.layers.BatchNormalization(momentum=0.9)(inputs)
+        return keras.Model(inputs, keras.layers.Dense(2)(hidden))
+
+    rng = np.random.default_rng(2)
+    x = (rng.normal(size=(16, 3)) + np.arange(16)[:, None]).astype(np.float32)  # slices' means differ
+    y = rng.integers(0, 2, size=16).astype(np.int64)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    moved = {}
+    for devices in (["/CPU:0"], ["/CPU:0", "/CPU:1"]):
+        keras.utils.set_random_seed(0)
+        built = model()
+        TowerStep(built, loss_fn, devices)(x[:15], y[:15])  # 15 rows: slices of 8 and 7
+        moved[len(devices)] = built.layers[1].moving_mean.numpy()
+    np.testing.assert_allclose(moved[2], 0.1 * x[:15].mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(moved[2], moved[1], rtol=1e-5)
+
+
 def test_gradient_clipping_by_global_norm():
     model = mlp.build(input_dim=4, hidden=[4], seed=0)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -221,7 +221,7 @@ class Driver(RunActors, RecoveryActions, CheckpointActions, HookQueries, RunEnd,
         with its shards; a kept run's lives beyond this driver (runtime/run_keeper.py)."""
         run_id = self.session.tags.get("run_id")
         if isinstance(self.initial_state, LiveRun):
-            return ControlPoint(run_id, actor=self.initial_state.control)
+            return self.initial_state.control  # renewing since the take-over
         if not run_id:
             return None
         if not self._kept_beyond_the_driver():

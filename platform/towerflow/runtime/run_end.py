@@ -98,7 +98,7 @@ class RunEnd:
                 if self.control is not None:
                     self.control.end_the_run()
                 else:
-                    live.control.end.remote()
+                    live.control.end_the_run()
             self.control = None
         if idle is not None:
             KEPT_ACTORS.keep(idle, self.spec.cluster.keep_actors_s)
@@ -124,6 +124,8 @@ class RunEnd:
         self._end_own_actors()
         if self.control is not None:
             self.control.let_go()
+        if isinstance(self.initial_state, LiveRun):  # renewing since the take-over, perhaps unmade yet
+            self.initial_state.control.let_go()
         self.control = None
 
     def _actors_to_keep(self, outcome: RunOutcome) -> IdleActors | None:

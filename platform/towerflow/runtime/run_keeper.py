@@ -26,7 +26,7 @@ from towerflow.errors import ClusterError
 from towerflow.runtime.actors import ACTOR_GONE, first_line, kill_quietly
 from towerflow.runtime.fencing import fence_taken_actors
 from towerflow.runtime.protocol import protocol_for
-from towerflow.runtime.run_control import LEASE_FRESH_S, ended_for_good, find_control
+from towerflow.runtime.run_control import LEASE_FRESH_S, ControlPoint, ended_for_good, find_control
 
 log = logging.getLogger(__name__)
 # How long a lost driver's workers get to end their runs (a step, where their data has not ended
@@ -77,7 +77,9 @@ class LiveRun:
     global_step: int
     examples_seen: int
     handover: Handover
-    control: Any  # the run's control point (its actor), now this driver's
+    control: (
+        ControlPoint  # the run's control point, now this driver's: it renews the lease from the take-over on
+    )
     stored: Any = None  # the run's newest stored checkpoint, or None
     workers: dict[int, KeptWorker] = field(default_factory=dict)  # by worker id
     term: int = 1  # the term its actors take this driver's orders under (runtime/fencing.py)
@@ -147,6 +149,9 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         )
         control.end.remote()
         return None
+    # Renewed from here on: fencing, the workers' rest and the new driver's start take longer than a
+    # lease, and a lapsed one would let a second resume take the run from this driver meanwhile.
+    lease = ControlPoint(run_id, actor=control)
     why_not = _changed(handover, spec)
     workers: dict[int, KeptWorker] = {}
     term = 1
@@ -159,7 +164,7 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         log.info(
             "run %s's shards %s: they end, and the run goes on from its stored checkpoint", run_id, why_not
         )
-        control.end.remote()  # removes the run's placement groups, which ends every shard in them
+        lease.end_the_run()  # removes the run's placement groups, which ends every shard in them
         return None
     versions = sorted({version for version, *_ in positions})
     step = versions[-1]
@@ -176,7 +181,7 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
         step,
         len(workers),
     )
-    return LiveRun(step, positions[-1][1], handover, control, stored, workers, term)
+    return LiveRun(step, positions[-1][1], handover, lease, stored, workers, term)
 
 
 def _changed(handover: Handover, spec: Any) -> str | None:

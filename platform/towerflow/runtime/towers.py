@@ -2,7 +2,9 @@
 
 The worker's batch is split into one slice per tower; each tower computes the gradient of its own
 slice's mean loss, and the worker averages them weighted by slice size, which equals the gradient
-of the whole batch's mean loss.
+of the whole batch's mean loss. Model state (batch-norm moving statistics) moves once per step, by
+the towers' updates averaged the same way, as MirroredStrategy's replicas' are (each tower updates
+from the step's start): updated once per tower in turn, N towers would make its momentum m^N.
 
 With push hooks, the graph also hands each bucket of averaged gradients to the worker the moment
 backprop has produced it, while the backward pass of the layers below goes on.
@@ -13,6 +15,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any
+
+from towerflow.runtime.model_state import stateful_variables
 
 
 def split_sizes(batch: int, towers: int) -> list[int]:
@@ -105,6 +109,9 @@ class TowerStep:
         label_slices = tf.split(labels, sizes)
         weights = [s / batch for s in sizes]
         variables = self.model.trainable_variables
+        state = stateful_variables(self.model) if len(sizes) > 1 else []
+        state_at_start = [tf.identity(v) for v in state]
+        state_sums = [tf.zeros_like(v) for v in state_at_start]
         total_loss, total_grads, total_metrics = 0.0, None, {}
         for tower, (device, weight) in enumerate(zip(self.devices, weights)):
             x = (
@@ -122,6 +129,9 @@ class TowerStep:
             grads = [
                 tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)
             ]
+            for i, var in enumerate(state):  # this tower's update, then back to the step's start
+                state_sums[i] += weight * tf.convert_to_tensor(var)
+                var.assign(state_at_start[i])
             total_loss += weight * loss
             total_grads = (
                 [weight * g for g in grads]
@@ -130,6 +140,8 @@ class TowerStep:
             )
             for name, value in self._batch_metrics(y, outputs).items():
                 total_metrics[name] = total_metrics.get(name, 0.0) + weight * value
+        for var, value in zip(state, state_sums):
+            var.assign(value)
         if self._clip is not None:
             total_grads, _ = tf.clip_by_global_norm(total_grads, self._clip)
         if self._on_bucket is not None:
