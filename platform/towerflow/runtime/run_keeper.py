@@ -77,9 +77,7 @@ class LiveRun:
     global_step: int
     examples_seen: int
     handover: Handover
-    control: (
-        ControlPoint  # the run's control point, now this driver's: it renews the lease from the take-over on
-    )
+    control: ControlPoint  # the run's, now this driver's: renewing the lease since the take-over
     stored: Any = None  # the run's newest stored checkpoint, or None
     workers: dict[int, KeptWorker] = field(default_factory=dict)  # by worker id
     term: int = 1  # the term its actors take this driver's orders under (runtime/fencing.py)
@@ -156,10 +154,14 @@ def take_over_live_run(run_id: str, spec: Any, stored: Any) -> LiveRun | None:
     workers: dict[int, KeptWorker] = {}
     term = 1
     if why_not is None:
-        # First: from here on the actors refuse the old driver's orders, should it wake.
-        term = fence_taken_actors([*handover.shards, *handover.workers.values()], run_id)
-        workers = _bring_to_rest(handover, term, sync=spec.training.mode == "sync")
-        positions, why_not = _where_they_stand(handover, spec)
+        try:
+            # First: from here on the actors refuse the old driver's orders, should it wake.
+            term = fence_taken_actors([*handover.shards, *handover.workers.values()], run_id)
+            workers = _bring_to_rest(handover, term, sync=spec.training.mode == "sync")
+            positions, why_not = _where_they_stand(handover, spec)
+        except BaseException:
+            lease.let_go()  # no driver goes on with the run: its lease lapses, its grace period runs
+            raise
     if why_not is not None:
         log.info(
             "run %s's shards %s: they end, and the run goes on from its stored checkpoint", run_id, why_not
