@@ -390,8 +390,9 @@ class MLflowTracker(Hook):
                 )
             if not shipper.drain(END_WAIT_S):
                 raise TrainingError(
-                    f"the tracking server at {shown_address(self.tracking_uri)} did not answer for {END_WAIT_S:.0f} s at "
-                    f"the end of run {self.run_id} ({shipper.last_error}): its last {shipper.pending:,} "
+                    f"the tracking server at {shown_address(self.tracking_uri)} did not answer for "
+                    f"{END_WAIT_S:.0f} s at the end of run {self.run_id} "
+                    f"({without_credentials(str(shipper.last_error))}): its last {shipper.pending:,} "
                     "metrics and its status were not written. Its checkpoints written before are in the "
                     f"run: `--resume {self.run_id}` continues it"
                 )
