@@ -5,6 +5,7 @@ It binds to 127.0.0.1 unless told otherwise, like every local server of towerflo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -60,7 +61,12 @@ def ui_command(*, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> list[st
 def ui_env(store_uri: str | None = None) -> dict[str, str]:
     """The server's environment, with `store_uri` (default: default_tracking_uri()) as its backend
     store: there, not on the command line, where `ps` shows a database's password to every user."""
-    return {**os.environ, "MLFLOW_BACKEND_STORE_URI": default_tracking_uri(store_uri)}
+    return {
+        **os.environ,
+        "MLFLOW_BACKEND_STORE_URI": default_tracking_uri(store_uri),
+        # No job runner: its consumer processes serve GenAI evaluation, which towerflow does not use.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
 
 
 def start_ui(
@@ -125,11 +131,26 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def stop_ui(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """Stop the server (SIGTERM, then SIGKILL)."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    """Stop the server and every process it started (SIGTERM, then SIGKILL): its workers do not
+    all end with it."""
+    import psutil
+
+    if process.poll() is not None:
+        return
+    try:
+        started = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        started = []
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for child in started:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, left = psutil.wait_procs(started, timeout=5)
+    for child in left:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
