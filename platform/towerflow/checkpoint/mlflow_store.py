@@ -27,6 +27,21 @@ from towerflow.checkpoint.state import TrainingState
 from towerflow.checkpoint.stores import ARTIFACT_DIR, StoredCheckpoint, StoreUnavailable, host_name
 
 
+@contextlib.contextmanager
+def _unavailable_as_such(tracking_uri: str, what: str, *, local: bool = False) -> Iterator[None]:
+    """A server that is away or busy raises StoreUnavailable (`what`, then the server's address and
+    error); its refusals, and every error of a local store, stay what they are."""
+    from towerflow.tracking.store import server_unavailable, shown_address, without_credentials
+
+    try:
+        yield
+    except Exception as exc:
+        if local or not server_unavailable(exc):
+            raise
+        said = without_credentials(str(exc).strip())[:500]
+        raise StoreUnavailable(f"{what} {shown_address(tracking_uri)}: {said}") from exc
+
+
 def _local_artifact_path(artifact_uri: str) -> Path | None:
     """The directory of a run's artifacts where they are a local path; None for a server or bucket."""
     if artifact_uri.startswith("/"):
@@ -71,20 +86,13 @@ class MlflowCheckpointWriter:
             with self._unavailable_as_such(META):
                 self._repository().log_artifact(str(Path(scratch) / META), self.path)
 
-    @contextlib.contextmanager
-    def _unavailable_as_such(self, what: str) -> Iterator[None]:
-        """A server that is away or busy raises StoreUnavailable; its refusals stay what they are."""
-        from towerflow.tracking.store import server_unavailable, shown_address, without_credentials
-
-        try:
-            yield
-        except Exception as exc:
-            if _local_artifact_path(self.artifact_uri) is not None or not server_unavailable(exc):
-                raise
-            raise StoreUnavailable(
-                f"checkpoint of step {self.step}: {what} was not written to run {self.run_id}'s "
-                f"artifacts at {shown_address(self.tracking_uri)}: {without_credentials(str(exc).strip())[:500]}"
-            ) from exc
+    def _unavailable_as_such(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Local artifacts are never away: their errors stay what they are."""
+        return _unavailable_as_such(
+            self.tracking_uri,
+            f"checkpoint of step {self.step}: {what} was not written to run {self.run_id}'s artifacts at",
+            local=_local_artifact_path(self.artifact_uri) is not None,
+        )
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # nothing uploaded yet is fine
@@ -138,19 +146,12 @@ class MlflowCheckpointStore:
         return writer.path
 
     def writer(self, step: int) -> MlflowCheckpointWriter:
-        from towerflow.tracking.store import server_unavailable, shown_address, without_credentials
-
         self._meta_by_path.pop(f"{ARTIFACT_DIR}/{checkpoint_name(step)}", None)
-        try:
+        tracking_uri = self.client.tracking_uri
+        what = f"checkpoint of step {step}: run {self.run_id}'s artifact location was not read from"
+        with _unavailable_as_such(tracking_uri, what):
             artifact_uri = self.artifact_uri  # asked of the server at the first checkpoint
-        except Exception as exc:
-            if not server_unavailable(exc):
-                raise
-            raise StoreUnavailable(
-                f"checkpoint of step {step}: run {self.run_id}'s artifact location was not read from "
-                f"{shown_address(self.client.tracking_uri)}: {without_credentials(str(exc).strip())[:500]}"
-            ) from exc
-        return MlflowCheckpointWriter(self.client.tracking_uri, self.run_id, step, artifact_uri, host_name())
+        return MlflowCheckpointWriter(tracking_uri, self.run_id, step, artifact_uri, host_name())
 
     @property
     def artifact_uri(self) -> str:

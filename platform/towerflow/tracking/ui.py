@@ -17,6 +17,8 @@ import urllib.parse
 import urllib.request
 from typing import BinaryIO
 
+import psutil
+
 from towerflow.errors import TowerflowError
 from towerflow.tracking.store import default_tracking_uri, shown_address
 
@@ -133,24 +135,10 @@ def _check_port_free(host: str, port: int) -> None:
 def stop_ui(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
     """Stop the server and every process it started (SIGTERM, then SIGKILL): its workers do not
     all end with it."""
-    import psutil
+    from towerflow.local_cluster.processes import stop_tree
+    from towerflow.process_ref import ProcessRef
 
-    if process.poll() is not None:
-        return
-    try:
-        started = psutil.Process(process.pid).children(recursive=True)
-    except psutil.Error:
-        started = []
-    process.terminate()
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    for child in started:
-        with contextlib.suppress(psutil.Error):
-            child.terminate()
-    _, left = psutil.wait_procs(started, timeout=5)
-    for child in left:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
+    if process.poll() is None:
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile
+            stop_tree(ProcessRef.of(process.pid), timeout_s=timeout_s)
+    process.wait()
